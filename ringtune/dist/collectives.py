@@ -1,0 +1,203 @@
+"""Autograd-aware collectives over an explicit process group.
+
+Each forward has the matching backward: all-gather <-> reduce-scatter (SUM), all-to-all <-> the
+all-to-all with counts swapped, ring shift <-> the reverse ring shift. All operate on dim 0 of a
+contiguous tensor and report their bytes to :mod:`ringtune.dist.meter`. With a group of size 1 every
+one is the identity (no communication).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ringtune.dist.meter import record_sent
+
+
+def _size(group: dist.ProcessGroup) -> int:
+    return dist.get_world_size(group)
+
+
+def all_gather_raw(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[n, ...] on each rank -> [size·n, ...] (rank order). No autograd."""
+    size = _size(group)
+    if size == 1:
+        return x
+    x = x.contiguous()
+    out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+    record_sent("all_gather", *([x] * (size - 1)))
+    dist.all_gather_single(out, x, group=group)
+    return out
+
+
+def reduce_scatter_raw(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """[size·n, ...] on each rank -> [n, ...]: this rank's block of the SUM over ranks. No autograd."""
+    size = _size(group)
+    if size == 1:
+        return x
+    if x.shape[0] % size:
+        raise ValueError(f"reduce_scatter needs dim 0 ({x.shape[0]}) divisible by the group size {size}")
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+    rank = dist.get_rank(group)
+    blocks = x.chunk(size)
+    record_sent("reduce_scatter", *(b for i, b in enumerate(blocks) if i != rank))
+    dist.reduce_scatter_single(out, x, group=group)
+    return out
+
+
+def all_to_all_raw(
+    x: torch.Tensor,
+    group: dist.ProcessGroup,
+    send_counts: Sequence[int] | None = None,
+    recv_counts: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Send block i of ``x`` (dim 0, sizes ``send_counts``, equal if None) to rank i; receive in rank order."""
+    size = _size(group)
+    if size == 1:
+        return x
+    x = x.contiguous()
+    if send_counts is None:
+        if x.shape[0] % size:
+            raise ValueError(f"all_to_all needs dim 0 ({x.shape[0]}) divisible by the group size {size}")
+        send_counts = [x.shape[0] // size] * size
+    if recv_counts is None:
+        recv_counts = list(send_counts)
+    rank = dist.get_rank(group)
+    blocks = x.split(list(send_counts))
+    record_sent("all_to_all", *(b for i, b in enumerate(blocks) if i != rank))
+    out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+    dist.all_to_all_single(out, x, list(recv_counts), list(send_counts), group=group)
+    return out
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return all_gather_raw(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return reduce_scatter_raw(grad, ctx.group), None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return reduce_scatter_raw(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_gather_raw(grad, ctx.group), None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, send_counts, recv_counts):
+        ctx.group, ctx.send_counts, ctx.recv_counts = group, send_counts, recv_counts
+        return all_to_all_raw(x, group, send_counts, recv_counts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        recv = ctx.recv_counts if ctx.recv_counts is not None else ctx.send_counts
+        return all_to_all_raw(grad, ctx.group, recv, ctx.send_counts), None, None, None
+
+
+class _RingShift(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, shift):
+        ctx.group, ctx.shift = group, shift
+        return ring_shift_raw(x, group, shift)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ring_shift_raw(grad, ctx.group, -ctx.shift), None, None
+
+
+def all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Differentiable all-gather on dim 0: [n, ...] -> [size·n, ...]; backward reduce-scatters (SUM)."""
+    return _AllGather.apply(x, group)
+
+
+def reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """Differentiable reduce-scatter (SUM) on dim 0: [size·n, ...] -> [n, ...]; backward all-gathers."""
+    return _ReduceScatter.apply(x, group)
+
+
+def all_to_all(
+    x: torch.Tensor,
+    group: dist.ProcessGroup,
+    send_counts: Sequence[int] | None = None,
+    recv_counts: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Differentiable all-to-all on dim 0 with optional uneven counts; backward is the swapped all-to-all."""
+    return _AllToAll.apply(
+        x,
+        group,
+        None if send_counts is None else tuple(send_counts),
+        None if recv_counts is None else tuple(recv_counts),
+    )
+
+
+def ring_shift(x: torch.Tensor, group: dist.ProcessGroup, shift: int = 1) -> torch.Tensor:
+    """Differentiable ring shift: rank r receives rank (r-shift)'s ``x``; backward sends grads the other way.
+
+    Every rank must pass a tensor of the same shape and dtype.
+    """
+    return _RingShift.apply(x, group, shift)
+
+
+class RingExchange:
+    """Asynchronous ring P2P over ``group``: post a send to rank r+1 and a receive from rank r-1.
+
+    Used by ring attention to overlap the K/V transfer with the block compute:
+    ``pending = ring.start(kv); ...compute...; kv = ring.finish(pending)``. ``reverse=True`` runs the
+    ring the other way (r sends to r-1, receives from r+1).
+    """
+
+    def __init__(self, group: dist.ProcessGroup, *, reverse: bool = False) -> None:
+        self.group = group
+        self.size = _size(group)
+        rank = dist.get_rank(group)
+        step = -1 if reverse else 1
+        self.send_peer = dist.get_global_rank(group, (rank + step) % self.size)
+        self.recv_peer = dist.get_global_rank(group, (rank - step) % self.size)
+
+    def start(self, tensor: torch.Tensor, *, tag: int = 0) -> tuple[torch.Tensor, list]:
+        """Post the exchange of ``tensor``; returns what :meth:`finish` needs.
+
+        Exchanges with different ``tag`` may be in flight together; every rank must post the same
+        sequence of exchanges with tensors of the same shape and dtype.
+        """
+        tensor = tensor.contiguous()
+        recv = torch.empty_like(tensor)
+        record_sent("ring", tensor)
+        ops = [
+            dist.P2POp(dist.isend, tensor, self.send_peer, self.group, tag),
+            dist.P2POp(dist.irecv, recv, self.recv_peer, self.group, tag),
+        ]
+        works = dist.batch_isend_irecv(ops)
+        return recv, [*works, tensor]  # keep the send buffer alive until the wait
+
+    @staticmethod
+    def finish(pending: tuple[torch.Tensor, list]) -> torch.Tensor:
+        """Wait for the exchange and return the tensor received from the previous rank."""
+        recv, works = pending
+        for work in works:
+            if isinstance(work, dist.Work):
+                work.wait()
+        return recv
+
+
+def ring_shift_raw(x: torch.Tensor, group: dist.ProcessGroup, shift: int) -> torch.Tensor:
+    """Non-differentiable ring shift by ``shift`` (±1): rank r receives rank (r-shift)'s tensor."""
+    if _size(group) == 1 or shift % _size(group) == 0:
+        return x
+    if shift not in (1, -1):
+        raise ValueError(f"ring shift supports ±1, got {shift}")
+    ring = RingExchange(group, reverse=shift < 0)
+    return ring.finish(ring.start(x))

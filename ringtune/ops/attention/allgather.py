@@ -1,0 +1,42 @@
+"""All-gather K/V context parallelism (Llama-3 style).
+
+Each rank all-gathers every rank's K/V shard over the CP group (rank-major), puts it in the global
+padded stream order, and attends with its local zigzag queries against the keys before and at its
+chunks. Same bytes as the ring, no overlap; simple and cheap when K/V are small (GQA). Backward is
+autograd's: the block Function, the index permutation, then a reduce-scatter (SUM) of dK/dV.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ringtune.dist.collectives import all_gather
+from ringtune.layout.zigzag import ZigzagPlan
+from ringtune.ops.attention.blocks import varlen_block_attention
+from ringtune.ops.attention.schedule import global_key_pairs
+
+
+def rank_major_to_global(plan: ZigzagPlan) -> torch.Tensor:
+    """int64 [global_len]: row ``g`` of the global padded stream is row ``index[g]`` of the rank-major gather."""
+    rank_major = torch.cat([plan.for_rank(r).global_index for r in range(plan.cp_size)])
+    return torch.argsort(rank_major)
+
+
+def allgather_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    plan: ZigzagPlan,
+    group: dist.ProcessGroup,
+    *,
+    scale: float | None = None,
+    kernel: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal varlen attention of one zigzag-sharded row by all-gathering K/V over ``group``.
+
+    Same contract as :func:`ringtune.ops.attention.ring.ring_attention`.
+    """
+    kv = all_gather(torch.stack([k, v], dim=1), group)  # [C·T_local, 2, Hkv, D], rank-major
+    kv = kv.index_select(0, rank_major_to_global(plan).to(kv.device))
+    return varlen_block_attention(q, kv[:, 0], kv[:, 1], global_key_pairs(plan), scale=scale, kernel=kernel)

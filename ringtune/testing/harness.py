@@ -1,0 +1,142 @@
+"""A pool of gloo ranks that lives for one test module and runs many cases.
+
+Spawning a process group costs seconds, so a test module starts one :class:`RankPool` (a
+module-scoped fixture) and sends it cases: ``pool.run(case_fn, *args)`` runs ``case_fn(ctx, *args)``
+on every rank and returns the per-rank results in rank order. ``case_fn`` must be a module-level
+function (it is looked up by module and name in the workers). ``ctx`` is a :class:`RankContext` that
+caches meshes, so a case asks ``ctx.mesh(dp=2, cp=2)`` without re-creating groups.
+
+A case that raises on any rank, or does not finish within ``timeout`` seconds (a hang in a
+collective), fails the call with the rank's traceback; the pool is then restarted for the next case.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import queue as queue_mod
+import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from ringtune.dist.launch import free_port, init_process_group
+from ringtune.dist.mesh import ParallelMesh, build_mesh
+
+
+@dataclass
+class RankContext:
+    """What a case function gets on each rank: its rank, the world size and cached meshes."""
+
+    rank: int
+    world_size: int
+    _meshes: dict[tuple[int, int, int], ParallelMesh] = field(default_factory=dict)
+
+    def mesh(self, *, dp: int, cp: int, tp: int = 1) -> ParallelMesh:
+        """The DP×CP×TP mesh over the whole pool (collective on first use of a shape)."""
+        key = (dp, cp, tp)
+        if key not in self._meshes:
+            self._meshes[key] = build_mesh(dp=dp, cp=cp, tp=tp, device_type="cpu")
+        return self._meshes[key]
+
+
+def _resolve(module: str, path: str | None, qualname: str) -> Callable:
+    try:
+        mod = importlib.import_module(module)
+    except ImportError:
+        if path is None:
+            raise
+        spec = importlib.util.spec_from_file_location(module, path)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[module] = mod
+        spec.loader.exec_module(mod)
+    obj: Any = mod
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _worker(rank: int, world_size: int, init_method: str, tasks, results) -> None:
+    torch.set_num_threads(1)
+    init_process_group(rank=rank, world_size=world_size, init_method=init_method)
+    ctx = RankContext(rank=rank, world_size=world_size)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        module, path, qualname, args, kwargs = task
+        try:
+            fn = _resolve(module, path, qualname)
+            results.put((rank, True, fn(ctx, *args, **kwargs)))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+
+
+class RankPool:
+    """``world_size`` gloo ranks on this host waiting for cases; see the module docstring."""
+
+    def __init__(self, world_size: int, *, timeout: float = 600.0) -> None:
+        self.world_size = world_size
+        self.timeout = timeout
+        self._procs: list[Any] = []
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        init_method = f"tcp://127.0.0.1:{free_port()}"
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._results = ctx.Queue()
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, self.world_size, init_method, self._tasks[r], self._results),
+                daemon=True,
+            )
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``fn(ctx, *args, **kwargs)`` on every rank; per-rank return values in rank order."""
+        module = fn.__module__
+        path = getattr(sys.modules.get(module), "__file__", None)
+        for q in self._tasks:
+            q.put((module, path, fn.__qualname__, args, kwargs))
+        got: dict[int, Any] = {}
+        failures: list[str] = []
+        try:
+            while len(got) + len(failures) < self.world_size:
+                rank, ok, value = self._results.get(timeout=self.timeout)
+                if ok:
+                    got[rank] = value
+                else:
+                    failures.append(f"rank {rank}:\n{value}")
+                    # The other ranks may be stuck in a collective: restart rather than wait for them.
+                    break
+        except queue_mod.Empty:
+            failures.append(f"timed out after {self.timeout}s with ranks {sorted(got)} done (a hang?)")
+        if failures:
+            self._restart()
+            raise RuntimeError(f"{fn.__qualname__} failed on the rank pool:\n" + "\n".join(failures))
+        return [got[r] for r in range(self.world_size)]
+
+    def _restart(self) -> None:
+        self.close(graceful=False)
+        self._start()
+
+    def close(self, *, graceful: bool = True) -> None:
+        for p, q in zip(self._procs, self._tasks, strict=True):
+            if graceful and p.is_alive():
+                q.put(None)
+        for p in self._procs:
+            p.join(timeout=10 if graceful else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self._procs = []
