@@ -1,0 +1,1 @@
+"""Tools that prove CP is invisible: layer probes and parity runs against no-CP references."""

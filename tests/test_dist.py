@@ -1,0 +1,115 @@
+"""Mesh coordinates and the autograd-aware collectives (forward and backward) on 4 gloo ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ringtune.dist import all_gather, all_to_all, measure_comm, reduce_scatter, ring_shift, spawn
+from ringtune.dist.mesh import build_mesh
+from ringtune.errors import ParallelConfigError
+
+
+def mesh_case(ctx, *, dp: int, cp: int):
+    mesh = ctx.mesh(dp=dp, cp=cp)
+    return {
+        "coords": (mesh.dp_rank, mesh.cp_rank, mesh.tp_rank),
+        "cp_members": dist.get_process_group_ranks(mesh.cp_group),
+        "dp_members": dist.get_process_group_ranks(mesh.dp_group),
+        "dp_cp_size": dist.get_world_size(mesh.dp_cp_group),
+    }
+
+
+@pytest.mark.parametrize(("dp", "cp"), [(1, 4), (2, 2), (4, 1)])
+def test_mesh_rank_order_cp_fastest(pool4, dp, cp):
+    for rank, info in enumerate(pool4.run(mesh_case, dp=dp, cp=cp)):
+        assert info["coords"] == (rank // cp, rank % cp, 0)
+        assert info["cp_members"] == [(rank // cp) * cp + i for i in range(cp)]
+        assert info["dp_members"] == [i * cp + rank % cp for i in range(dp)]
+        assert info["dp_cp_size"] == 4
+
+
+def bad_mesh_case(ctx):
+    try:
+        build_mesh(dp=3, cp=2)
+    except ParallelConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_mesh_size_mismatch_is_a_clear_error(pool4):
+    for message in pool4.run(bad_mesh_case):
+        assert "3*2*1 = 6 must equal the world size 4" in message
+
+
+def collectives_case(ctx):
+    """Each collective's forward and its backward against what the other ranks hold (float64)."""
+    mesh = ctx.mesh(dp=1, cp=4)
+    group, r, size = mesh.cp_group, mesh.cp_rank, 4
+    out = {}
+    base = [torch.arange(6, dtype=torch.float64).reshape(3, 2) + 10 * i for i in range(size)]
+    weights = [torch.full((12, 2), float(i + 1), dtype=torch.float64) for i in range(size)]
+
+    x = base[r].clone().requires_grad_()
+    with measure_comm() as meter:
+        y = all_gather(x, group)
+        (y * weights[r]).sum().backward()
+    out["all_gather_fwd"] = torch.equal(y.detach(), torch.cat(base))
+    out["all_gather_bwd"] = torch.equal(x.grad, sum(w[3 * r : 3 * r + 3] for w in weights))
+    out["all_gather_bytes"] = meter.by_op
+
+    x = torch.cat(base).clone().requires_grad_()
+    y = reduce_scatter(x, group)
+    (y * weights[r][:3]).sum().backward()
+    out["reduce_scatter_fwd"] = torch.equal(y.detach(), size * base[r])
+    out["reduce_scatter_bwd"] = torch.equal(x.grad, torch.cat([w[:3] for w in weights]))
+
+    # Uneven all-to-all: rank i sends j+1 rows to rank j, each row tagged (src, dst).
+    send_counts = [j + 1 for j in range(size)]
+    recv_counts = [r + 1] * size
+    x = torch.cat([torch.tensor([[r, j]] * (j + 1), dtype=torch.float64) for j in range(size)]).requires_grad_()
+    y = all_to_all(x, group, send_counts, recv_counts)
+    expect = torch.cat([torch.tensor([[i, r]] * (r + 1), dtype=torch.float64) for i in range(size)])
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(r), dtype=torch.float64)
+    (y * g).sum().backward()
+    out["all_to_all_fwd"] = torch.equal(y.detach(), expect)
+    out["all_to_all_grad"] = x.grad  # checked by the parent against the receivers' g
+    out["all_to_all_g"] = g
+
+    x = base[r].clone().requires_grad_()
+    y = ring_shift(x, group, 1)
+    (y * weights[r][:3]).sum().backward()
+    out["ring_fwd"] = torch.equal(y.detach(), base[(r - 1) % size])
+    out["ring_bwd"] = torch.equal(x.grad, weights[(r + 1) % size][:3])
+    return out
+
+
+def test_collectives_forward_backward(pool4):
+    results = pool4.run(collectives_case)
+    for r, res in enumerate(results):
+        for key in ("all_gather_fwd", "all_gather_bwd", "reduce_scatter_fwd", "reduce_scatter_bwd"):
+            assert res[key], (r, key)
+        assert res["all_to_all_fwd"] and res["ring_fwd"] and res["ring_bwd"], r
+        assert res["all_gather_bytes"]["all_gather"] == 3 * (3 * 2 * 8)  # its 48-byte block to 3 peers
+        assert res["all_gather_bytes"]["reduce_scatter"] == 3 * (3 * 2 * 8)
+        # The gradient of the rows rank r sent to rank j is the block of j's g that came from r.
+        want = torch.cat([results[j]["all_to_all_g"][r * (j + 1) : (r + 1) * (j + 1)] for j in range(4)])
+        assert torch.equal(res["all_to_all_grad"], want), r
+
+
+def _spawned(rank: int, scale: int) -> int:
+    t = torch.tensor([rank * scale])
+    dist.all_reduce(t)
+    return int(t)
+
+
+def _spawned_failing(rank: int) -> None:
+    if rank == 1:
+        raise ValueError("rank 1 refuses")
+
+
+def test_spawn_returns_rank_order_and_reports_failures():
+    assert spawn(_spawned, 2, 5) == [5, 5]
+    with pytest.raises(RuntimeError, match="rank 1 refuses"):
+        spawn(_spawned_failing, 2)
