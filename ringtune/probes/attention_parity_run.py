@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
-from ringtune.dist.launch import spawn
+from ringtune.dist.launch import init_from_env, spawn
 from ringtune.dist.mesh import build_mesh
 from ringtune.probes.attention_parity import FIELDS, AttentionShape, compare_attention
 from ringtune.testing.scenarios import SCENARIOS
@@ -47,11 +49,32 @@ def _rank_main(rank: int, config: AttentionParityConfig) -> dict:
     return table
 
 
+def _gather_under_torchrun(config: AttentionParityConfig) -> list[dict] | None:
+    """Under torchrun (RANK set): run this rank, gather every table on rank 0 (None elsewhere)."""
+    rank = init_from_env(backend="gloo")
+    try:
+        table = _rank_main(rank, config)
+        tables = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(table, tables, dst=0)
+        return tables
+    finally:
+        dist.destroy_process_group()
+
+
 def run_attention_parity(config: AttentionParityConfig) -> bool:
-    """Spawn ``config.cp`` ranks, print the max error over ranks per mode and scenario; True when all pass."""
+    """Print the max error over ranks per mode and scenario; True when all pass.
+
+    Spawns ``config.cp`` local gloo ranks, or, when launched by torchrun (``RANK`` in the
+    environment, world size = cp), runs this process's rank and reports on rank 0.
+    """
     if config.dtype not in TOLERANCE:
         raise ValueError(f"dtype must be one of {sorted(TOLERANCE)}, got {config.dtype!r}")
-    tables = spawn(_rank_main, config.cp, config)
+    if "RANK" in os.environ:
+        tables = _gather_under_torchrun(config)
+        if tables is None:
+            return True
+    else:
+        tables = spawn(_rank_main, config.cp, config)
     limit = TOLERANCE[config.dtype]
     print(f"attention parity: CP={config.cp} dtype={config.dtype} vs float64 single-process reference")
     print(f"config: {json.dumps(dataclasses.asdict(config))}")

@@ -1,0 +1,23 @@
+# Two entry points: `make demo` (install + main job) and `make test` (install + lint + test suite).
+VENV ?= .venv
+PYTHON ?= python3
+STAMP := $(VENV)/.installed
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/ringtune attention-parity --cp 2
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check ringtune tests benchmarks
+	$(VENV)/bin/ruff format --check ringtune tests benchmarks
+
+test: lint
+	$(VENV)/bin/python -m pytest -q
+
+.PHONY: install demo lint test
