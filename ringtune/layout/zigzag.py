@@ -136,6 +136,7 @@ class ZigzagPlan:
         """int64: ``local_cu_seqlens * cp_size``; each sequence segment is a multiple of ``2·cp_size``."""
         return self.local_cu_seqlens * self.cp_size
 
+    @cached_property
     def _per_token(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # (row_index, position, global_index) of every local token, derived from chunk_ranges.
         row_parts, pos_parts, glob_parts = [], [], []
@@ -156,7 +157,7 @@ class ZigzagPlan:
     @cached_property
     def row_index(self) -> torch.Tensor:
         """int64 [local_len]: index of each local token in the unpadded packed row, ``PAD_INDEX`` for pads."""
-        return self._per_token()[0]
+        return self._per_token[0]
 
     @cached_property
     def positions(self) -> torch.Tensor:
@@ -165,12 +166,12 @@ class ZigzagPlan:
         Tail pads continue their sequence's count; the stream pad counts from 0 on each rank.
         Never ``arange(local_len)``.
         """
-        return self._per_token()[1]
+        return self._per_token[1]
 
     @cached_property
     def global_index(self) -> torch.Tensor:
         """int64 [local_len]: index of each local token in the global padded stream (length ``global_len``)."""
-        return self._per_token()[2]
+        return self._per_token[2]
 
     @cached_property
     def is_real(self) -> torch.Tensor:
@@ -256,6 +257,10 @@ def zigzag_slice(row: torch.Tensor, plan: ZigzagPlan, *, dim: int = 0, pad_value
     """
     if row.shape[dim] != plan.row_len:
         raise LayoutError(f"row has {row.shape[dim]} entries along dim {dim}, the plan expects {plan.row_len}")
+    if plan.row_len == 0:  # a pad-only row: nothing to pick (index_select on an empty dim would fail)
+        shape = list(row.shape)
+        shape[dim] = plan.local_len
+        return row.new_full(shape, pad_value)
     index = plan.row_index.to(row.device)
     picked = row.index_select(dim, index.clamp(min=0))
     shape = [1] * row.dim()
