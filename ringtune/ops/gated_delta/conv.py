@@ -1,0 +1,132 @@
+"""Causal depthwise conv1d over a packed THD row (Qwen3.5's short conv on q/k/v), reset at ``cu_seqlens``.
+
+For channel ``c`` and token ``t`` at position ``l`` of its sequence ``i`` (kernel size K):
+
+    out[t, c] = act(bias[c] + Σ_{j<K} weight[c, j] · x_i[l − (K−1) + j, c])
+
+where ``x_i[p]`` for ``p < 0`` is ``initial_context[i, K−1+p]`` (the K−1 inputs that precede the
+sequence, e.g. the previous CP rank's last tokens) or zero: nothing leaks across a boundary. This is
+transformers' ``causal_conv1d_fn`` (``F.conv1d`` with ``padding=K−1``, cut to length) per sequence.
+Both versions compute in float32 (float64 for float64 input) and return ``x.dtype``.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from ringtune.ops.gated_delta.inputs import check_cu_seqlens, compute_dtype
+
+ACTIVATIONS = ("silu", None)
+
+
+def _check_conv_inputs(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str | None,
+    initial_context: torch.Tensor | None,
+) -> list[int]:
+    if x.dim() != 2:
+        raise ValueError(f"x must have shape [T, channels]; got {tuple(x.shape)}")
+    D = x.shape[1]
+    if weight.dim() != 2 or weight.shape[0] != D or weight.shape[1] < 1:
+        raise ValueError(f"weight must have shape [channels, K] = [{D}, K]; got {tuple(weight.shape)}")
+    if bias is not None and bias.shape != (D,):
+        raise ValueError(f"bias must have shape [channels] = [{D}]; got {tuple(bias.shape)}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}; got {activation!r}")
+    bounds = check_cu_seqlens(cu_seqlens, x.shape[0])
+    n, K = len(bounds) - 1, weight.shape[1]
+    if initial_context is not None and initial_context.shape != (n, K - 1, D):
+        raise ValueError(
+            f"initial_context must have shape [n, K-1, channels] = {[n, K - 1, D]}; got {tuple(initial_context.shape)}"
+        )
+    return bounds
+
+
+def _activate(out: torch.Tensor, activation: str | None) -> torch.Tensor:
+    return F.silu(out) if activation == "silu" else out
+
+
+def naive_causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    activation: str | None = "silu",
+    initial_context: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference: one ``F.conv1d`` per sequence over ``[context ++ sequence]``; contract as :func:`causal_conv1d`."""
+    bounds = _check_conv_inputs(x, weight, cu_seqlens, bias, activation, initial_context)
+    acc = compute_dtype(x.dtype)
+    D, K = weight.shape
+    w, b = weight.to(acc).unsqueeze(1), None if bias is None else bias.to(acc)
+    outs = []
+    for i, (start, end) in enumerate(itertools.pairwise(bounds)):
+        ctx = x.new_zeros(K - 1, D, dtype=acc) if initial_context is None else initial_context[i].to(acc)
+        seq = torch.cat([ctx, x[start:end].to(acc)])  # [K-1+L, D]
+        outs.append(F.conv1d(seq.t().unsqueeze(0), w, b, groups=D)[0].t())
+    out = torch.cat(outs) if outs else x.new_zeros(0, D, dtype=acc)
+    return _activate(out, activation).to(x.dtype)
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    activation: str | None = "silu",
+    initial_context: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal depthwise conv1d of a packed row, each sequence on its own (see the module docstring).
+
+    One ``F.conv1d`` over the whole row is right for every token at least K−1 into its sequence; the
+    first K−1 tokens of each sequence (the only ones whose window crosses a boundary) are recomputed
+    from ``[x ; context ; 0]`` rows and put in place. Memory: the conv's own, plus O(n·K²·channels).
+
+    Args:
+        x: [T, channels] (e.g. the concatenated q/k/v projections, ``channels = 2·Hk·Dk + Hv·Dv``).
+        weight: [channels, K] (``nn.Conv1d.weight`` [channels, 1, K] squeezed); bias: [channels] or None.
+        cu_seqlens: int64 [n+1] sequence boundaries (0 first, T last).
+        activation: ``"silu"`` (Qwen3.5) or None.
+        initial_context: [n, K−1, channels], the K−1 inputs before each sequence in order (row K−2 is the
+            token just before it); zeros if None.
+    Returns:
+        [T, channels] in ``x.dtype``. Differentiable by autograd (x, weight, bias, initial_context).
+    """
+    bounds = _check_conv_inputs(x, weight, cu_seqlens, bias, activation, initial_context)
+    acc, device = compute_dtype(x.dtype), x.device
+    T, D = x.shape
+    K, n = weight.shape[1], len(bounds) - 1
+    xa, w = x.to(acc), weight.to(acc)
+    b = None if bias is None else bias.to(acc)
+    out = F.conv1d(xa.t().unsqueeze(0), w.unsqueeze(1), b, padding=K - 1, groups=D)[0, :, :T].t()
+    # The heads: tokens at position p < K−1 of sequence i, as (token, i, p).
+    heads = [
+        (start + p, i, p)
+        for i, (start, end) in enumerate(itertools.pairwise(bounds))
+        for p in range(min(K - 1, end - start))
+    ]
+    if not heads:
+        return _activate(out, activation).to(x.dtype)
+    tok, seq, pos = torch.tensor(heads, dtype=torch.int64, device=device).unbind(1)
+    if initial_context is None:
+        table = torch.cat([xa, xa.new_zeros(1, D)])  # row T: zero
+    else:
+        table = torch.cat([xa, initial_context.to(acc).reshape(n * (K - 1), D)])  # rows T + i·(K−1) + r
+    head = xa.new_zeros(len(heads), D) if b is None else b.expand(len(heads), D)
+    for j in range(K):
+        lag = K - 1 - j  # tap j reads the token `lag` steps back
+        if initial_context is None:
+            outside = torch.full_like(tok, T)
+        else:  # `lag − pos` steps before the start: context row K−1−(lag−pos)
+            outside = T + seq * (K - 1) + (K - 1 - lag) + pos
+        head = head + table[torch.where(pos >= lag, tok - lag, outside)] * w[:, j]
+    out = out.index_copy(0, tok, head)
+    return _activate(out, activation).to(x.dtype)
