@@ -9,13 +9,13 @@ from ringtune.testing.harness import RankPool
 
 @pytest.fixture(scope="module")
 def pool4():
-    pool = RankPool(4)
+    pool = RankPool(4, timeout=180)
     yield pool
     pool.close()
 
 
 @pytest.fixture(scope="module")
 def pool8():
-    pool = RankPool(8)
+    pool = RankPool(8, timeout=180)
     yield pool
     pool.close()

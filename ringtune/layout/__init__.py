@@ -1,7 +1,14 @@
 """Pure index math of the zigzag THD layout (no torch.distributed)."""
 
 from ringtune.layout.budget import rank_token_budget
-from ringtune.layout.contiguous import ContiguousPart, RelayoutPlan, contiguous_part, relayout_plan
+from ringtune.layout.contiguous import (
+    ContiguousPart,
+    RelayoutPlan,
+    contiguous_part,
+    global_segment_bounds,
+    rank_major_to_global,
+    relayout_plan,
+)
 from ringtune.layout.targets import ScoredTargets, scored_targets
 from ringtune.layout.zigzag import (
     PAD_INDEX,
@@ -22,6 +29,8 @@ __all__ = [
     "ZigzagPlan",
     "chunk_len",
     "contiguous_part",
+    "global_segment_bounds",
+    "rank_major_to_global",
     "rank_token_budget",
     "relayout_plan",
     "scored_targets",

@@ -36,21 +36,42 @@ class ContiguousPart:
     continues: bool
 
 
+def global_segment_bounds(plan: ZigzagPlan) -> list[int]:
+    """Segment boundaries of the global padded stream: 0, each padded sequence, then each rank's stream pad.
+
+    Every padded sequence (``2C·c_i`` tokens) is one segment and so is each rank's stream pad block
+    (``stream_pad_len`` tokens, in rank order); the last bound is ``plan.global_len``.
+    """
+    real_end = plan.cp_size * plan.real_local_len
+    bounds = [*plan.global_starts, real_end]
+    if plan.stream_pad_len:
+        bounds += [real_end + (k + 1) * plan.stream_pad_len for k in range(plan.cp_size)]
+    return bounds
+
+
+def rank_major_to_global(plan: ZigzagPlan) -> torch.Tensor:
+    """int64 [global_len]: row ``g`` of the global padded stream is row ``index[g]`` of the rank-major stream.
+
+    The rank-major stream is the concatenation of every rank's zigzag local stream in rank order
+    (what an all-gather or a sequence-to-heads all-to-all delivers).
+    """
+    rank_major = torch.cat([plan.for_rank(r).global_index for r in range(plan.cp_size)])
+    return torch.argsort(rank_major)
+
+
 def contiguous_part(plan: ZigzagPlan) -> ContiguousPart:
     """The :class:`ContiguousPart` of ``plan.cp_rank`` for the row described by ``plan``.
 
-    Segment boundaries of the global padded stream: each padded sequence (``2C·c_i``) and each
-    rank's stream pad (``stream_pad_len``) is one segment.
+    Segments are those of :func:`global_segment_bounds` cut at the part's edges.
     """
     n = plan.local_len
     start, end = plan.cp_rank * n, (plan.cp_rank + 1) * n
-    bounds = [*plan.global_starts, plan.cp_size * plan.real_local_len]
-    if plan.stream_pad_len:
-        bounds += [plan.cp_size * plan.real_local_len + (k + 1) * plan.stream_pad_len for k in range(plan.cp_size)]
+    bounds = global_segment_bounds(plan)
     inside = [b - start for b in bounds if start < b < end]
-    cu = (
-        torch.tensor([0, *inside, end - start], dtype=torch.int64) if end > start else torch.zeros(1, dtype=torch.int64)
-    )
+    if end > start:
+        cu = torch.tensor([0, *inside, end - start], dtype=torch.int64)
+    else:
+        cu = torch.zeros(1, dtype=torch.int64)
     continues = start > 0 and start not in bounds
     return ContiguousPart(start=start, end=end, cu_seqlens=cu, continues=continues)
 

@@ -12,15 +12,10 @@ import torch
 import torch.distributed as dist
 
 from ringtune.dist.collectives import all_gather
+from ringtune.layout.contiguous import rank_major_to_global
 from ringtune.layout.zigzag import ZigzagPlan
 from ringtune.ops.attention.blocks import varlen_block_attention
 from ringtune.ops.attention.schedule import global_key_pairs
-
-
-def rank_major_to_global(plan: ZigzagPlan) -> torch.Tensor:
-    """int64 [global_len]: row ``g`` of the global padded stream is row ``index[g]`` of the rank-major gather."""
-    rank_major = torch.cat([plan.for_rank(r).global_index for r in range(plan.cp_size)])
-    return torch.argsort(rank_major)
 
 
 def allgather_attention(

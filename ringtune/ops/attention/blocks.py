@@ -9,6 +9,7 @@ block's gradients come from the kernel's backward given the MERGED output and ls
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -23,6 +24,14 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 def to_heads_major(x: torch.Tensor) -> torch.Tensor:
     """[T, H, D] -> contiguous [1, H, T, D]."""
     return x.permute(1, 0, 2).unsqueeze(0).contiguous()
+
+
+def stack_heads_major(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """k, v [T, H, D] -> contiguous [2, 1, H, T, D] (= stack of both heads-major), in one copy each."""
+    kv = k.new_empty((2, 1, k.shape[1], k.shape[0], k.shape[2]))
+    kv[0, 0].copy_(k.permute(1, 0, 2))
+    kv[1, 0].copy_(v.permute(1, 0, 2))
+    return kv
 
 
 def from_heads_major(x: torch.Tensor) -> torch.Tensor:
@@ -58,8 +67,13 @@ def forward_blocks(
     *,
     scale: float,
     kernel: BlockKernel,
+    fresh: bool = False,
 ) -> None:
-    """Compute every block of ``pairs`` and merge it into the accumulators ``out``/``lse`` (in place)."""
+    """Compute every block of ``pairs`` and merge it into the accumulators ``out``/``lse`` (in place).
+
+    ``fresh=True`` promises that no two pairs share a query row and that the rows they cover are still
+    empty (out 0, lse -inf): each block is then copied in, which equals merging it into an empty row.
+    """
     for p in pairs:
         block_out, block_lse = kernel.forward(
             q_h[:, :, p.q_start : p.q_end],
@@ -68,7 +82,12 @@ def forward_blocks(
             causal=p.causal,
             scale=scale,
         )
-        merge_block(out[:, :, p.q_start : p.q_end], lse[:, :, p.q_start : p.q_end], block_out, block_lse)
+        rows = slice(p.q_start, p.q_end)
+        if fresh:
+            out[:, :, rows].copy_(block_out)
+            lse[:, :, rows].copy_(block_lse)
+        else:
+            merge_block(out[:, :, rows], lse[:, :, rows], block_out, block_lse)
 
 
 def backward_blocks(
@@ -87,6 +106,29 @@ def backward_blocks(
     kernel: BlockKernel,
 ) -> None:
     """Add every block's dq/dk/dv to the accumulators (in place); ``out_h``/``lse_h`` are the merged ones."""
+    for p, bdk, bdv in block_grads(dout_h, q_h, k_h, v_h, out_h, lse_h, pairs, dq, scale=scale, kernel=kernel):
+        dk[:, :, p.k_start : p.k_end] += bdk
+        dv[:, :, p.k_start : p.k_end] += bdv
+
+
+def block_grads(
+    dout_h: torch.Tensor,
+    q_h: torch.Tensor,
+    k_h: torch.Tensor,
+    v_h: torch.Tensor,
+    out_h: torch.Tensor,
+    lse_h: torch.Tensor,
+    pairs: list[BlockPair],
+    dq: torch.Tensor,
+    *,
+    scale: float,
+    kernel: BlockKernel,
+) -> Iterator[tuple[BlockPair, torch.Tensor, torch.Tensor]]:
+    """Per block of ``pairs``: add its dq to ``dq`` (in place) and yield ``(pair, dk, dv)`` of its key segment.
+
+    The block's dk/dv come in the input dtype, [1, Hkv, k_end - k_start, D]; the caller adds them where it
+    wants (an accumulator, or a buffer that arrives later), so no zeroed buffer needs to exist meanwhile.
+    """
     lse_h = lse_h.to(accumulator_dtype(q_h.dtype))
     for p in pairs:
         qs, ks = slice(p.q_start, p.q_end), slice(p.k_start, p.k_end)
@@ -101,8 +143,9 @@ def backward_blocks(
             scale=scale,
         )
         dq[:, :, qs] += bdq
-        dk[:, :, ks] += bdk
-        dv[:, :, ks] += bdv
+        del bdq  # not alive during the next block's kernel
+        yield p, bdk, bdv
+        del bdk, bdv
 
 
 def default_scale(q: torch.Tensor, scale: float | None) -> float:

@@ -18,14 +18,16 @@ from ringtune.layout.zigzag import ZigzagPlan
 from ringtune.ops.attention.blocks import (
     accumulator_dtype,
     backward_blocks,
+    block_grads,
     default_scale,
     forward_blocks,
     from_heads_major,
     new_accumulators,
+    stack_heads_major,
     to_heads_major,
 )
 from ringtune.ops.attention.kernels import BlockKernel, select_block_kernel
-from ringtune.ops.attention.schedule import ring_step_pairs
+from ringtune.ops.attention.schedule import BlockPair, ring_step_pairs
 
 KV_TAG, DKV_TAG = 0, 1
 
@@ -49,10 +51,18 @@ def ring_forward(
     for step in range(size):
         pending = ring.start(kv, tag=KV_TAG) if ring is not None and step < size - 1 else None
         src = (plan.cp_rank - step) % size
-        forward_blocks(q_h, kv[0], kv[1], ring_step_pairs(plan, src), out, lse, scale=scale, kernel=kernel)
+        pairs = ring_step_pairs(plan, src)  # step 0: one block per sequence, each row covered once
+        forward_blocks(q_h, kv[0], kv[1], pairs, out, lse, scale=scale, kernel=kernel, fresh=step == 0)
         if pending is not None:
             kv = RingExchange.finish(pending)
     return out, lse
+
+
+def _add_key_grads(dkv: torch.Tensor, grads: list[tuple[BlockPair, torch.Tensor, torch.Tensor]]) -> None:
+    """In place: add each block's dk/dv (from :func:`block_grads`) into ``dkv`` [2, 1, Hkv, T, D] at its keys."""
+    for p, bdk, bdv in grads:
+        dkv[0][:, :, p.k_start : p.k_end] += bdk
+        dkv[1][:, :, p.k_start : p.k_end] += bdv
 
 
 def ring_backward(
@@ -77,24 +87,18 @@ def ring_backward(
     for step in range(size):
         pending_kv = ring.start(kv, tag=KV_TAG) if ring is not None and step < size - 1 else None
         src = (plan.cp_rank - step) % size
-        dkv = own_dkv if step == 0 else torch.zeros_like(own_dkv)
-        backward_blocks(
-            dout_h,
-            q_h,
-            kv[0],
-            kv[1],
-            out_h,
-            lse,
-            ring_step_pairs(plan, src),
-            dq,
-            dkv[0],
-            dkv[1],
-            scale=scale,
-            kernel=kernel,
-        )
-        if step > 0:
-            if pending_dkv is not None:  # the partial dK/dV of src, from rank r-1 (computed after ours)
-                dkv += RingExchange.finish(pending_dkv)
+        pairs = ring_step_pairs(plan, src)
+        if step == 0:
+            backward_blocks(
+                dout_h, q_h, kv[0], kv[1], out_h, lse, pairs, dq, own_dkv[0], own_dkv[1], scale=scale, kernel=kernel
+            )
+        else:
+            # This step's blocks first (the incoming dK/dV travels meanwhile); they are added straight into
+            # the partial dK/dV of src that rank r-1 sends, so no zeroed dK/dV buffer is held (step 1 starts one).
+            grads = list(block_grads(dout_h, q_h, kv[0], kv[1], out_h, lse, pairs, dq, scale=scale, kernel=kernel))
+            dkv = RingExchange.finish(pending_dkv) if pending_dkv is not None else torch.zeros_like(own_dkv)
+            _add_key_grads(dkv, grads)
+            del grads
             pending_dkv = ring.start(dkv, tag=DKV_TAG)
         if pending_kv is not None:
             kv = RingExchange.finish(pending_kv)
@@ -107,7 +111,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan, group, scale, kernel):
         q_h = to_heads_major(q)
-        kv = torch.stack([to_heads_major(k), to_heads_major(v)])
+        kv = stack_heads_major(k, v)
         out, lse = ring_forward(q_h, kv, plan, group, scale=scale, kernel=kernel)
         out_h = out.to(q.dtype)
         ctx.save_for_backward(q_h, kv, out_h, lse)

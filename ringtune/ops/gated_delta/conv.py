@@ -104,6 +104,8 @@ def causal_conv1d(
     acc, device = compute_dtype(x.dtype), x.device
     T, D = x.shape
     K, n = weight.shape[1], len(bounds) - 1
+    if T == 0:  # an empty row (F.conv1d rejects length 0); keep the graph so weight gets a zero gradient
+        return x[:0] * weight[:, 0].to(x.dtype)
     xa, w = x.to(acc), weight.to(acc)
     b = None if bias is None else bias.to(acc)
     out = F.conv1d(xa.t().unsqueeze(0), w.unsqueeze(1), b, padding=K - 1, groups=D)[0, :, :T].t()

@@ -1,0 +1,148 @@
+"""Chunkwise context parallelism for GatedDeltaNet: state handed between contiguous parts.
+
+1. Relayout zigzag -> contiguous (one all-to-all, a permutation): rank r owns ``[r·L, (r+1)·L)`` of
+   the global padded stream (L = local_len), a split of the WHOLE stream.
+2. Conv halo: the previous rank's last K-1 raw inputs (a ring shift), masked to the tokens of the
+   sequence that crosses into this part; a part that starts a sequence gets zeros.
+3. Each rank summarises the last segment of its part as an affine map of its incoming state,
+   ``h_out = M·h_in + h_local`` (fp32, fp64 for fp64 inputs); the summaries are all-gathered and
+   every rank folds those of the ranks before it in rank order to get its incoming state.
+4. The core runs on the part with that state for its first segment (zeros for the others), and the
+   output goes back to the zigzag layout by the inverse all-to-all.
+Backward is autograd's mirror: the all-gather's reduce-scatter returns dM/dh_local to their owners,
+the ring shift's reverse returns the halo gradient. Every rank must run these collectives in the same
+order in backward too, so the graph chains them on every rank whatever its part looks like (halo ->
+summary -> all-gather -> initial state -> core) with empty sums (``x[:0].sum()``, exactly 0).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ringtune.dist.collectives import all_gather, ring_shift
+from ringtune.dist.relayout import contiguous_to_zigzag, zigzag_to_contiguous
+from ringtune.errors import ParallelConfigError
+from ringtune.layout.contiguous import contiguous_part, global_segment_bounds, relayout_plan
+from ringtune.layout.zigzag import ZigzagPlan
+from ringtune.ops.gated_delta.conv import causal_conv1d
+from ringtune.ops.gated_delta.core import gated_delta_core, pack_qkv, unpack_qkv
+from ringtune.ops.gated_delta.summary import gated_delta_affine_summary
+
+FAULTS = (None, "drop_state", "drop_halo")
+"""Fault injection for negative controls only: drop the state hand-off or the conv halo."""
+
+
+def _halo_mask(plan: ZigzagPlan, kernel_minus_one: int) -> torch.Tensor:
+    """bool [K-1]: which of the K-1 global positions before this part belong to the crossing sequence."""
+    part = contiguous_part(plan)
+    if not part.continues:
+        return torch.zeros(kernel_minus_one, dtype=torch.bool)
+    seg_start = max(b for b in global_segment_bounds(plan) if b <= part.start)
+    positions = torch.arange(part.start - kernel_minus_one, part.start)
+    return positions >= seg_start
+
+
+def _carries(plan: ZigzagPlan) -> bool:
+    """True when this rank's part is one piece of a sequence that began on an earlier rank."""
+    part = contiguous_part(plan)
+    return part.continues and part.cu_seqlens.numel() == 2
+
+
+def chunkwise_gated_delta(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    conv_weight: torch.Tensor,
+    plan: ZigzagPlan,
+    group: dist.ProcessGroup,
+    *,
+    scale: float | None = None,
+    fault: str | None = None,
+) -> torch.Tensor:
+    """GDN core of one zigzag-sharded row by contiguous parts and a state hand-off over ``group``.
+
+    Same contract as :func:`~ringtune.ops.gated_delta.cp_headwise.headwise_gated_delta`, any head
+    counts. Requires ``local_len >= K-1`` at CP > 1. ``fault`` is for negative controls only.
+    """
+    if fault not in FAULTS:
+        raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
+    size, rank = plan.cp_size, plan.cp_rank
+    T, hk, dk = k.shape
+    hv, dv = v.shape[1:]
+    halo = conv_weight.shape[1] - 1
+    if size > 1 and plan.local_len < halo:
+        raise ParallelConfigError(
+            f"chunkwise GatedDeltaNet CP needs local_len >= conv kernel - 1: {plan.local_len} < {halo}"
+        )
+    moves = relayout_plan(plan)
+    packed = torch.cat([pack_qkv(q, k, v), g, beta], dim=1)
+    part_rows = zigzag_to_contiguous(packed, moves, group)
+    mixed, gc, bc = part_rows.split([packed.shape[1] - 2 * hv, hv, hv], dim=1)
+    part = contiguous_part(plan)
+    cu = part.cu_seqlens
+    n_seg = cu.numel() - 1
+
+    context = None
+    if size > 1 and halo > 0:
+        tail = ring_shift(mixed[T - halo :], group, 1)  # the previous rank's last K-1 raw rows
+        mask = _halo_mask(plan, halo).to(mixed.device)
+        if fault == "drop_halo":
+            mask = torch.zeros_like(mask)
+        first = torch.where(mask.unsqueeze(1), tail, torch.zeros_like(tail))
+        context = torch.cat([first.unsqueeze(0), mixed.new_zeros(max(n_seg - 1, 0), halo, mixed.shape[1])])
+
+    initial_state = None
+    if size > 1:
+        # Summary of this part's last segment (rank C-1 has no successor and sends zeros).
+        lo, hi = int(cu[-2]), int(cu[-1])
+        if rank < size - 1 and hi > lo:
+            seg = slice(lo, hi)
+            seg_ctx = context[-1:] if context is not None else None
+            conv = causal_conv1d(mixed[seg], conv_weight, cu.new_tensor([0, hi - lo]), initial_context=seg_ctx)
+            _, kc, vc = unpack_qkv(conv, hk, dk, hv, dv)
+            M, h_local = gated_delta_affine_summary(
+                kc, vc, cu.new_tensor([0, hi - lo]), g=gc[seg], beta=bc[seg], use_qk_l2norm=True
+            )
+            summary = torch.cat([M[0], h_local[0]], dim=-1)  # [Hv, Dk, Dk + Dv]
+        else:
+            acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+            # In the graph (an empty sum) so this rank still joins the all-gather's backward.
+            summary = torch.zeros(hv, dk, dk + dv, dtype=acc, device=q.device) + mixed[:0].sum()
+        if context is not None:
+            summary = summary + context[:, :0].sum()  # the halo exchange comes first, on every rank
+        gathered = all_gather(summary, group).reshape(size, hv, dk, dk + dv)
+        # Anchored to the gathered summaries even where no summary is used (rank 0): every rank must
+        # run the all-gather's backward reduce-scatter, or the others hang in it.
+        h_in = torch.zeros(hv, dk, dv, dtype=gathered.dtype, device=q.device) + gathered[:0].sum()
+        for j in range(rank):
+            M_j, h_j = gathered[j, ..., :dk], gathered[j, ..., dk:]
+            h_out = (M_j @ h_in if _carries(plan.for_rank(j)) else 0) + h_j
+            h_in = h_out if contiguous_part(plan.for_rank(j + 1)).continues else torch.zeros_like(h_in)
+        if fault == "drop_state":
+            h_in = torch.zeros_like(h_in)
+        if n_seg > 0:  # built on every rank, so the all-gather's backward runs on every rank
+            first_state = h_in if part.continues else h_in * 0
+            initial_state = torch.cat([first_state.unsqueeze(0), h_in.new_zeros(n_seg - 1, hv, dk, dv)])
+
+    qc, kc, vc = unpack_qkv(mixed, hk, dk, hv, dv)
+    o = gated_delta_core(
+        qc,
+        kc,
+        vc,
+        cu,
+        g=gc,
+        beta=bc,
+        conv_weight=conv_weight,
+        scale=scale,
+        conv_context=context,
+        initial_state=initial_state,
+    )
+    if size > 1:
+        # The output depends on the all-gather (and, through it, the halo) on every rank, even where the
+        # part holds no segment or a fault drops the state: every rank then runs the same backward
+        # collectives in the same order (reduce-scatter, then the reverse ring shift).
+        o = o + gathered.flatten()[:0].sum()
+    return contiguous_to_zigzag(o.reshape(T, hv * dv), moves, group).reshape(T, hv, dv)

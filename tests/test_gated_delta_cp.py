@@ -1,0 +1,144 @@
+"""GatedDeltaNet CP (headwise, chunkwise) against the single-process core, float64, CP 1/2/4.
+
+Inputs are built from parameters (conv weight, A_log, dt_bias) and raw projections (q, k, v, a, b)
+so every gradient the layer needs is checked: per-token ones on each rank's shard, parameter ones as
+the SUM over the CP group (the replicated-parameter rule).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringtune.errors import ParallelConfigError
+from ringtune.layout import zigzag_plan, zigzag_slice
+from ringtune.ops.gated_delta import gdn_gates
+from ringtune.ops.gated_delta.core import gated_delta_core
+from ringtune.ops.gated_delta.cp import gdn_cp_fn
+from ringtune.ops.gated_delta.cp_chunkwise import _halo_mask
+from ringtune.testing.scenarios import SCENARIOS
+
+HK, HV, DK, DV, K = 4, 8, 8, 8, 4
+ROWS = {
+    **{name: lens for name, lens in SCENARIOS.items()},
+    "short_then_long": (1, 1, 1, 2, 3, 120),
+    # Sequences that start 1-2 tokens before a part boundary (a conv halo cut by a sequence start) at
+    # CP 2 and 4. Sequence starts and part starts are both multiples of 2C when the stream pad multiple
+    # is a multiple of 2C, so these rows use pad multiple 1 (TP=1 may), see STREAM_PAD_MULTIPLE.
+    "near_boundary": (1, 1, 1, 5, 7),
+    "straddle_mix": (30, 13, 30, 7, 30, 5, 5, 41),
+}
+STREAM_PAD_MULTIPLE = {"near_boundary": 1, "straddle_mix": 1}
+"""Stream pad multiple per row (default 8)."""
+TOKEN_INPUTS = ("q", "k", "v", "a", "b")
+PARAMS = ("conv_weight", "A_log", "dt_bias")
+
+
+def make_inputs(seq_lens, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    T = sum(seq_lens)
+
+    def rnd(*shape, s=1.0):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64) * s
+
+    tokens = {"q": rnd(T, HK, DK), "k": rnd(T, HK, DK), "v": rnd(T, HV, DV), "a": rnd(T, HV), "b": rnd(T, HV)}
+    # Half the heads decay slowly (A_log small) so state crosses long spans and part boundaries.
+    A_log = torch.cat([torch.full((HV // 2,), -4.0), rnd(HV // 2, s=0.5)]).double()
+    params = {"conv_weight": rnd(2 * HK * DK + HV * DV, K, s=0.5), "A_log": A_log, "dt_bias": rnd(HV, s=0.5)}
+    return tokens, params
+
+
+def max_abs(x: torch.Tensor) -> float:
+    return float(x.detach().abs().max()) if x.numel() else 0.0
+
+
+def core_inputs(tokens, params):
+    """(q, k, v, g, beta, conv_weight) of the GDN core, the gates computed from a, b, A_log, dt_bias."""
+    g, beta = gdn_gates(tokens["a"], tokens["b"], params["A_log"], params["dt_bias"])
+    return tokens["q"], tokens["k"], tokens["v"], g.to(torch.float64), beta, params["conv_weight"]
+
+
+def gdn_case(ctx, *, mode: str, cp: int, fault: str | None = None, rows=None):
+    mesh = ctx.mesh(dp=ctx.world_size // cp, cp=cp)
+    fn = gdn_cp_fn(mode)
+    results = {}
+    for index, (name, seq_lens) in enumerate((rows or ROWS).items()):
+        tokens, params = make_inputs(seq_lens, 100 * index + mesh.dp_rank)
+        cu = torch.tensor([0, *torch.tensor(seq_lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)
+        ref_t = {n: t.clone().requires_grad_() for n, t in tokens.items()}
+        ref_p = {n: p.clone().requires_grad_() for n, p in params.items()}
+        q, k, v, g, beta, w = core_inputs(ref_t, ref_p)
+        ref_o = gated_delta_core(q, k, v, cu, g=g, beta=beta, conv_weight=w)
+        dout = torch.randn(ref_o.shape, generator=torch.Generator().manual_seed(index), dtype=torch.float64)
+        if seq_lens:
+            (ref_o * dout).sum().backward()
+        # A pad-only microbatch still holds the per-rank budget's worth of pad tokens.
+        pad_to = None if seq_lens else 8
+        multiple = STREAM_PAD_MULTIPLE.get(name, 8)
+        plan = zigzag_plan(seq_lens, cp_size=cp, cp_rank=mesh.cp_rank, pad_multiplier=multiple, pad_to=pad_to)
+        loc_t = {n: zigzag_slice(t, plan).requires_grad_() for n, t in tokens.items()}
+        loc_p = {n: p.clone().requires_grad_() for n, p in params.items()}
+        kwargs = {"fault": fault} if fault else {}
+        out = fn(*core_inputs(loc_t, loc_p), plan, mesh.cp_group, **kwargs)
+        (out * zigzag_slice(dout, plan)).sum().backward()
+
+        real = plan.is_real
+        row = {"out": max_abs(out[real] - zigzag_slice(ref_o.detach(), plan)[real])}
+        for n in TOKEN_INPUTS:
+            want = zigzag_slice(ref_t[n].grad if ref_t[n].grad is not None else torch.zeros_like(tokens[n]), plan)
+            row[n] = max_abs(loc_t[n].grad[real] - want[real])
+        row["finite"] = bool(torch.isfinite(out).all())
+        row["params"] = {n: loc_p[n].grad.clone() for n in PARAMS}
+        row["ref_params"] = {n: torch.zeros_like(p) if p.grad is None else p.grad.clone() for n, p in ref_p.items()}
+        row["partial_halo"] = bool(0 < int(_halo_mask(plan, K - 1).sum()) < K - 1)
+        results[name] = row
+    return results
+
+
+def check(per_rank, cp: int, tol: float) -> None:
+    for name in per_rank[0]:
+        for rank, res in enumerate(per_rank):
+            row = res[name]
+            assert row["finite"], (rank, name)
+            bad = {n: row[n] for n in ("out", *TOKEN_INPUTS) if not row[n] <= tol}
+            assert not bad, f"rank {rank} row {name}: {bad}"
+        for group_start in range(0, len(per_rank), cp):
+            group = per_rank[group_start : group_start + cp]
+            for n in PARAMS:
+                summed = sum(res[name]["params"][n] for res in group)
+                err = float((summed - group[0][name]["ref_params"][n]).abs().max())
+                assert err <= tol, f"param {n} row {name}: {err}"
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("mode", ["headwise", "chunkwise"])
+def test_float64_equals_single_process(pool4, mode, cp):
+    per_rank = pool4.run(gdn_case, mode=mode, cp=cp)
+    check(per_rank, cp, tol=1e-10)
+    if mode == "chunkwise" and cp > 1:  # the rows do exercise a conv halo cut by a sequence start
+        assert any(row["partial_halo"] for res in per_rank for row in res.values())
+
+
+@pytest.mark.parametrize("fault", ["drop_state", "drop_halo"])
+def test_negative_control_chunkwise_without_handoff_fails(pool4, fault):
+    rows = {"long_mixed": SCENARIOS["long_mixed"]}
+    per_rank = pool4.run(gdn_case, mode="chunkwise", cp=4, fault=fault, rows=rows)
+    assert max(res["long_mixed"]["out"] for res in per_rank) > 1e-3
+
+
+def headwise_bad_heads_case(ctx):
+    mesh = ctx.mesh(dp=1, cp=4)
+    plan = zigzag_plan((9,), cp_size=4, cp_rank=mesh.cp_rank, pad_multiplier=8)
+    T = plan.local_len
+    q = torch.zeros(T, 2, 4)
+    v = torch.zeros(T, 6, 4)
+    try:
+        gdn_cp_fn("headwise")(q, q, v, torch.zeros(T, 6), torch.zeros(T, 6), torch.zeros(40, 4), plan, mesh.cp_group)
+    except ParallelConfigError as exc:
+        return str(exc)
+    return None
+
+
+def test_headwise_rejects_heads_not_divisible(pool4):
+    for message in pool4.run(headwise_bad_heads_case):
+        assert message is not None and "linear key heads" in message and "2 % (1·4)" in message
