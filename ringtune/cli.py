@@ -7,6 +7,8 @@ import sys
 
 from ringtune.probes.attention_parity import AttentionShape
 from ringtune.probes.attention_parity_run import AttentionParityConfig, run_attention_parity
+from ringtune.probes.layer_probe import ProbeSizes
+from ringtune.probes.layer_probe_run import LayerProbeConfig, run_layer_probe
 from ringtune.testing.scenarios import SCENARIOS
 
 
@@ -29,7 +31,57 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scale", type=float, default=d.shape.scale)
     p.add_argument("--sharpness", type=float, default=d.shape.sharpness)
     p.add_argument("--seed", type=int, default=d.seed)
+    _add_probe_parser(sub)
     return parser
+
+
+def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
+    d, z = LayerProbeConfig(), ProbeSizes()
+    p = sub.add_parser(
+        "probe", help="GDN and gated attention layer: CP 2/4/8 vs no CP, cosines and norm ratios (gloo, CPU)"
+    )
+    p.add_argument("--cp", type=int, nargs="+", default=list(d.cps), help="CP sizes (one world each)")
+    p.add_argument("--layers", type=_csv, default=d.layers, help="comma list of gdn,attention")
+    p.add_argument("--gdn-modes", type=_csv, default=d.gdn_modes, help="comma list of headwise,chunkwise")
+    p.add_argument("--attention-modes", type=_csv, default=d.attention_modes, help="ring,allgather,alltoall")
+    p.add_argument("--dtype", default=d.dtype, choices=["float64", "float32", "bfloat16"])
+    p.add_argument("--tokens", type=int, default=d.tokens, help="tokens of the packed row")
+    p.add_argument("--scale", type=int, default=z.scale, help="divide hidden size and head dims by this")
+    p.add_argument("--hidden", type=int, default=z.hidden)
+    p.add_argument("--gdn-k-heads", type=int, default=z.gdn_k_heads)
+    p.add_argument("--gdn-v-heads", type=int, default=z.gdn_v_heads)
+    p.add_argument("--gdn-head-dim", type=int, default=z.gdn_head_dim)
+    p.add_argument("--attn-heads", type=int, default=z.attn_heads)
+    p.add_argument("--attn-kv-heads", type=int, default=z.attn_kv_heads)
+    p.add_argument("--attn-head-dim", type=int, default=z.attn_head_dim)
+    p.add_argument("--no-attention-gate", action="store_true", help="drop the attention output gate")
+    p.add_argument("--attention-sharpness", type=float, default=None, help="target attention logit std")
+    p.add_argument("--seed", type=int, default=d.seed)
+
+
+def _probe_config(args: argparse.Namespace) -> LayerProbeConfig:
+    sizes = ProbeSizes(
+        hidden=args.hidden,
+        gdn_k_heads=args.gdn_k_heads,
+        gdn_v_heads=args.gdn_v_heads,
+        gdn_head_dim=args.gdn_head_dim,
+        attn_heads=args.attn_heads,
+        attn_kv_heads=args.attn_kv_heads,
+        attn_head_dim=args.attn_head_dim,
+        attention_gate=not args.no_attention_gate,
+        scale=args.scale,
+    )
+    return LayerProbeConfig(
+        cps=tuple(args.cp),
+        layers=args.layers,
+        gdn_modes=args.gdn_modes,
+        attention_modes=args.attention_modes,
+        dtype=args.dtype,
+        tokens=args.tokens,
+        sizes=sizes,
+        attention_sharpness=args.attention_sharpness,
+        seed=args.seed,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
         )
         return 0 if run_attention_parity(config) else 1
+    if args.command == "probe":
+        return 0 if run_layer_probe(_probe_config(args)) else 1
     return 2
 
 

@@ -1,0 +1,1 @@
+"""Model architectures and checkpoint formats: decoders, their layers, HF safetensors and GGUF in/out."""

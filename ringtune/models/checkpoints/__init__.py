@@ -1,0 +1,1 @@
+"""Checkpoint readers: llama.cpp GGUF files and the tokenizers that go with the test checkpoints."""

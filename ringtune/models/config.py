@@ -1,0 +1,125 @@
+"""Decoder configuration read from a Hugging Face ``config.json`` (``qwen3_5_text``, ``qwen3_5``, ``llama``, ``qwen3``).
+
+The original dict is kept verbatim so a save writes back exactly what was loaded.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ringtune.errors import ParallelConfigError, UserInputError
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "llama", "qwen3")
+LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderConfig:
+    """Everything the decoder modules need; ``family`` is "qwen3_5" (hybrid) or "dense" (Llama, Qwen3)."""
+
+    family: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    partial_rotary_factor: float = 1.0
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: str | None = None
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> DecoderConfig:
+        """Parse an HF config dict; a ``qwen3_5`` (VL) config contributes its ``text_config``."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UserInputError(f"config.model_type={model_type!r}: supported are {SUPPORTED_MODEL_TYPES}")
+        text = dict(hf.get("text_config") or {}) if model_type == "qwen3_5" else hf
+        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise UserInputError(f"rope type {rope.get('rope_type')!r}: only the default rotary is supported")
+        theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))
+        heads = int(text["num_attention_heads"])
+        head_dim = int(text.get("head_dim") or text["hidden_size"] // heads)
+        common = {
+            "model_type": model_type,
+            "vocab_size": int(text["vocab_size"]),
+            "hidden_size": int(text["hidden_size"]),
+            "intermediate_size": int(text["intermediate_size"]),
+            "num_layers": int(text["num_hidden_layers"]),
+            "num_heads": heads,
+            "num_kv_heads": int(text.get("num_key_value_heads") or heads),
+            "head_dim": head_dim,
+            "rms_norm_eps": float(text.get("rms_norm_eps", 1e-6)),
+            "rope_theta": theta,
+            "tie_word_embeddings": bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            "attention_bias": bool(text.get("attention_bias", False)),
+            "hf_config": hf,
+        }
+        act = text.get("hidden_act", "silu")
+        if act != "silu":
+            raise UserInputError(f"config.hidden_act={act!r}: only silu (SwiGLU) is supported")
+        if model_type in ("qwen3_5_text", "qwen3_5"):
+            n = common["num_layers"]
+            layer_types = text.get("layer_types") or [
+                "linear_attention" if (i + 1) % int(text.get("full_attention_interval", 4)) else "full_attention"
+                for i in range(n)
+            ]
+            bad = [t for t in layer_types if t not in LAYER_TYPES]
+            if len(layer_types) != n or bad:
+                raise UserInputError(f"config.layer_types must be {n} of {LAYER_TYPES}; got {layer_types}")
+            return cls(
+                family="qwen3_5",
+                partial_rotary_factor=float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))),
+                qk_norm="zero_centered",
+                layer_types=tuple(layer_types),
+                linear_num_key_heads=int(text.get("linear_num_key_heads", 16)),
+                linear_num_value_heads=int(text.get("linear_num_value_heads", 32)),
+                linear_key_head_dim=int(text.get("linear_key_head_dim", 128)),
+                linear_value_head_dim=int(text.get("linear_value_head_dim", 128)),
+                linear_conv_kernel_dim=int(text.get("linear_conv_kernel_dim", 4)),
+                **common,
+            )
+        n = common["num_layers"]
+        return cls(
+            family="dense",
+            qk_norm="plain" if model_type == "qwen3" else None,
+            layer_types=("full_attention",) * n,
+            **common,
+        )
+
+    def check_parallel(self, *, cp_size: int, attention: str, gated_delta: str, tp_size: int = 1) -> None:
+        """Raise ParallelConfigError (with the numbers) if the heads do not fit the CP modes at ``cp_size``."""
+        if cp_size < 1:
+            raise ParallelConfigError(f"cp_size={cp_size} must be >= 1")
+        if cp_size == 1:
+            return
+        if attention == "alltoall":
+            for name, value in (("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads)):
+                if value % (cp_size * tp_size):
+                    raise ParallelConfigError(
+                        f"attention mode alltoall needs {name}={value} divisible by TP·CP={tp_size * cp_size}"
+                    )
+        if "linear_attention" in self.layer_types and gated_delta == "headwise":
+            for name, value in (
+                ("linear_num_key_heads", self.linear_num_key_heads),
+                ("linear_num_value_heads", self.linear_num_value_heads),
+            ):
+                if value % (cp_size * tp_size):
+                    raise ParallelConfigError(
+                        f"gated_delta mode headwise needs {name}={value} divisible by TP·CP={tp_size * cp_size}; "
+                        "use chunkwise"
+                    )

@@ -1,0 +1,119 @@
+"""The causal decoder for every target model: Qwen3.5 hybrids (GDN + gated attention) and dense Llama/Qwen3.
+
+Module and parameter names follow transformers (``model.embed_tokens``, ``model.layers.{i}.linear_attn`` /
+``self_attn`` / ``mlp`` / ``input_layernorm`` / ``post_attention_layernorm``, ``model.norm``, ``lm_head``),
+so an HF state dict loads with no renaming. CP is applied by the :class:`PackedShard` passed to forward:
+the same code runs a whole packed row or one rank's zigzag shard of it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ringtune.models.config import DecoderConfig
+from ringtune.models.layers.attention import Attention
+from ringtune.models.layers.gated_deltanet import GatedDeltaNet
+from ringtune.models.layers.mlp import SwiGLU
+from ringtune.models.layers.norms import RMSNorm
+from ringtune.models.layers.rotary import RotaryEmbedding
+from ringtune.models.logprob_head import label_logprobs
+from ringtune.models.shard import PackedShard
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: token mixer (GDN or attention) then SwiGLU."""
+
+    def __init__(self, config: DecoderConfig, index: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        zero = config.family == "qwen3_5"
+        self.layer_type = config.layer_types[index]
+        if self.layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(
+                hidden_size=config.hidden_size,
+                num_k_heads=config.linear_num_key_heads,
+                num_v_heads=config.linear_num_value_heads,
+                head_k_dim=config.linear_key_head_dim,
+                head_v_dim=config.linear_value_head_dim,
+                conv_kernel=config.linear_conv_kernel_dim,
+                rms_norm_eps=config.rms_norm_eps,
+            )
+        else:
+            self.self_attn = Attention(
+                hidden_size=config.hidden_size,
+                num_heads=config.num_heads,
+                num_kv_heads=config.num_kv_heads,
+                head_dim=config.head_dim,
+                qk_norm=config.qk_norm,
+                output_gate=config.family == "qwen3_5",
+                bias=config.attention_bias,
+                rms_norm_eps=config.rms_norm_eps,
+                rotary=rotary,
+            )
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centered=zero)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centered=zero)
+
+    def forward(self, x: torch.Tensor, shard: PackedShard) -> torch.Tensor:
+        """x [T_local, hidden] -> [T_local, hidden]; the mixer talks over the shard's CP group."""
+        mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
+        x = x + mixer(self.input_layernorm(x), shard)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Body(nn.Module):
+    """``model.*`` of the HF layout: embeddings, layers, final norm."""
+
+    def __init__(self, config: DecoderConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, rotary) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centered=config.family == "qwen3_5")
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM over packed shards; ``lm_head`` is absent when embeddings are tied."""
+
+    def __init__(self, config: DecoderConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.rotary = RotaryEmbedding(
+            config.head_dim, theta=config.rope_theta, partial_rotary_factor=config.partial_rotary_factor
+        )
+        self.model = _Body(config, self.rotary)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """[vocab, hidden]: ``lm_head.weight``, or the embedding matrix when tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def check_parallel(self, shard: PackedShard) -> None:
+        """Raise ParallelConfigError if this model's heads do not fit the shard's CP size and modes."""
+        self.config.check_parallel(cp_size=shard.cp_size, attention=shard.attention, gated_delta=shard.gated_delta)
+
+    def hidden_states(self, input_ids: torch.Tensor, shard: PackedShard) -> torch.Tensor:
+        """input_ids int64 [T_local] (this rank's zigzag shard) -> final-normed hidden [T_local, hidden].
+
+        Every rank of the shard's CP group must call it (and its backward) together.
+        """
+        if input_ids.shape != (shard.plan.local_len,):
+            raise ValueError(
+                f"input_ids must be [local_len={shard.plan.local_len}] (the shard); got {tuple(input_ids.shape)}"
+            )
+        self.check_parallel(shard)
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, shard)
+        return self.model.norm(x)
+
+    def label_logprobs(self, input_ids: torch.Tensor, labels: torch.Tensor, shard: PackedShard) -> torch.Tensor:
+        """float32 [T_local]: log p(labels[t] | tokens up to t), chunked (no [T × vocab] buffer).
+
+        ``labels`` int64 [T_local]; entries equal to -100 give 0 and no gradient (pads, unscored tokens).
+        """
+        return label_logprobs(self.hidden_states(input_ids, shard), self.output_weight, labels)
+
+    def logits(self, input_ids: torch.Tensor, shard: PackedShard) -> torch.Tensor:
+        """Full logits [T_local, vocab] (tests and short prompts only: it is the buffer the head avoids)."""
+        return self.hidden_states(input_ids, shard) @ self.output_weight.t()

@@ -1,0 +1,94 @@
+"""Qwen3.5's GatedDeltaNet (linear attention) layer over a packed shard, with HF parameter names.
+
+``x -> in_proj_qkv -> depthwise causal conv (SiLU) -> q/k L2 norm -> gated delta rule -> gated RMSNorm
+(by in_proj_z) -> out_proj``, gates ``g = -exp(A_log)·softplus(in_proj_a(x) + dt_bias)`` and
+``beta = sigmoid(in_proj_b(x))``. Under CP the conv + delta rule run by the shard's mode (headwise:
+all-to-all to head shards; chunkwise: contiguous parts with a state hand-off) over the CP group; the
+projections, gates and output norm are per token.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ringtune.models.shard import PackedShard
+from ringtune.ops.gated_delta.core import gated_delta_core
+from ringtune.ops.gated_delta.cp import gdn_cp_fn
+from ringtune.ops.gated_delta.cp_headwise import check_headwise_heads
+from ringtune.ops.gated_delta.gates import gdn_gates
+from ringtune.ops.gated_delta.norm import gated_rms_norm
+
+
+class GatedDeltaNet(nn.Module):
+    """One GatedDeltaNet layer; parameters named as transformers' ``Qwen3_5GatedDeltaNet``.
+
+    Args:
+        hidden_size: model width.
+        num_k_heads, num_v_heads: linear key/query heads and value heads (``num_v_heads % num_k_heads == 0``).
+        head_k_dim, head_v_dim: per-head dims.
+        conv_kernel: depthwise conv width K.
+        rms_norm_eps: eps of the gated output norm.
+    """
+
+    def __init__(
+        self,
+        *,
+        hidden_size: int,
+        num_k_heads: int,
+        num_v_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        conv_kernel: int = 4,
+        rms_norm_eps: float = 1e-6,
+    ) -> None:
+        super().__init__()
+        if num_v_heads % num_k_heads:
+            raise ValueError(f"num_v_heads={num_v_heads} must be a multiple of num_k_heads={num_k_heads}")
+        self.num_k_heads, self.num_v_heads = num_k_heads, num_v_heads
+        self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
+        self.eps = rms_norm_eps
+        key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
+        conv_dim = 2 * key_dim + value_dim
+        self.in_proj_qkv = nn.Linear(hidden_size, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(hidden_size, value_dim, bias=False)
+        self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel, groups=conv_dim, bias=False, padding=conv_kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
+        self.A_log = nn.Parameter(torch.log(torch.empty(num_v_heads).uniform_(0.01, 16)))
+        self.norm = _GatedNormWeight(head_v_dim)
+        self.out_proj = nn.Linear(value_dim, hidden_size, bias=False)
+
+    def check_cp(self, cp_size: int, mode: str) -> None:
+        """Raise ParallelConfigError if this layer's heads do not fit GDN CP ``mode`` at ``cp_size``."""
+        if mode == "headwise":
+            check_headwise_heads(self.num_k_heads, self.num_v_heads, cp_size)
+
+    def forward(self, x: torch.Tensor, shard: PackedShard) -> torch.Tensor:
+        """x [T_local, hidden] (this rank's zigzag shard) -> [T_local, hidden].
+
+        Communicates over ``shard.group`` (the CP group) by ``shard.gated_delta``; every CP rank must call it.
+        """
+        T = x.shape[0]
+        hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        q, k, v = self.in_proj_qkv(x).split([hk * dk, hk * dk, hv * dv], dim=-1)
+        q, k, v = q.reshape(T, hk, dk), k.reshape(T, hk, dk), v.reshape(T, hv, dv)
+        g, beta = gdn_gates(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
+        conv_weight = self.conv1d.weight.squeeze(1)
+        if shard.cp_size > 1:
+            fn = gdn_cp_fn(shard.gated_delta)
+            o = fn(q, k, v, g, beta, conv_weight, shard.plan, shard.group)
+        else:
+            o = gated_delta_core(q, k, v, shard.cu_seqlens, g=g, beta=beta, conv_weight=conv_weight)
+        z = self.in_proj_z(x).reshape(T, hv, dv)
+        o = gated_rms_norm(o, z, self.norm.weight, eps=self.eps)
+        return self.out_proj(o.reshape(T, hv * dv))
+
+
+class _GatedNormWeight(nn.Module):
+    """Holds ``norm.weight`` [head_v_dim] (ones) under the HF name; the norm itself is :func:`gated_rms_norm`."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))

@@ -1,0 +1,81 @@
+"""The packed, sharded batch a model forward takes: this rank's zigzag shard of one THD row.
+
+CP is applied by what is passed in, not by forking the model code: the same modules run a whole row
+(``cp_size == 1``) or one rank's zigzag shard of it, with the positions of its tokens and the CP group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ringtune.errors import ParallelConfigError
+from ringtune.layout.zigzag import ZigzagPlan, zigzag_plan
+
+ATTENTION_MODES = ("ring", "allgather", "alltoall")
+GATED_DELTA_MODES = ("headwise", "chunkwise")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PackedShard:
+    """This rank's part of one packed row, and how the CP layers talk.
+
+    Attributes:
+        plan: the row's :class:`ZigzagPlan` for this CP rank (``plan.local_len`` local tokens).
+        positions: int64 [local_len], the position of every local token inside its own sequence
+            (``plan.positions``); rotary embeddings use it. Required: a shard's tokens are not ``arange``.
+        group: the CP process group (size ``plan.cp_size``); may be None only when ``cp_size == 1``.
+        attention: CP attention mode of full-attention layers ("ring", "allgather", "alltoall").
+        gated_delta: CP mode of GatedDeltaNet layers ("headwise", "chunkwise").
+    """
+
+    plan: ZigzagPlan
+    positions: torch.Tensor
+    group: dist.ProcessGroup | None = None
+    attention: str = "ring"
+    gated_delta: str = "headwise"
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_MODES:
+            raise ParallelConfigError(f"attention mode {self.attention!r}: choose one of {ATTENTION_MODES}")
+        if self.gated_delta not in GATED_DELTA_MODES:
+            raise ParallelConfigError(f"gated_delta mode {self.gated_delta!r}: choose one of {GATED_DELTA_MODES}")
+        if self.positions is None or self.positions.shape != (self.plan.local_len,):
+            got = None if self.positions is None else tuple(self.positions.shape)
+            raise ParallelConfigError(
+                f"positions must be the rank-local positions, int64 [local_len={self.plan.local_len}]; got {got}"
+            )
+        if self.plan.cp_size > 1:
+            if self.group is None:
+                raise ParallelConfigError(f"cp_size={self.plan.cp_size} needs the CP process group; got None")
+            if dist.get_world_size(self.group) != self.plan.cp_size:
+                raise ParallelConfigError(
+                    f"CP group size {dist.get_world_size(self.group)} != plan cp_size {self.plan.cp_size}"
+                )
+
+    @property
+    def cp_size(self) -> int:
+        return self.plan.cp_size
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        """int64: local sequence boundaries (the stream pad is the last segment)."""
+        return self.plan.local_cu_seqlens
+
+
+def shard_of(
+    seq_lens: tuple[int, ...] | list[int],
+    *,
+    cp_size: int = 1,
+    cp_rank: int = 0,
+    group: dist.ProcessGroup | None = None,
+    attention: str = "ring",
+    gated_delta: str = "headwise",
+    pad_multiplier: int = 1,
+    pad_to: int | None = None,
+) -> PackedShard:
+    """The :class:`PackedShard` of rank ``cp_rank`` for a row of sequences ``seq_lens`` (positions from the plan)."""
+    plan = zigzag_plan(seq_lens, cp_size=cp_size, cp_rank=cp_rank, pad_multiplier=pad_multiplier, pad_to=pad_to)
+    return PackedShard(plan=plan, positions=plan.positions, group=group, attention=attention, gated_delta=gated_delta)

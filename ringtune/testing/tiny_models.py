@@ -1,0 +1,74 @@
+"""Tiny random transformers models (Qwen3.5 hybrid, Llama, Qwen3) and packed token rows for tests.
+
+Sizes are chosen so CP 2 and 4 fit every mode that can: 4 GDN key heads / 8 value heads, 4 attention
+heads / 2 kv heads (all-to-all then works at CP 2 only), a rotary dim of 4 (Qwen3.5's partial rotary).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Packed row of many datums: 1-17-token ones, lengths not divisible by 2C, one longer than a chunk.
+LENGTHS = (1, 2, 17, 5, 40, 3, 1, 9)
+
+
+def hf_config(family: str):
+    """A transformers config of the ``family`` ("qwen3_5", "llama", "qwen3"), 4 layers, vocab 96."""
+    import transformers
+
+    common = {
+        "vocab_size": 96,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 256,
+    }
+    if family == "qwen3_5":
+        return transformers.Qwen3_5TextConfig(
+            **common,
+            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+            linear_num_key_heads=4,
+            linear_num_value_heads=8,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        )
+    if family == "llama":
+        return transformers.LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0)
+    if family == "qwen3":
+        return transformers.Qwen3Config(**common, tie_word_embeddings=True, rope_theta=10000.0)
+    raise ValueError(f"family must be qwen3_5, llama or qwen3; got {family!r}")
+
+
+def hf_model(family: str, *, seed: int):
+    """A random transformers causal LM of ``family``, with every norm weight randomised (not all ones/zeros)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = hf_config(family)
+    config._attn_implementation = "eager"
+    cls = {
+        "qwen3_5": transformers.Qwen3_5ForCausalLM,
+        "llama": transformers.LlamaForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+    }[family]
+    model = cls(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("A_log"):
+                p.copy_(torch.linspace(-3.0, 1.0, p.numel()))
+    return model
+
+
+def packed_tokens(lens: tuple[int, ...], vocab: int, *, seed: int) -> torch.Tensor:
+    """int64 [sum(lens)] random token ids."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (sum(lens),), generator=gen)
