@@ -31,6 +31,7 @@ class ParallelMesh:
         cp_group: the ranks that share one packed row (ring / all-gather / all-to-all attention).
         dp_group: the ranks that hold different rows at the same CP and TP coordinate.
         dp_cp_group: every rank that holds a replica of the parameters (gradients SUM over it).
+        replica: index of this independent mesh when several share the world (``build_mesh(replicas=)``).
     """
 
     device_mesh: DeviceMesh
@@ -43,6 +44,7 @@ class ParallelMesh:
     cp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
     dp_cp_group: dist.ProcessGroup
+    replica: int = 0
 
     @property
     def device(self) -> torch.device:
@@ -51,25 +53,36 @@ class ParallelMesh:
         return torch.device(self.device_mesh.device_type)
 
 
-def build_mesh(*, dp: int, cp: int, tp: int = 1, device_type: str | None = None) -> ParallelMesh:
+def build_mesh(*, dp: int, cp: int, tp: int = 1, replicas: int = 1, device_type: str | None = None) -> ParallelMesh:
     """Build the mesh over the whole (already initialised) default process group.
 
+    ``replicas > 1`` lays that many independent DP×CP×TP meshes side by side (rank order: replica slowest);
+    each holds its own copy of the model and talks only inside itself (tests compare layouts this way).
     Collective over the world: every rank must call it with the same sizes.
-    Raises ParallelConfigError when ``dp*cp*tp`` is not the world size or tp != 1.
+    Raises ParallelConfigError when ``replicas*dp*cp*tp`` is not the world size or tp != 1.
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; launch with torchrun or ringtune.dist.spawn")
     world = dist.get_world_size()
-    for name, value in (("dp", dp), ("cp", cp), ("tp", tp)):
+    for name, value in (("dp", dp), ("cp", cp), ("tp", tp), ("replicas", replicas)):
         if value < 1:
             raise ParallelConfigError(f"{name} must be >= 1, got {value}")
-    if dp * cp * tp != world:
-        raise ParallelConfigError(f"dp*cp*tp = {dp}*{cp}*{tp} = {dp * cp * tp} must equal the world size {world}")
+    if replicas * dp * cp * tp != world:
+        raise ParallelConfigError(
+            f"replicas*dp*cp*tp = {replicas}*{dp}*{cp}*{tp} = {replicas * dp * cp * tp} "
+            f"must equal the world size {world}"
+        )
     if tp != 1:
         raise ParallelConfigError(f"tp={tp}: tensor parallelism is reserved and must be 1 for now")
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    mesh = init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+    if replicas == 1:
+        mesh = init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
+        replica = 0
+    else:
+        full = init_device_mesh(device_type, (replicas, dp, cp, tp), mesh_dim_names=("replica", "dp", "cp", "tp"))
+        replica = full.get_coordinate()[0]
+        mesh = full["dp", "cp", "tp"]
     coords = mesh.get_coordinate()
     assert coords is not None
     dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
@@ -84,4 +97,5 @@ def build_mesh(*, dp: int, cp: int, tp: int = 1, device_type: str | None = None)
         cp_group=mesh.get_group("cp"),
         dp_group=mesh.get_group("dp"),
         dp_cp_group=dp_cp.get_group(),
+        replica=replica,
     )

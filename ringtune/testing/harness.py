@@ -37,10 +37,11 @@ class RankContext:
     _meshes: dict[tuple[int, int, int], ParallelMesh] = field(default_factory=dict)
 
     def mesh(self, *, dp: int, cp: int, tp: int = 1) -> ParallelMesh:
-        """The DP×CP×TP mesh over the whole pool (collective on first use of a shape)."""
+        """The DP×CP×TP mesh over the pool; smaller than the pool, it is replicated side by side (cached)."""
         key = (dp, cp, tp)
         if key not in self._meshes:
-            self._meshes[key] = build_mesh(dp=dp, cp=cp, tp=tp, device_type="cpu")
+            replicas = self.world_size // (dp * cp * tp)
+            self._meshes[key] = build_mesh(dp=dp, cp=cp, tp=tp, replicas=replicas, device_type="cpu")
         return self._meshes[key]
 
 

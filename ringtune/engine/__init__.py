@@ -1,0 +1,1 @@
+"""The training engine: batches, microbatches, gradient reduction, optimizer, checkpoints."""

@@ -1,0 +1,66 @@
+"""AdamW with the hyper-parameters of each optim_step call, global grad-norm clipping and its metrics."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ringtune.errors import UserInputError
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamParams:
+    """Tinker's ``AdamParams`` (same names and defaults as the SDK)."""
+
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+    def validate(self) -> None:
+        """UserInputError naming the field, value and limit; checked before anything changes."""
+        checks = (
+            ("learning_rate", self.learning_rate, self.learning_rate >= 0, ">= 0"),
+            ("beta1", self.beta1, 0 <= self.beta1 < 1, "in [0, 1)"),
+            ("beta2", self.beta2, 0 <= self.beta2 < 1, "in [0, 1)"),
+            ("eps", self.eps, self.eps > 0, "> 0"),
+            ("weight_decay", self.weight_decay, self.weight_decay >= 0, ">= 0"),
+            ("grad_clip_norm", self.grad_clip_norm, self.grad_clip_norm >= 0, ">= 0 (0 = off)"),
+        )
+        for name, value, ok, limit in checks:
+            if not (isinstance(value, int | float) and math.isfinite(value) and ok):
+                raise UserInputError(f"adam_params.{name}={value!r} must be {limit}")
+
+
+def global_grad_norm(params: list[torch.nn.Parameter]) -> float:
+    """L2 norm of every gradient together, in float64 (the gradients are already the global SUM)."""
+    total = 0.0
+    for p in params:
+        if p.grad is not None:
+            total += float(p.grad.detach().double().pow(2).sum())
+    return math.sqrt(total)
+
+
+def adamw_step(optimizer: torch.optim.AdamW, params: list[torch.nn.Parameter], adam: AdamParams) -> float:
+    """Clip to ``adam.grad_clip_norm`` (0 = off), apply AdamW with ``adam``'s hyper-parameters; returns the norm.
+
+    The grad norm reported is the one before clipping.
+    """
+    norm = global_grad_norm(params)
+    if adam.grad_clip_norm > 0 and norm > adam.grad_clip_norm:
+        scale = adam.grad_clip_norm / (norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    for group in optimizer.param_groups:
+        group["lr"] = adam.learning_rate
+        group["betas"] = (adam.beta1, adam.beta2)
+        group["eps"] = adam.eps
+        group["weight_decay"] = adam.weight_decay
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm

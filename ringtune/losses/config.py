@@ -1,0 +1,243 @@
+"""Which Tinker loss a request asks for, its config, and the per-datum inputs it must carry.
+
+Everything here runs where a request enters (the engine, before any forward), and raises
+:class:`~ringtune.errors.UserInputError` naming the field, the value and what is allowed. See
+../shared/docs/tinker-protocol.md section 9 for the losses and their SDK names.
+
+Choices this module makes (the SDK and the docs leave them open):
+
+- ``loss_fn_config`` keys are checked per loss: ppo / cispo / gspo take ``clip_low_threshold`` and
+  ``clip_high_threshold``, dro takes ``beta``, cross_entropy and importance_sampling take none. Any
+  other key is an error (a typo must not silently train with a default).
+- Defaults: ppo and gspo clip to [0.8, 1.2] (thresholds on the ratio itself, not epsilons), cispo
+  to [0.0, 4.0], dro ``beta = 0.05`` (the docs' example value; the service documents none).
+  Thresholds must satisfy ``0 <= low <= high``; ``beta >= 0``; every value finite.
+- ``loss_fn_inputs`` may hold only keys the SDK knows (``INPUT_KEYS``). Known keys a loss does not
+  use are accepted and ignored (the client-side custom path sends cross_entropy with whatever the
+  user's datums carried); the cookbook's ``mask`` is accepted and ignored.
+- Per-token ``clip_low_threshold`` / ``clip_high_threshold`` tensors override the config thresholds
+  token by token for ppo, cispo and gspo (ignored by the other losses).
+- ``target_tokens`` must be an integer tensor of token ids >= 0 (the vocab bound is the model's to
+  check), shape ``[N]``, or ``[N, K]`` (K >= 1) for cross_entropy only, whose ``weights`` must then
+  be ``[N, K]`` as well. Every other key is ``[N]``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from numbers import Real
+
+import torch
+
+from ringtune.errors import UserInputError
+
+LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
+"""The built-in Tinker losses ringtune computes."""
+
+_REJECTED_LOSS_FNS = {
+    "stable_reinforce": (
+        "it needs per-sequence stability info recorded by the sampler, which this server does not keep; "
+        "use importance_sampling or ppo"
+    ),
+    "custom": (
+        "server-side uploaded losses are not supported; use forward_backward_custom (the SDK's "
+        "client-side path), which sends cross_entropy"
+    ),
+}
+
+CLIP_KEYS = ("clip_low_threshold", "clip_high_threshold")
+
+CONFIG_KEYS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": (),
+    "importance_sampling": (),
+    "ppo": CLIP_KEYS,
+    "cispo": CLIP_KEYS,
+    "gspo": CLIP_KEYS,
+    "dro": ("beta",),
+}
+"""The ``loss_fn_config`` keys each loss accepts."""
+
+CLIP_DEFAULTS: dict[str, tuple[float, float]] = {"ppo": (0.8, 1.2), "gspo": (0.8, 1.2), "cispo": (0.0, 4.0)}
+"""Default ``(clip_low_threshold, clip_high_threshold)`` of the clipped losses."""
+
+DRO_DEFAULT_BETA = 0.05
+"""dro's ``beta`` when the request gives none (the Tinker docs' example value; the service documents none)."""
+
+INPUT_KEYS = (
+    "target_tokens",
+    "weights",
+    "logprobs",
+    "advantages",
+    "sequence_ratio_mask",
+    "clip_low_threshold",
+    "clip_high_threshold",
+    "mask",
+)
+"""Every ``loss_fn_inputs`` key the SDK knows; any other key is refused."""
+
+_RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LossConfig:
+    """A resolved loss choice. Build with :func:`parse_loss_config`.
+
+    Attributes:
+        loss_fn: one of :data:`LOSS_FNS`.
+        clip_low, clip_high: ratio thresholds of ppo / cispo / gspo (None for the other losses).
+        beta: dro's quadratic penalty weight (None for the other losses).
+    """
+
+    loss_fn: str
+    clip_low: float | None = None
+    clip_high: float | None = None
+    beta: float | None = None
+
+
+def check_loss_fn(loss_fn: str) -> str:
+    """Return ``loss_fn`` if ringtune computes it, else raise :class:`UserInputError` with the allowed set."""
+    if isinstance(loss_fn, str) and loss_fn in LOSS_FNS:
+        return loss_fn
+    why = _REJECTED_LOSS_FNS.get(loss_fn) if isinstance(loss_fn, str) else None
+    allowed = ", ".join(LOSS_FNS)
+    if why:
+        raise UserInputError(f"loss_fn={loss_fn!r} is not supported: {why} (supported: {allowed})")
+    raise UserInputError(f"loss_fn={loss_fn!r} is not a supported loss; choose one of: {allowed}")
+
+
+def parse_loss_config(loss_fn: str, config: Mapping[str, float] | None) -> LossConfig:
+    """Resolve a request's ``loss_fn`` and ``loss_fn_config`` into a :class:`LossConfig`.
+
+    Args:
+        loss_fn: the request's loss name.
+        config: the request's ``loss_fn_config`` (numbers only), or None / empty for the defaults.
+    Raises:
+        UserInputError: unknown loss (incl. ``stable_reinforce`` and ``custom``), a key the loss does
+            not take, a value that is not a finite real number, ``low > high``, ``low < 0`` or ``beta < 0``.
+    """
+    loss_fn = check_loss_fn(loss_fn)
+    allowed = CONFIG_KEYS[loss_fn]
+    values: dict[str, float] = {}
+    for key, value in (config or {}).items():
+        if key not in allowed:
+            takes = f"takes only {', '.join(allowed)}" if allowed else "takes no loss_fn_config keys"
+            raise UserInputError(f"loss_fn_config[{key!r}]={value!r}: loss_fn={loss_fn!r} {takes}")
+        if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(float(value)):
+            raise UserInputError(f"loss_fn_config[{key!r}]={value!r} must be a finite real number")
+        values[key] = float(value)
+    if loss_fn in CLIP_DEFAULTS:
+        low = values.get("clip_low_threshold", CLIP_DEFAULTS[loss_fn][0])
+        high = values.get("clip_high_threshold", CLIP_DEFAULTS[loss_fn][1])
+        if low < 0:
+            raise UserInputError(f"loss_fn_config['clip_low_threshold']={low} must be >= 0 (a ratio threshold)")
+        if low > high:
+            raise UserInputError(
+                f"loss_fn_config clip_low_threshold={low} > clip_high_threshold={high}; the ratio clip range "
+                f"needs low <= high (thresholds are on the ratio itself, e.g. 0.8 and 1.2)"
+            )
+        return LossConfig(loss_fn=loss_fn, clip_low=low, clip_high=high)
+    if loss_fn == "dro":
+        beta = values.get("beta", DRO_DEFAULT_BETA)
+        if beta < 0:
+            raise UserInputError(f"loss_fn_config['beta']={beta} must be >= 0")
+        return LossConfig(loss_fn=loss_fn, beta=beta)
+    return LossConfig(loss_fn=loss_fn)
+
+
+def required_inputs(loss_fn: str) -> tuple[str, ...]:
+    """The ``loss_fn_inputs`` keys every datum of ``loss_fn`` must carry."""
+    loss_fn = check_loss_fn(loss_fn)
+    if loss_fn == "cross_entropy":
+        return ("target_tokens", "weights")
+    if loss_fn == "gspo":
+        return (*_RL_INPUTS, "sequence_ratio_mask")
+    return _RL_INPUTS
+
+
+def default_input_value(config: LossConfig, key: str) -> float:
+    """The value to fill a per-token key with on a datum that does not send it (pads get 0 regardless).
+
+    When some datums of a batch send per-token ``clip_*_threshold`` tensors and others do not, the
+    engine builds the key for every datum: the others get the config threshold, so they behave as if
+    the key were absent. Any other key fills with 0.
+    """
+    if key == "clip_low_threshold" and config.clip_low is not None:
+        return config.clip_low
+    if key == "clip_high_threshold" and config.clip_high is not None:
+        return config.clip_high
+    return 0.0
+
+
+def _shape(t: torch.Tensor) -> list[int]:
+    return list(t.shape)
+
+
+def check_datum_inputs(loss_fn: str, index: int, n_tokens: int, inputs: Mapping[str, torch.Tensor]) -> None:
+    """Check one datum's ``loss_fn_inputs`` against ``loss_fn`` (see the module docstring for the rules).
+
+    Args:
+        loss_fn: the request's loss name.
+        index: the datum's index in the request (for the message).
+        n_tokens: N, the datum's ``model_input`` length (one loss position per input token).
+        inputs: the decoded tensors (dense; CSR already expanded).
+    Raises:
+        UserInputError: naming the datum index, the field, its shape (or value) and what was expected.
+    """
+    loss_fn = check_loss_fn(loss_fn)
+    where = f"datum {index} (loss_fn={loss_fn!r}, {n_tokens} model_input tokens)"
+    for key in inputs:
+        if key not in INPUT_KEYS:
+            raise UserInputError(f"{where}: unknown loss_fn_inputs key {key!r}; known keys: {', '.join(INPUT_KEYS)}")
+    missing = [key for key in required_inputs(loss_fn) if key not in inputs]
+    if missing:
+        raise UserInputError(
+            f"{where}: loss_fn_inputs lacks {', '.join(missing)}; {loss_fn} needs "
+            f"{', '.join(required_inputs(loss_fn))} (got {', '.join(inputs) or 'none'})"
+        )
+    targets = inputs["target_tokens"]
+    if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
+        raise UserInputError(f"{where}: loss_fn_inputs['target_tokens'] has dtype {targets.dtype}, expected int64 ids")
+    two_d = targets.dim() == 2 and targets.shape[0] == n_tokens and targets.shape[1] >= 1
+    if two_d and loss_fn != "cross_entropy":
+        raise UserInputError(
+            f"{where}: loss_fn_inputs['target_tokens'] has shape {_shape(targets)}; [N, K] targets are only for "
+            f"cross_entropy, {loss_fn} expects [{n_tokens}]"
+        )
+    if not (two_d or _shape(targets) == [n_tokens]):
+        expected = f"[{n_tokens}] or [{n_tokens}, K]" if loss_fn == "cross_entropy" else f"[{n_tokens}]"
+        raise UserInputError(
+            f"{where}: loss_fn_inputs['target_tokens'] has shape {_shape(targets)}, expected {expected} "
+            f"(one target per model_input token)"
+        )
+    if targets.numel() and int(targets.min()) < 0:
+        raise UserInputError(f"{where}: loss_fn_inputs['target_tokens'] holds {int(targets.min())}; ids must be >= 0")
+    for key, t in inputs.items():
+        if key == "target_tokens":
+            continue
+        expected_shape = _shape(targets) if key == "weights" else [n_tokens]
+        if _shape(t) != expected_shape:
+            note = " (the shape of target_tokens)" if key == "weights" else " (one value per model_input token)"
+            raise UserInputError(
+                f"{where}: loss_fn_inputs[{key!r}] has shape {_shape(t)}, expected {expected_shape}{note}"
+            )
+        if t.dtype.is_complex or t.dtype == torch.bool:
+            raise UserInputError(f"{where}: loss_fn_inputs[{key!r}] has dtype {t.dtype}, expected float32")
+        if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
+            bad = tuple(int(i) for i in (~torch.isfinite(t)).nonzero()[0])
+            raise UserInputError(
+                f"{where}: loss_fn_inputs[{key!r}][{', '.join(map(str, bad))}]={float(t[bad])} is not finite; "
+                f"every value must be finite"
+            )
+    for key in CLIP_KEYS:
+        if key in inputs and inputs[key].numel() and float(inputs[key].min()) < 0:
+            raise UserInputError(f"{where}: loss_fn_inputs[{key!r}] holds {float(inputs[key].min())}; must be >= 0")
+    if all(key in inputs for key in CLIP_KEYS):
+        above = inputs["clip_low_threshold"] > inputs["clip_high_threshold"]
+        if bool(above.any()):
+            t = int(above.nonzero()[0, 0])
+            raise UserInputError(
+                f"{where}: loss_fn_inputs clip_low_threshold[{t}]={float(inputs['clip_low_threshold'][t])} > "
+                f"clip_high_threshold[{t}]={float(inputs['clip_high_threshold'][t])}; needs low <= high"
+            )
