@@ -146,3 +146,25 @@ def test_bad_requests_change_nothing(checkpoint):
     trainer.optim_step(AdamParams(learning_rate=0.0))
     after = dict(trainer.model.named_parameters())
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_save_load_state_resumes_bit_identically(checkpoint, tmp_path):
+    def run(trainer, steps):
+        losses = []
+        for step in steps:
+            data = make_data(DATUM_LENS, "importance_sampling", trainer.model.config.vocab_size, seed=step)
+            losses.append(trainer.forward_backward(data, "importance_sampling").metrics["loss:sum"])
+            trainer.optim_step(AdamParams(learning_rate=1e-2 * (step + 1), grad_clip_norm=1.0))
+        return losses
+
+    straight = Trainer(load_hf(checkpoint, dtype=torch.float64), None, max_tokens_per_rank=256)
+    want = run(straight, range(4))
+    first = Trainer(load_hf(checkpoint, dtype=torch.float64), None, max_tokens_per_rank=256)
+    run(first, range(2))
+    first.save_state(str(tmp_path / "state"))
+    resumed = Trainer(load_hf(checkpoint, dtype=torch.float64), None, max_tokens_per_rank=256)
+    resumed.load_state(str(tmp_path / "state"))
+    assert resumed.step == 2
+    assert run(resumed, range(2, 4)) == want[2:]
+    resumed.export_hf(str(tmp_path / "hf"))
+    assert torch.equal(load_hf(tmp_path / "hf").model.norm.weight, resumed.model.model.norm.weight)

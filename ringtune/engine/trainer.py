@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ringtune.dist.mesh import ParallelMesh
+from ringtune.engine.checkpoint import export_hf_weights, load_checkpoint, save_checkpoint
 from ringtune.engine.gather import gather_row
 from ringtune.engine.gradients import GradientInvariant
 from ringtune.engine.memory import peak_memory_bytes
@@ -248,3 +249,24 @@ class Trainer:
             "peak_memory_gib:max": float(peak) / 2**30,
             "step:max": float(self.step),
         }
+
+    # ------------------------------------------------------------------ state
+
+    def save_state(self, path: str, *, extra: dict | None = None) -> None:
+        """Weights + AdamW state + step, atomically (torch.distributed.checkpoint); collective over the world."""
+        save_checkpoint(path, model=self.model, optimizer=self.optimizer, step=self.step, extra=extra)
+
+    def load_state(self, path: str, *, optimizer: bool = True) -> dict:
+        """Restore weights (and AdamW moments unless ``optimizer=False``: fresh moments); returns ``extra``.
+
+        Raises UserInputError (nothing changed) when the checkpoint is missing or for another model.
+        """
+        step, extra = load_checkpoint(path, model=self.model, optimizer=self.optimizer if optimizer else None)
+        if not optimizer:  # only after a successful load: a refused checkpoint changes nothing
+            self.optimizer = torch.optim.AdamW(self.params, lr=0.0)
+        self.step = step
+        return extra
+
+    def export_hf(self, path: str) -> None:
+        """The current weights as an HF checkpoint directory (for sampling); written by global rank 0."""
+        export_hf_weights(self.model, path)
