@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-FAULTS = (None, "average_over_group", "scale_by_microbatches")
-"""Fault injection for negative controls only."""
+FAULTS = (None, "average_over_group", "scale_by_microbatches", "fsdp_default_divide")
+"""Fault injection for negative controls only (the last one acts in :mod:`ringtune.engine.sharding`)."""
 
 
 class GradientInvariantError(RuntimeError):

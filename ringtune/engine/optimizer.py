@@ -45,12 +45,15 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> float:
     return math.sqrt(total)
 
 
-def adamw_step(optimizer: torch.optim.AdamW, params: list[torch.nn.Parameter], adam: AdamParams) -> float:
+def adamw_step(
+    optimizer: torch.optim.AdamW, params: list[torch.nn.Parameter], adam: AdamParams, *, norm: float | None = None
+) -> float:
     """Clip to ``adam.grad_clip_norm`` (0 = off), apply AdamW with ``adam``'s hyper-parameters; returns the norm.
 
-    The grad norm reported is the one before clipping.
+    The grad norm reported is the one before clipping: ``norm`` when given (sharded gradients, whose global
+    norm needs a collective: :func:`ringtune.engine.sharding.sharded_grad_norm`), else :func:`global_grad_norm`.
     """
-    norm = global_grad_norm(params)
+    norm = global_grad_norm(params) if norm is None else norm
     if adam.grad_clip_norm > 0 and norm > adam.grad_clip_norm:
         scale = adam.grad_clip_norm / (norm + 1e-6)
         for p in params:

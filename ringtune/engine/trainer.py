@@ -16,13 +16,14 @@ import torch
 import torch.distributed as dist
 
 from ringtune.dist.mesh import ParallelMesh
+from ringtune.engine import sharding
 from ringtune.engine.checkpoint import export_hf_weights, load_checkpoint, save_checkpoint
 from ringtune.engine.gather import gather_row
 from ringtune.engine.gradients import GradientInvariant
 from ringtune.engine.memory import peak_memory_bytes
 from ringtune.engine.optimizer import AdamParams, adamw_step
 from ringtune.engine.packing import PackingPlan, pack_datums
-from ringtune.errors import UserInputError
+from ringtune.errors import ParallelConfigError, UserInputError
 from ringtune.layout.zigzag import ZigzagPlan, zigzag_plan, zigzag_slice
 from ringtune.losses import check_datum_inputs, local_token_losses, parse_loss_config
 from ringtune.models.decoder import CausalLM
@@ -59,6 +60,9 @@ class Trainer:
         attention, gated_delta: CP modes (checked against the model's heads here, at build time).
         pad_multiplier: the per-rank stream is padded to a multiple of this.
         fault: negative controls only (see :mod:`ringtune.engine.gradients`).
+        shard_params: FSDP2 over DP, replicated over CP (:mod:`ringtune.engine.sharding`): parameters, gradients
+            and AdamW state are DTensors sharded over the DP group, gradients are SUMMED by FSDP during
+            backward (start-up probe checked); same numbers as the replicated engine.
     """
 
     def __init__(
@@ -71,6 +75,7 @@ class Trainer:
         gated_delta: str = "headwise",
         pad_multiplier: int = 8,
         fault: str | None = None,
+        shard_params: bool = False,
     ) -> None:
         self.model = model
         self.mesh = mesh
@@ -82,6 +87,12 @@ class Trainer:
         self.attention, self.gated_delta = attention, gated_delta
         self.pad_multiplier = pad_multiplier
         model.config.check_parallel(cp_size=self.cp_size, attention=attention, gated_delta=gated_delta)
+        self.fsdp_units: list = []
+        if shard_params:
+            if mesh is None:
+                raise ParallelConfigError("shard_params=True needs a mesh (it shards over the DP group); got None")
+            modes = {"attention": attention, "gated_delta": gated_delta}
+            self.fsdp_units = sharding.shard_params(model, mesh, **modes, fault=fault)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=0.0)
         self.invariant = GradientInvariant(self.dp_cp_group, fault=fault)
@@ -237,8 +248,14 @@ class Trainer:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        self.invariant.reduce_and_check([p.grad for p in self.params])
-        norm = adamw_step(self.optimizer, self.params, adam)
+        if self.fsdp_units:  # FSDP summed the param grads in backward; the canary is still reduced and checked
+            self.invariant.reduce_and_check([])
+            sharding.reshard_all(self.fsdp_units)
+            norm = sharding.sharded_grad_norm(self.params, self.mesh.dp_group)
+            norm = adamw_step(self.optimizer, self.params, adam, norm=norm)
+        else:
+            self.invariant.reduce_and_check([p.grad for p in self.params])
+            norm = adamw_step(self.optimizer, self.params, adam)
         self.step += 1
         peak = torch.tensor([float(peak_memory_bytes())], dtype=torch.float64)
         if self.dp_cp_group is not None:

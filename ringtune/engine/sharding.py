@@ -1,0 +1,173 @@
+"""Sharded parameters, gradients and AdamW state (FSDP2 over DP, replicated over CP) with the same numbers.
+
+``shard_params(model, mesh)`` applies ``torch.distributed.fsdp.fully_shard`` to every decoder layer and then to
+the root (embeddings, final norm, ``lm_head``) over a 2-D HSDP DeviceMesh ``("cp", "dp")``: parameters are
+DTensors ``(Replicate(), Shard(0))``, i.e. split along dim 0 over the DP group and identical on the ranks of a
+CP group, and AdamW built on them keeps sharded state. Forward all-gathers a unit's parameters; backward
+reduce-scatters its gradients over DP, all-reduces them over CP and adds them into the sharded ``.grad``, on
+every backward, so accumulation over microbatches and ``forward_backward`` calls stays a sum.
+
+The gradient rule (context-parallel.md §3) is a plain SUM over DP×CP. FSDP2 divides by the DP×CP size by
+default; every unit is set to ``set_gradient_divide_factor(1.0)`` with ``set_force_sum_reduction_for_comms(True)``
+(reductions are ``ReduceOp.SUM`` only: gloo has no PREMUL_SUM/AVG, and nothing is divided). The rule is
+checked, not trusted: :func:`shard_params` runs one probe backward of a fixed row on the replicated model
+before sharding and again through FSDP after, and every unit's reduced gradient must be DP·CP times the
+local one (:class:`GradientInvariantError` names the unit otherwise). Param gradients never pass through
+:func:`ringtune.engine.gradients.reduce_gradients`; the canary still does, so the per-step invariant keeps
+checking the loss path (no microbatch scaling) and the microbatch count.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.tensor import DTensor
+
+from ringtune.dist.mesh import ParallelMesh
+from ringtune.engine.gradients import GradientInvariantError
+from ringtune.models.decoder import CausalLM
+from ringtune.models.logprob_head import label_logprobs
+from ringtune.models.shard import shard_of
+
+PROBE_TOKENS = 16
+"""Length of the start-up probe row (run whole on every rank, no CP)."""
+
+
+def hsdp_mesh(mesh: ParallelMesh) -> DeviceMesh:
+    """The 2-D DeviceMesh ``("cp", "dp")`` of this replica (replicate over CP, shard over DP) for fully_shard.
+
+    Built with ``DeviceMesh.from_group`` on the mesh's own CP and DP groups: no new process group, so it is
+    local to the replica (meshes laid side by side do not have to call it together).
+    """
+    ranks = mesh.device_mesh.mesh[:, :, mesh.tp_rank].T.contiguous()  # [cp, dp] global ranks
+    return DeviceMesh.from_group(
+        [mesh.cp_group, mesh.dp_group], mesh.device_mesh.device_type, mesh=ranks, mesh_dim_names=("cp", "dp")
+    )
+
+
+def shard_params(
+    model: CausalLM, mesh: ParallelMesh, *, attention: str, gated_delta: str, fault: str | None = None
+) -> list[FSDPModule]:
+    """In place: FSDP2 on each decoder layer and on the root, SUM reductions, checked; returns the units.
+
+    Collective over the replica's DP×CP group (every rank calls it with an identical model). The root keeps
+    its parameters unsharded after forward (``reshard_after_forward=False``): the trainer reads
+    ``model.output_weight`` after ``hidden_states`` returns (the chunked head is outside the forward), and
+    the root's gradients are reduced by FSDP's end-of-backward callback. ``hidden_states`` is registered as
+    an FSDP forward method. ``fault="fsdp_default_divide"`` leaves the layers at FSDP's default (a mean),
+    for negative controls only. Raises GradientInvariantError if a unit's reduced gradient is not the SUM.
+    ``attention``/``gated_delta`` are the trainer's modes (the probe runs at CP 1, where every mode works).
+    """
+    probe = _probe_gradients(model, attention, gated_delta)
+    local = {name: _dim0_chunk(g, mesh.dp_size, mesh.dp_rank) for name, g in probe.items()}
+    del probe
+    device_mesh = hsdp_mesh(mesh)
+    units: list[FSDPModule] = []
+    for layer in model.model.layers:
+        units.append(fully_shard(layer, mesh=device_mesh, reshard_after_forward=True))
+    root = fully_shard(model, mesh=device_mesh, reshard_after_forward=False)
+    units.append(root)
+    register_fsdp_forward_method(model, "hidden_states")
+    for unit in units:
+        if fault == "fsdp_default_divide" and unit is not root:
+            continue
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+    reduced = _probe_gradients(model, attention, gated_delta)
+    _check_sum(model, units, local, reduced, mesh)
+    return units
+
+
+def reshard_all(units: list[FSDPModule]) -> None:
+    """Register the sharded parameters everywhere (the root stays unsharded after a forward without backward;
+    call before the optimizer changes the shards, so the next forward all-gathers the new values)."""
+    for unit in units:
+        unit.reshard()
+
+
+def sharded_grad_norm(params: list[torch.nn.Parameter], shard_group: dist.ProcessGroup) -> float:
+    """Global L2 norm of the sharded gradients, float64: local squared sums, one SUM all-reduce over DP.
+
+    The DP shards of a tensor partition it and the ranks of a CP group hold the same shards, so the
+    all-reduce over ``shard_group`` (the DP group) gives the norm of the full, already summed gradient.
+    """
+    total = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            total += g.detach().double().pow(2).sum()
+    dist.all_reduce(total, group=shard_group)
+    return math.sqrt(float(total))
+
+
+# ---------------------------------------------------------------------------------------------- the check
+
+
+def _probe_gradients(model: CausalLM, attention: str, gated_delta: str) -> dict[str, torch.Tensor]:
+    """Backward of a fixed whole row (same on every rank, CP 1): {name: grad}, then ``.grad`` is cleared.
+
+    On the sharded model the grads are FSDP's reduced local shards (through the trainer's access pattern:
+    ``hidden_states``, then ``output_weight``, then the chunked head).
+    """
+    vocab = model.config.vocab_size
+    ids = (torch.arange(PROBE_TOKENS, dtype=torch.int64) * 7 + 3) % vocab
+    labels = torch.roll(ids, -1)
+    labels[-1] = -100
+    shard = shard_of((PROBE_TOKENS,), attention=attention, gated_delta=gated_delta, pad_multiplier=8)
+    hidden = model.hidden_states(ids, shard)
+    label_logprobs(hidden, model.output_weight, labels).sum().backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            g = p.grad
+            grads[name] = torch.zeros(0) if g is None else (g.to_local() if isinstance(g, DTensor) else g).detach()
+            p.grad = None
+    return grads
+
+
+def _dim0_chunk(t: torch.Tensor, parts: int, index: int) -> torch.Tensor:
+    """FSDP2's dim-0 shard ``index`` of ``parts`` (torch.chunk; ranks past the last chunk hold an empty one)."""
+    chunks = torch.chunk(t, parts, dim=0)
+    return chunks[index].clone() if index < len(chunks) else t[:0].clone()
+
+
+def _check_sum(model: CausalLM, units: list[FSDPModule], local: dict, reduced: dict, mesh: ParallelMesh) -> None:
+    """Per unit, over its DP shards: reduced = DP·CP × local (ratio <reduced, local> / <local, local>, and the
+    relative residual |reduced − DP·CP·local| / |DP·CP·local|); a mean gives ratio 1, a wrong shard a residual."""
+    expected = float(mesh.dp_size * mesh.cp_size)
+    # float64: sums of DP·CP equal terms are exact or one rounding off; lower precisions round at every add.
+    rtol = 1e-9 if next(model.parameters()).dtype == torch.float64 else 1e-2
+    labels = [f"model.layers.{i}" for i in range(len(units) - 1)] + ["root"]
+    owner: dict[int, int] = {}
+    for i, unit in enumerate(units):  # layers first: the root's parameters() include theirs
+        for p in unit.parameters():
+            owner.setdefault(id(p), i)
+    sums = torch.zeros(len(units), 4, dtype=torch.float64)  # <got, want>, <want, want>, |got - W·want|², |W·want|²
+    for name, p in model.named_parameters():
+        if name not in local:
+            continue
+        want, got = local[name], reduced[name]
+        if got.numel() != want.numel():
+            raise GradientInvariantError(
+                f"FSDP probe: {name}'s local gradient shard has {got.numel()} elements, expected {want.numel()} "
+                f"(the dim-0 chunk {mesh.dp_rank} of {mesh.dp_size}); the sharding layout is not the one checked"
+            )
+        want, got = want.double().reshape(-1), got.double().reshape(-1)
+        scaled = expected * want
+        terms = [(got * want).sum(), (want * want).sum(), (got - scaled).pow(2).sum(), scaled.pow(2).sum()]
+        sums[owner[id(p)]] += torch.stack(terms)
+    dist.all_reduce(sums, group=mesh.dp_group)
+    for label, (cross, norm2, residual2, scale2) in zip(labels, sums.tolist(), strict=True):
+        if norm2 == 0:
+            raise GradientInvariantError(f"FSDP probe: unit {label} got no gradient from the probe row")
+        ratio, residual = cross / norm2, math.sqrt(residual2 / scale2)
+        if not math.isclose(ratio, expected, rel_tol=rtol) or residual > rtol:
+            raise GradientInvariantError(
+                f"gradient invariant violated: FSDP unit {label} reduced its gradients to {ratio:.6g} x the local "
+                f"one (relative residual {residual:.3g}), expected {expected:g} x (= DP·CP ranks, a SUM); FSDP "
+                "averages by default: every unit needs set_gradient_divide_factor(1.0)"
+            )
