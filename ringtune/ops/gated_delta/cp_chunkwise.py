@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from ringtune.dist.collectives import all_gather, ring_shift
 from ringtune.dist.relayout import contiguous_to_zigzag, zigzag_to_contiguous
@@ -41,6 +42,23 @@ def _halo_mask(plan: ZigzagPlan, kernel_minus_one: int) -> torch.Tensor:
     seg_start = max(b for b in global_segment_bounds(plan) if b <= part.start)
     positions = torch.arange(part.start - kernel_minus_one, part.start)
     return positions >= seg_start
+
+
+def _last_segment_summary(
+    mixed: torch.Tensor,
+    conv_weight: torch.Tensor,
+    context: torch.Tensor | None,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    heads: tuple[int, int, int, int],
+) -> torch.Tensor:
+    """``[M | h_local]`` [Hv, Dk, Dk + Dv] of one segment of raw rows ``mixed`` (conv, L2 norm, affine scan)."""
+    hk, dk, hv, dv = heads
+    cu = torch.tensor([0, mixed.shape[0]], dtype=torch.int64)
+    conv = causal_conv1d(mixed, conv_weight, cu, initial_context=context)
+    _, kc, vc = unpack_qkv(conv, hk, dk, hv, dv)
+    M, h_local = gated_delta_affine_summary(kc, vc, cu, g=g, beta=beta, use_qk_l2norm=True)
+    return torch.cat([M[0], h_local[0]], dim=-1)
 
 
 def _carries(plan: ZigzagPlan) -> bool:
@@ -102,12 +120,18 @@ def chunkwise_gated_delta(
         if rank < size - 1 and hi > lo:
             seg = slice(lo, hi)
             seg_ctx = context[-1:] if context is not None else None
-            conv = causal_conv1d(mixed[seg], conv_weight, cu.new_tensor([0, hi - lo]), initial_context=seg_ctx)
-            _, kc, vc = unpack_qkv(conv, hk, dk, hv, dv)
-            M, h_local = gated_delta_affine_summary(
-                kc, vc, cu.new_tensor([0, hi - lo]), g=gc[seg], beta=bc[seg], use_qk_l2norm=True
+            # Recomputed in backward (activation checkpoint, local ops only): the scan carries Dk + Dv
+            # wide values, and keeping its activations would cost ~1.5x the core's on ranks 0..C-2.
+            summary = checkpoint(
+                _last_segment_summary,
+                mixed[seg],
+                conv_weight,
+                seg_ctx,
+                gc[seg],
+                bc[seg],
+                (hk, dk, hv, dv),
+                use_reentrant=False,
             )
-            summary = torch.cat([M[0], h_local[0]], dim=-1)  # [Hv, Dk, Dk + Dv]
         else:
             acc = torch.float64 if q.dtype == torch.float64 else torch.float32
             # In the graph (an empty sum) so this rank still joins the all-gather's backward.
