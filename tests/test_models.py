@@ -18,7 +18,7 @@ from ringtune.errors import ParallelConfigError, UserInputError
 from ringtune.layout import zigzag_slice
 from ringtune.models.checkpoints.hf import load_hf, save_hf
 from ringtune.models.shard import PackedShard, shard_of
-from ringtune.testing.tiny_models import LENGTHS, hf_model, packed_tokens
+from ringtune.testing.tiny_models import LENGTHS, hf_model, next_token_labels, packed_tokens
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,16 +41,6 @@ def our_label_logprobs(model, ids: torch.Tensor, lens: tuple[int, ...], shard: P
     local_ids = zigzag_slice(ids, shard.plan)
     local_labels = zigzag_slice(labels, shard.plan, pad_value=-100)
     return model.label_logprobs(local_ids, local_labels, shard), shard
-
-
-def next_token_labels(ids: torch.Tensor, lens: tuple[int, ...]) -> torch.Tensor:
-    """int64 [T]: the next token inside each sequence, -100 at each sequence's last token."""
-    labels = torch.full_like(ids, -100)
-    start = 0
-    for n in lens:
-        labels[start : start + n - 1] = ids[start + 1 : start + n]
-        start += n
-    return labels
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "llama", "qwen3"])

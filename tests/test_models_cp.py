@@ -13,18 +13,9 @@ from ringtune.layout import zigzag_slice
 from ringtune.models.checkpoints.hf import load_hf
 from ringtune.models.decoder import CausalLM
 from ringtune.models.shard import shard_of
-from ringtune.testing.tiny_models import LENGTHS, hf_model, packed_tokens
+from ringtune.testing.tiny_models import LENGTHS, hf_model, next_token_labels, packed_tokens
 
 ROWS = {"many_datums": LENGTHS, "lone_short": (1,), "mixed": (2, 3, 17, 30)}
-
-
-def next_token_labels(ids: torch.Tensor, lens: tuple[int, ...]) -> torch.Tensor:
-    labels = torch.full_like(ids, -100)
-    start = 0
-    for n in lens:
-        labels[start : start + n - 1] = ids[start + 1 : start + n]
-        start += n
-    return labels
 
 
 def _model(family: str, path) -> CausalLM:

@@ -65,9 +65,8 @@ def _before_split(seq_lens: tuple[int, ...], datum: int, split: int) -> slice:
     return slice(start, start + split)
 
 
-def _reference(layer, x_row, w_row, mask, seq_lens):
-    """No-CP run of the whole row: (out rows, input-grad rows, param grads)."""
-    shard = shard_of(seq_lens)
+def _run_shard(layer, x_row, w_row, mask, shard):
+    """Forward + backward of ``layer`` on ``shard`` of the row: (out, input leaf, param grads), grads cleared."""
     plan = shard.plan
     x = zigzag_slice(x_row, plan).requires_grad_()
     out = layer(x, shard)
@@ -75,7 +74,14 @@ def _reference(layer, x_row, w_row, mask, seq_lens):
     (out * weights).float().sum().backward()
     grads = _grads(layer)
     layer.zero_grad(set_to_none=True)
-    return row_order(out, [plan], [out.detach()]), row_order(x, [plan], [x.grad]), grads
+    return out, x, grads
+
+
+def _reference(layer, x_row, w_row, mask, seq_lens):
+    """No-CP run of the whole row: (out rows, input-grad rows, param grads)."""
+    shard = shard_of(seq_lens)
+    out, x, grads = _run_shard(layer, x_row, w_row, mask, shard)
+    return row_order(out, [shard.plan], [out.detach()]), row_order(x, [shard.plan], [x.grad]), grads
 
 
 def _cp_run(layer, x_row, w_row, mask, seq_lens, cp, rank, group, kind, mode):
@@ -83,12 +89,7 @@ def _cp_run(layer, x_row, w_row, mask, seq_lens, cp, rank, group, kind, mode):
     kwargs = {"attention": mode} if kind == "attention" else {"gated_delta": mode}
     shard = shard_of(seq_lens, cp_size=cp, cp_rank=rank, group=group, **kwargs)
     plan = shard.plan
-    x = zigzag_slice(x_row, plan).requires_grad_()
-    out = layer(x, shard)
-    weights = zigzag_slice(w_row * mask[:, None].to(w_row.dtype), plan)
-    (out * weights).float().sum().backward()
-    grads = _grads(layer)
-    layer.zero_grad(set_to_none=True)
+    out, x, grads = _run_shard(layer, x_row, w_row, mask, shard)
     for g in grads.values():
         dist.all_reduce(g, group=group)
     plans = [plan.for_rank(r) for r in range(cp)]

@@ -72,3 +72,13 @@ def packed_tokens(lens: tuple[int, ...], vocab: int, *, seed: int) -> torch.Tens
     """int64 [sum(lens)] random token ids."""
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (sum(lens),), generator=gen)
+
+
+def next_token_labels(ids: torch.Tensor, lens: tuple[int, ...]) -> torch.Tensor:
+    """int64 [T]: the next token inside each sequence of the packed row, -100 at each sequence's last token."""
+    labels = torch.full_like(ids, -100)
+    start = 0
+    for n in lens:
+        labels[start : start + n - 1] = ids[start + 1 : start + n]
+        start += n
+    return labels
