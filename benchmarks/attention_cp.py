@@ -9,7 +9,7 @@ value, the goal and PASS/FAIL. See benchmarks/README.md for what each figure mea
 3. max/mean attention work over ranks, zigzag vs a contiguous split (pure index math);
 4. time of ringtune's ring against PyTorch's experimental ring (``_templated_ring_attention``).
 
-Workers run in processes started by :func:`ringtune.dist.spawn`, so they live at module level.
+Workers run in processes started by :func:`ringtune.parallel.spawn`, so they live at module level.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringtune.dist import measure_comm, spawn
 from ringtune.layout.zigzag import ZigzagPlan, zigzag_plan, zigzag_slice
 from ringtune.ops.attention import cp_attention_fn, ring_attention
 from ringtune.ops.attention.schedule import contiguous_split_work, ring_work
+from ringtune.parallel import measure_comm, spawn
 
 MIB = 1024 * 1024
 QUICK_TOKENS = 4096

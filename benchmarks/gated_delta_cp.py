@@ -11,7 +11,7 @@ value, the goal and PASS/FAIL. See benchmarks/README.md and docs/gated_delta.md 
 2. peak memory per rank of the GDN core forward+backward, C=4 over C=1, both modes (fresh processes each),
    at the 4B head shapes divided by ``--heads-scale``; the bytes of these runs are checked against the model.
 
-Workers run in processes started by :func:`ringtune.dist.spawn`, so they live at module level. The memory
+Workers run in processes started by :func:`ringtune.parallel.spawn`, so they live at module level. The memory
 helpers are those of ``attention_cp.py`` (same directory; imported, not copied).
 """
 
@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 from attention_cp import MIB, _proc_status_kib, _quiet_stderr, reset_peak_rss, tensor_peak_bytes, verdict
 
-from ringtune.dist import all_gather, measure_comm, spawn
 from ringtune.layout.contiguous import relayout_plan
 from ringtune.layout.zigzag import ZigzagPlan, zigzag_plan
 from ringtune.ops.gated_delta.cp import gdn_cp_fn
 from ringtune.ops.gated_delta.inputs import compute_dtype
+from ringtune.parallel import all_gather, measure_comm, spawn
 
 QUICK_TOKENS = 4096
 MMAP_THRESHOLD = 4 * 1024 * 1024
@@ -83,7 +83,7 @@ def scaled_shape(heads_scale: int) -> GDNShape:
 def model_bytes(mode: str, plan: ZigzagPlan, shape: GDNShape, dtype: torch.dtype) -> tuple[int, int]:
     """(forward, backward) bytes rank ``plan.cp_rank`` sends in one GDN core layer under CP ``mode``.
 
-    Counted as :mod:`ringtune.dist.meter` counts them (bytes this rank puts on the wire, blocks for itself
+    Counted as :mod:`ringtune.parallel.meter` counts them (bytes this rank puts on the wire, blocks for itself
     excluded), with the stream in ``dtype`` and the chunkwise state summaries in its compute dtype. ``mode``:
 
     - ``headwise``: all-to-all of q/k/v/g/beta to head shards and of the output back, (C-1)/C of each;

@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ringtune.dist.launch import free_port, init_process_group
 from ringtune.engine.checkpoint import export_hf_weights, list_checkpoints, load_checkpoint, save_checkpoint
 from ringtune.errors import UserInputError
 from ringtune.layout.zigzag import zigzag_slice
@@ -30,6 +29,7 @@ from ringtune.models.checkpoints.hf import load_hf
 from ringtune.models.config import DecoderConfig
 from ringtune.models.decoder import CausalLM
 from ringtune.models.shard import shard_of
+from ringtune.parallel.launch import free_port, init_process_group
 from ringtune.testing.tiny_models import packed_tokens
 
 LENS = (5, 9, 3, 7)
@@ -177,7 +177,7 @@ def rank_entry(rank: int, world_size: int, init_method: str, fn, args: tuple, re
 
 
 def run_ranks(fn, world_size: int, *args) -> list:
-    """``ringtune.dist.spawn`` semantics (``fn(rank, *args)`` on fresh gloo ranks, results in rank order), but
+    """``ringtune.parallel.spawn`` semantics (``fn(rank, *args)`` on fresh gloo ranks, results in rank order), but
     forked from the preloaded forkserver: each rank starts in well under a second instead of re-importing torch.
     """
     ctx = fresh_context()

@@ -27,11 +27,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
-from ringtune.dist.mesh import ParallelMesh
 from ringtune.engine.gradients import GradientInvariantError
 from ringtune.models.decoder import CausalLM
 from ringtune.models.logprob_head import label_logprobs
 from ringtune.models.shard import shard_of
+from ringtune.parallel.mesh import ParallelMesh
 
 PROBE_TOKENS = 16
 """Length of the start-up probe row (run whole on every rank, no CP)."""

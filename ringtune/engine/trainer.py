@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ringtune.dist.mesh import ParallelMesh
 from ringtune.engine import sharding
 from ringtune.engine.checkpoint import export_hf_weights, load_checkpoint, save_checkpoint
 from ringtune.engine.gather import gather_row
@@ -29,6 +28,7 @@ from ringtune.losses import check_datum_inputs, local_token_losses, parse_loss_c
 from ringtune.models.decoder import CausalLM
 from ringtune.models.logprob_head import label_logprobs
 from ringtune.models.shard import PackedShard
+from ringtune.parallel.mesh import ParallelMesh
 
 IGNORE = -100
 

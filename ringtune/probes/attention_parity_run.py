@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ringtune.dist.launch import init_from_env, spawn
-from ringtune.dist.mesh import build_mesh
+from ringtune.parallel.launch import init_from_env, spawn
+from ringtune.parallel.mesh import build_mesh
 from ringtune.probes.attention_parity import FIELDS, AttentionShape, compare_attention
 from ringtune.testing.scenarios import SCENARIOS
 

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ringtune.dist.launch import init_from_env, spawn
 from ringtune.errors import ParallelConfigError
 from ringtune.layout.zigzag import zigzag_slice
 from ringtune.models.shard import shard_of
+from ringtune.parallel.launch import init_from_env, spawn
 from ringtune.probes.layer_probe import (
     ProbeSizes,
     build_layers,

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from ringtune.dist.launch import free_port, init_process_group
-from ringtune.dist.mesh import ParallelMesh, build_mesh
+from ringtune.parallel.launch import free_port, init_process_group
+from ringtune.parallel.mesh import ParallelMesh, build_mesh
 
 
 @dataclass

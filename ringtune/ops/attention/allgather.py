@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ringtune.dist.collectives import all_gather
 from ringtune.layout.contiguous import rank_major_to_global
 from ringtune.layout.zigzag import ZigzagPlan
 from ringtune.ops.attention.blocks import varlen_block_attention
 from ringtune.ops.attention.schedule import global_key_pairs
+from ringtune.parallel.collectives import all_gather
 
 
 def allgather_attention(

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ringtune.dist.collectives import RingExchange
 from ringtune.layout.zigzag import ZigzagPlan
 from ringtune.ops.attention.blocks import (
     accumulator_dtype,
@@ -28,6 +27,7 @@ from ringtune.ops.attention.blocks import (
 )
 from ringtune.ops.attention.kernels import BlockKernel, select_block_kernel
 from ringtune.ops.attention.schedule import BlockPair, ring_step_pairs
+from ringtune.parallel.collectives import RingExchange
 
 KV_TAG, DKV_TAG = 0, 1
 

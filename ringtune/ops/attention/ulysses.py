@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ringtune.dist.collectives import all_to_all, all_to_all_raw
 from ringtune.errors import ParallelConfigError
 from ringtune.layout.contiguous import rank_major_to_global
 from ringtune.layout.zigzag import ZigzagPlan
 from ringtune.ops.attention.blocks import varlen_block_attention
 from ringtune.ops.attention.schedule import causal_pairs
+from ringtune.parallel.collectives import all_to_all, all_to_all_raw
 
 
 def check_ulysses_heads(num_heads: int, num_kv_heads: int, cp_size: int) -> None:

@@ -21,14 +21,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from ringtune.dist.collectives import all_gather, ring_shift
-from ringtune.dist.relayout import contiguous_to_zigzag, zigzag_to_contiguous
 from ringtune.errors import ParallelConfigError
 from ringtune.layout.contiguous import contiguous_part, global_segment_bounds, relayout_plan
 from ringtune.layout.zigzag import ZigzagPlan
 from ringtune.ops.gated_delta.conv import causal_conv1d
 from ringtune.ops.gated_delta.core import gated_delta_core, pack_qkv, unpack_qkv
 from ringtune.ops.gated_delta.summary import gated_delta_affine_summary
+from ringtune.parallel.collectives import all_gather, ring_shift
+from ringtune.parallel.relayout import contiguous_to_zigzag, zigzag_to_contiguous
 
 FAULTS = (None, "drop_state", "drop_halo")
 """Fault injection for negative controls only: drop the state hand-off or the conv halo."""

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ringtune.dist.collectives import all_to_all
 from ringtune.layout.contiguous import RelayoutPlan
+from ringtune.parallel.collectives import all_to_all
 
 
 def _inverse(index: torch.Tensor) -> torch.Tensor:

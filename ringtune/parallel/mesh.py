@@ -62,7 +62,7 @@ def build_mesh(*, dp: int, cp: int, tp: int = 1, replicas: int = 1, device_type:
     Raises ParallelConfigError when ``replicas*dp*cp*tp`` is not the world size or tp != 1.
     """
     if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialised; launch with torchrun or ringtune.dist.spawn")
+        raise RuntimeError("torch.distributed is not initialised; launch with torchrun or ringtune.parallel.spawn")
     world = dist.get_world_size()
     for name, value in (("dp", dp), ("cp", cp), ("tp", tp), ("replicas", replicas)):
         if value < 1:

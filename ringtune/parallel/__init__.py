@@ -1,15 +1,15 @@
 """Distributed runtime: the DP×CP×TP mesh, launchers and autograd-aware collectives."""
 
-from ringtune.dist.collectives import (
+from ringtune.parallel.collectives import (
     RingExchange,
     all_gather,
     all_to_all,
     reduce_scatter,
     ring_shift,
 )
-from ringtune.dist.launch import init_from_env, spawn
-from ringtune.dist.mesh import ParallelMesh, build_mesh
-from ringtune.dist.meter import measure_comm
+from ringtune.parallel.launch import init_from_env, spawn
+from ringtune.parallel.mesh import ParallelMesh, build_mesh
+from ringtune.parallel.meter import measure_comm
 
 __all__ = [
     "ParallelMesh",

@@ -2,7 +2,7 @@
 
 Each forward has the matching backward: all-gather <-> reduce-scatter (SUM), all-to-all <-> the
 all-to-all with counts swapped, ring shift <-> the reverse ring shift. All operate on dim 0 of a
-contiguous tensor and report their bytes to :mod:`ringtune.dist.meter`. With a group of size 1 every
+contiguous tensor and report their bytes to :mod:`ringtune.parallel.meter`. With a group of size 1 every
 one is the identity (no communication).
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from ringtune.dist.meter import record_sent
+from ringtune.parallel.meter import record_sent
 
 
 def _size(group: dist.ProcessGroup) -> int:

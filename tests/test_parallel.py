@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ringtune.dist import all_gather, all_to_all, measure_comm, reduce_scatter, ring_shift, spawn
-from ringtune.dist.mesh import build_mesh
 from ringtune.errors import ParallelConfigError
+from ringtune.parallel import all_gather, all_to_all, measure_comm, reduce_scatter, ring_shift, spawn
+from ringtune.parallel.mesh import build_mesh
 
 
 def mesh_case(ctx, *, dp: int, cp: int):
@@ -117,8 +117,8 @@ def test_spawn_returns_rank_order_and_reports_failures():
 
 def relayout_case(ctx, *, cp: int, seq_lens: tuple[int, ...]):
     """zigzag -> contiguous gives the global padded stream's part; back gives the shard; grads too."""
-    from ringtune.dist.relayout import contiguous_to_zigzag, zigzag_to_contiguous
     from ringtune.layout import relayout_plan, zigzag_plan
+    from ringtune.parallel.relayout import contiguous_to_zigzag, zigzag_to_contiguous
 
     mesh = ctx.mesh(dp=ctx.world_size // cp, cp=cp)
     plan = zigzag_plan(seq_lens, cp_size=cp, cp_rank=mesh.cp_rank, pad_multiplier=4)
