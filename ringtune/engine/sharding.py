@@ -43,9 +43,9 @@ def hsdp_mesh(mesh: ParallelMesh) -> DeviceMesh:
     Built with ``DeviceMesh.from_group`` on the mesh's own CP and DP groups: no new process group, so it is
     local to the replica (meshes laid side by side do not have to call it together).
     """
-    ranks = mesh.device_mesh.mesh[:, :, mesh.tp_rank].T.contiguous()  # [cp, dp] global ranks
+    ranks = mesh.ranks[:, :, mesh.tp_rank].T.contiguous()  # [cp, dp] global ranks
     return DeviceMesh.from_group(
-        [mesh.cp_group, mesh.dp_group], mesh.device_mesh.device_type, mesh=ranks, mesh_dim_names=("cp", "dp")
+        [mesh.cp_group, mesh.dp_group], mesh.device_type, mesh=ranks, mesh_dim_names=("cp", "dp")
     )
 
 

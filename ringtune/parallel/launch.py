@@ -11,11 +11,14 @@ import os
 import socket
 import traceback
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from ringtune.parallel.mesh import DEFAULT_TIMEOUT_S, control_timeout_s
 
 
 def free_port() -> int:
@@ -25,18 +28,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_process_group(*, rank: int, world_size: int, init_method: str, backend: str = "gloo") -> None:
-    """Initialise the default process group (CPU threads kept at one per rank when several share a host)."""
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
+def world_timeout(timeout_s: float) -> timedelta:
+    """The default (world) group's timeout for data timeout ``timeout_s``: the control groups' timeout.
+
+    The world group carries what every rank waits on together (checkpoint saves, mesh construction).
+    """
+    return timedelta(seconds=control_timeout_s(timeout_s))
 
 
-def init_from_env(backend: str | None = None) -> int:
+def init_process_group(
+    *, rank: int, world_size: int, init_method: str, backend: str = "gloo", timeout_s: float = DEFAULT_TIMEOUT_S
+) -> None:
+    """Initialise the default process group with a bounded timeout (see :func:`world_timeout`)."""
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=world_timeout(timeout_s)
+    )
+
+
+def init_from_env(backend: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
     """Initialise from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR/PORT); returns the rank."""
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=world_timeout(timeout_s))
     return dist.get_rank()
 
 

@@ -1,19 +1,39 @@
-"""The DP×CP×TP device mesh (TP reserved, size 1 for now) on torch.distributed.
+"""The DP×CP×TP device mesh (TP reserved, size 1 for now) on torch.distributed, with bounded timeouts.
 
 Rank order is TP fastest, then CP, then DP: ``rank = (dp_rank·cp + cp_rank)·tp + tp_rank``, so a CP
-group holds neighbouring ranks. Built on ``torch.distributed.device_mesh`` so that later FSDP2/TP
-code can take the same mesh.
+group holds neighbouring ranks. Several independent meshes may lie side by side in one world
+(``replicas``, replica slowest); each talks only inside itself.
+
+Every group is created here with an explicit timeout (seconds, not torch's 30-minute default):
+
+- the **data groups** (CP, DP, DP×CP) carry the tensors of a step, on the compute backend (gloo on CPU,
+  NCCL on CUDA), with ``timeout_s``: a rank whose peer failed before a collective raises after at most
+  that long instead of waiting;
+- the **control group** (gloo, the DP×CP ranks) carries request objects and agreed verdicts
+  (:mod:`ringtune.parallel.control`). Its timeout is longer (:func:`control_timeout_s`), so that a rank
+  that failed early can wait in the agreement for a peer that is still timing out on a data group.
+
+Groups are created with ``use_local_synchronization``: only the members of a group take part, so one
+replica can :func:`rebuild_mesh` its data groups after a failure without the rest of the world.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from ringtune.errors import ParallelConfigError
+
+DEFAULT_TIMEOUT_S = 120.0
+"""Data-group collective timeout: a rank left waiting by a failed peer raises after this many seconds."""
+
+
+def control_timeout_s(timeout_s: float) -> float:
+    """The control group's timeout for data timeout ``timeout_s``: room for a peer to time out first."""
+    return 2 * timeout_s + 30.0
 
 
 def default_backend(device_type: str) -> str:
@@ -26,15 +46,20 @@ class ParallelMesh:
     """A DP×CP×TP mesh and the process groups the ops talk over.
 
     Attributes:
-        device_mesh: the torch DeviceMesh with dims ("dp", "cp", "tp").
+        ranks: int64 [dp, cp, tp], the global rank at each coordinate of this replica.
+        device_type: "cpu" or "cuda".
         dp_size, cp_size, tp_size / dp_rank, cp_rank, tp_rank: sizes and this process's coordinates.
         cp_group: the ranks that share one packed row (ring / all-gather / all-to-all attention).
         dp_group: the ranks that hold different rows at the same CP and TP coordinate.
         dp_cp_group: every rank that holds a replica of the parameters (gradients SUM over it).
+        control_group: gloo group over the same ranks as ``dp_cp_group``, for objects and verdicts.
+        timeout_s: the data groups' collective timeout.
         replica: index of this independent mesh when several share the world (``build_mesh(replicas=)``).
+        generation: how many times the data groups were rebuilt (:func:`rebuild_mesh`).
     """
 
-    device_mesh: DeviceMesh
+    ranks: torch.Tensor
+    device_type: str
     dp_size: int
     cp_size: int
     tp_size: int
@@ -44,29 +69,60 @@ class ParallelMesh:
     cp_group: dist.ProcessGroup
     dp_group: dist.ProcessGroup
     dp_cp_group: dist.ProcessGroup
+    control_group: dist.ProcessGroup
+    timeout_s: float = DEFAULT_TIMEOUT_S
     replica: int = 0
+    generation: int = 0
 
     @property
     def device(self) -> torch.device:
-        if self.device_mesh.device_type == "cuda":
+        if self.device_type == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
-        return torch.device(self.device_mesh.device_type)
+        return torch.device(self.device_type)
+
+    @property
+    def size(self) -> int:
+        """Ranks in this replica (dp·cp·tp)."""
+        return self.dp_size * self.cp_size * self.tp_size
 
 
-def build_mesh(*, dp: int, cp: int, tp: int = 1, replicas: int = 1, device_type: str | None = None) -> ParallelMesh:
+def _group(ranks: list[int], backend: str, timeout_s: float) -> dist.ProcessGroup:
+    return dist.new_group(
+        ranks=ranks, backend=backend, timeout=timedelta(seconds=timeout_s), use_local_synchronization=True
+    )
+
+
+def _data_groups(ranks: torch.Tensor, coords: tuple[int, int, int], backend: str, timeout_s: float):
+    """This rank's CP, DP and DP×CP groups; only members call each (CP first, then DP, then DP×CP)."""
+    d, c, t = coords
+    cp_group = _group(ranks[d, :, t].tolist(), backend, timeout_s)
+    dp_group = _group(ranks[:, c, t].tolist(), backend, timeout_s)
+    dp_cp_group = _group(ranks[:, :, t].flatten().tolist(), backend, timeout_s)
+    return cp_group, dp_group, dp_cp_group
+
+
+def build_mesh(
+    *,
+    dp: int,
+    cp: int,
+    tp: int = 1,
+    replicas: int = 1,
+    device_type: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> ParallelMesh:
     """Build the mesh over the whole (already initialised) default process group.
 
     ``replicas > 1`` lays that many independent DP×CP×TP meshes side by side (rank order: replica slowest);
     each holds its own copy of the model and talks only inside itself (tests compare layouts this way).
-    Collective over the world: every rank must call it with the same sizes.
-    Raises ParallelConfigError when ``replicas*dp*cp*tp`` is not the world size or tp != 1.
+    Every rank of the world calls it with the same sizes (each creates only the groups it belongs to).
+    Raises ParallelConfigError when ``replicas*dp*cp*tp`` is not the world size, tp != 1 or a timeout <= 0.
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; launch with torchrun or ringtune.parallel.spawn")
     world = dist.get_world_size()
     for name, value in (("dp", dp), ("cp", cp), ("tp", tp), ("replicas", replicas)):
-        if value < 1:
-            raise ParallelConfigError(f"{name} must be >= 1, got {value}")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ParallelConfigError(f"{name} must be an int >= 1, got {value!r}")
     if replicas * dp * cp * tp != world:
         raise ParallelConfigError(
             f"replicas*dp*cp*tp = {replicas}*{dp}*{cp}*{tp} = {replicas * dp * cp * tp} "
@@ -74,28 +130,45 @@ def build_mesh(*, dp: int, cp: int, tp: int = 1, replicas: int = 1, device_type:
         )
     if tp != 1:
         raise ParallelConfigError(f"tp={tp}: tensor parallelism is reserved and must be 1 for now")
+    if not timeout_s > 0:
+        raise ParallelConfigError(f"timeout_s={timeout_s!r} must be > 0 seconds")
     if device_type is None:
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    if replicas == 1:
-        mesh = init_device_mesh(device_type, (dp, cp, tp), mesh_dim_names=("dp", "cp", "tp"))
-        replica = 0
-    else:
-        full = init_device_mesh(device_type, (replicas, dp, cp, tp), mesh_dim_names=("replica", "dp", "cp", "tp"))
-        replica = full.get_coordinate()[0]
-        mesh = full["dp", "cp", "tp"]
-    coords = mesh.get_coordinate()
-    assert coords is not None
-    dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
+    rank = dist.get_rank()
+    replica = rank // (dp * cp * tp)
+    ranks = torch.arange(replica * dp * cp * tp, (replica + 1) * dp * cp * tp).reshape(dp, cp, tp)
+    local = rank - replica * dp * cp * tp
+    coords = (local // (cp * tp), local // tp % cp, local % tp)
+    backend = default_backend(device_type)
+    cp_group, dp_group, dp_cp_group = _data_groups(ranks, coords, backend, timeout_s)
+    control_group = _group(ranks[:, :, coords[2]].flatten().tolist(), "gloo", control_timeout_s(timeout_s))
     return ParallelMesh(
-        device_mesh=mesh,
+        ranks=ranks,
+        device_type=device_type,
         dp_size=dp,
         cp_size=cp,
         tp_size=tp,
         dp_rank=coords[0],
         cp_rank=coords[1],
         tp_rank=coords[2],
-        cp_group=mesh.get_group("cp"),
-        dp_group=mesh.get_group("dp"),
-        dp_cp_group=dp_cp.get_group(),
+        cp_group=cp_group,
+        dp_group=dp_group,
+        dp_cp_group=dp_cp_group,
+        control_group=control_group,
+        timeout_s=timeout_s,
         replica=replica,
     )
+
+
+def rebuild_mesh(mesh: ParallelMesh) -> ParallelMesh:
+    """Fresh data groups for ``mesh`` (same ranks, same control group), after a failure left them unusable.
+
+    When one rank fails between collectives, its peers time out inside a data collective that the failed
+    rank never entered: the groups' sequence numbers no longer match and the next collective would pair
+    the wrong messages. After the ranks have agreed on the failure (over the control group, which stays
+    in step), every rank of the replica calls this together. The old data groups are dropped.
+    """
+    backend = default_backend(mesh.device_type)
+    groups = _data_groups(mesh.ranks, (mesh.dp_rank, mesh.cp_rank, mesh.tp_rank), backend, mesh.timeout_s)
+    cp_group, dp_group, dp_cp_group = groups
+    return replace(mesh, cp_group=cp_group, dp_group=dp_group, dp_cp_group=dp_cp_group, generation=mesh.generation + 1)

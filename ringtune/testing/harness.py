@@ -25,7 +25,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ringtune.parallel.launch import free_port, init_process_group
-from ringtune.parallel.mesh import ParallelMesh, build_mesh
+from ringtune.parallel.mesh import DEFAULT_TIMEOUT_S, ParallelMesh, build_mesh
 
 
 @dataclass
@@ -34,6 +34,7 @@ class RankContext:
 
     rank: int
     world_size: int
+    timeout_s: float = DEFAULT_TIMEOUT_S
     _meshes: dict[tuple[int, int, int], ParallelMesh] = field(default_factory=dict)
 
     def mesh(self, *, dp: int, cp: int, tp: int = 1) -> ParallelMesh:
@@ -41,7 +42,9 @@ class RankContext:
         key = (dp, cp, tp)
         if key not in self._meshes:
             replicas = self.world_size // (dp * cp * tp)
-            self._meshes[key] = build_mesh(dp=dp, cp=cp, tp=tp, replicas=replicas, device_type="cpu")
+            self._meshes[key] = build_mesh(
+                dp=dp, cp=cp, tp=tp, replicas=replicas, device_type="cpu", timeout_s=self.timeout_s
+            )
         return self._meshes[key]
 
 
@@ -62,10 +65,10 @@ def _resolve(module: str, path: str | None, qualname: str) -> Callable:
     return obj
 
 
-def _worker(rank: int, world_size: int, init_method: str, tasks, results) -> None:
+def _worker(rank: int, world_size: int, init_method: str, timeout_s: float, tasks, results) -> None:
     torch.set_num_threads(1)
-    init_process_group(rank=rank, world_size=world_size, init_method=init_method)
-    ctx = RankContext(rank=rank, world_size=world_size)
+    init_process_group(rank=rank, world_size=world_size, init_method=init_method, timeout_s=timeout_s)
+    ctx = RankContext(rank=rank, world_size=world_size, timeout_s=timeout_s)
     while True:
         task = tasks.get()
         if task is None:
@@ -81,9 +84,11 @@ def _worker(rank: int, world_size: int, init_method: str, tasks, results) -> Non
 class RankPool:
     """``world_size`` gloo ranks on this host waiting for cases; see the module docstring."""
 
-    def __init__(self, world_size: int, *, timeout: float = 600.0) -> None:
+    def __init__(self, world_size: int, *, timeout: float = 600.0, collective_timeout_s: float = DEFAULT_TIMEOUT_S):
+        """``timeout``: seconds a case may take; ``collective_timeout_s``: the meshes' data-group timeout."""
         self.world_size = world_size
         self.timeout = timeout
+        self.collective_timeout_s = collective_timeout_s
         self._procs: list[Any] = []
         self._start()
 
@@ -95,7 +100,7 @@ class RankPool:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, self.world_size, init_method, self._tasks[r], self._results),
+                args=(r, self.world_size, init_method, self.collective_timeout_s, self._tasks[r], self._results),
                 daemon=True,
             )
             for r in range(self.world_size)

@@ -1,0 +1,153 @@
+"""Control collectives: objects and verdicts over a mesh's control group (gloo), never the data path.
+
+What a request-serving engine needs so that every rank does the same thing:
+
+- :func:`broadcast_object`: a request (any picklable object) from the source rank to every rank;
+- :func:`agree`: every rank learns whether any rank failed, and every rank raises the same error (the
+  first failing rank's), so no rank goes on into a collective that another rank will never enter;
+- :func:`gather_object_to`: per-rank objects onto one rank (results);
+- :func:`run_on_source`: run a function on one rank (a file write), give its result or error to all.
+
+``group=None`` means a single process: every function is then local (no communication). All ranks of
+``group`` must call each function together, in the same order.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+from ringtune.errors import UserInputError
+
+T = TypeVar("T")
+
+_NOT_CAUGHT = (KeyboardInterrupt, SystemExit, GeneratorExit)
+"""BaseExceptions that end the process rather than a request; everything else (DCP's CheckpointException is a
+BaseException) is caught and agreed on."""
+
+
+class RankFailedError(RuntimeError):
+    """Another rank of the group failed with a server-side error (a bug, a fault, a dead peer).
+
+    Attributes:
+        rank: the group rank that failed first; ``error_type``: its exception's class name.
+    """
+
+    def __init__(self, message: str, *, rank: int = -1, error_type: str = "RuntimeError") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.error_type = error_type
+
+    def __reduce__(self):
+        return (_rank_failed_error, (str(self), self.rank, self.error_type))
+
+
+def _rank_failed_error(message: str, rank: int, error_type: str) -> RankFailedError:
+    return RankFailedError(message, rank=rank, error_type=error_type)
+
+
+def _size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _rank(group: dist.ProcessGroup | None) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def broadcast_object(obj: Any, group: dist.ProcessGroup | None, *, src: int = 0) -> Any:
+    """``obj`` of group rank ``src`` on every rank of ``group`` (others pass anything, e.g. None)."""
+    if _size(group) == 1:
+        return obj
+    box = [obj if _rank(group) == src else None]
+    dist.broadcast_object_list(box, group=group, group_src=src)
+    return box[0]
+
+
+def gather_object_to(obj: Any, group: dist.ProcessGroup | None, *, dst: int = 0) -> list[Any] | None:
+    """Every rank's ``obj`` in group-rank order on ``dst``; None on the other ranks."""
+    if _size(group) == 1:
+        return [obj]
+    parts: list[Any] | None = [None] * _size(group) if _rank(group) == dst else None
+    dist.gather_object(obj, parts, group=group, group_dst=dst)
+    return parts
+
+
+def _portable(error: BaseException, rank: int) -> BaseException:
+    """``error`` itself if it survives pickling (same type and message elsewhere), else a RankFailedError."""
+    described = f"{type(error).__name__}: {error}"
+    if isinstance(error, UserInputError | RankFailedError):
+        try:
+            pickle.loads(pickle.dumps(error))
+            return error
+        except Exception:
+            return UserInputError(str(error))
+    return RankFailedError(f"rank {rank} failed: {described}", rank=rank, error_type=type(error).__name__)
+
+
+def agree(error: BaseException | None, group: dist.ProcessGroup | None) -> None:
+    """Collective verdict: return on every rank if no rank passed an error, else raise on every rank.
+
+    The error raised is the first failing rank's (lowest group rank): a :class:`UserInputError` (or
+    subclass) travels as itself, with its message; anything else becomes a :class:`RankFailedError` naming
+    the rank and the original type and message. The rank that had the chosen error re-raises its own
+    exception (with its traceback); every other rank raises the agreed copy.
+    """
+    if _size(group) == 1:
+        if error is not None:
+            raise error
+        return
+    rank = _rank(group)
+    mine = None if error is None else _portable(error, rank)
+    verdicts: list[Any] = [None] * _size(group)
+    dist.all_gather_object(verdicts, mine, group=group)
+    failed = [(r, e) for r, e in enumerate(verdicts) if e is not None]
+    if not failed:
+        return
+    first_rank, first = failed[0]
+    if first_rank == rank and error is not None and mine is error:
+        raise error
+    raise first from error
+
+
+def agreed_call(fn: Callable[[], T], group: dist.ProcessGroup | None) -> T:
+    """Run ``fn()`` on every rank, then :func:`agree` on whether it raised anywhere; its value if none did."""
+    error: BaseException | None = None
+    value: Any = None
+    try:
+        value = fn()
+    except _NOT_CAUGHT:
+        raise
+    except BaseException as exc:
+        error = exc
+    agree(error, group)
+    return value
+
+
+def run_on_source(fn: Callable[[], T], group: dist.ProcessGroup | None, *, src: int = 0) -> T:
+    """Run ``fn`` on group rank ``src`` only and return its result on every rank (doubles as a barrier).
+
+    If ``fn`` raises on ``src``, every rank raises (see :func:`agree` for which error).
+    """
+    error: BaseException | None = None
+    value: Any = None
+    if _rank(group) == src:
+        try:
+            value = fn()
+        except _NOT_CAUGHT:
+            raise
+        except BaseException as exc:
+            error = exc
+    if _size(group) == 1:
+        if error is not None:
+            raise error
+        return value
+    box = broadcast_object((error is None, value if error is None else _portable(error, src)), group, src=src)
+    ok, payload = box
+    if ok:
+        return payload
+    if error is not None:
+        raise error
+    raise payload
