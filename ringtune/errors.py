@@ -15,3 +15,7 @@ class LayoutError(UserInputError):
 
 class ParallelConfigError(UserInputError):
     """A parallel mode that does not fit the model or mesh (e.g. heads not divisible by CP)."""
+
+
+class NonFiniteError(UserInputError):
+    """A request whose loss, gradient or update is not finite (inf/NaN); it was refused and changed nothing."""

@@ -232,3 +232,25 @@ def test_default_tile_fits_budget_at_qwen_vocab() -> None:
             assert plan.vocab * dim * elem <= DEFAULT_MAX_CHUNK_BYTES and plan.tokens >= 1024
     small = plan_tiles(torch.empty(0, 64, device="meta"), torch.empty(vocab, 64, device="meta"), max_chunk_bytes=2**19)
     assert small.tokens == 1 and small.vocab == 2**17
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_k_labels_per_token_equal_k_single_label_passes(dtype):
+    """[T, K] labels: one tile pass serves all K; values and gradients equal K separate [T] passes."""
+    gen = torch.Generator().manual_seed(5)
+    hidden = torch.randn(23, 16, generator=gen, dtype=dtype, requires_grad=True)
+    weight = torch.randn(97, 16, generator=gen, dtype=dtype, requires_grad=True)
+    labels = torch.randint(0, 97, (23, 4), generator=gen)
+    labels[3] = -100  # an unscored row
+    labels[5, 2] = -100  # one unscored entry in a scored row
+    grad_out = torch.randn(23, 4, generator=gen, dtype=torch.float64)
+    got = label_logprobs(hidden, weight, labels, chunk_tokens=5, chunk_vocab=30)
+    d_hidden, d_weight = torch.autograd.grad(got, (hidden, weight), grad_out.to(got.dtype))
+    want = torch.stack([reference_label_logprobs(hidden, weight, labels[:, k]) for k in range(4)], 1)
+    w_hidden, w_weight = torch.autograd.grad(want, (hidden, weight), grad_out.to(want.dtype))
+    tol = 1e-12 if dtype == torch.float64 else 2e-5  # float32: tile-wise log-sum-exp vs one log_softmax
+    assert got.shape == (23, 4) and torch.equal(got[3], torch.zeros(4, dtype=got.dtype)) and got[5, 2] == 0
+    assert torch.allclose(got, want, atol=tol, rtol=tol)
+    assert torch.allclose(d_hidden, w_hidden, atol=tol, rtol=tol)
+    assert torch.allclose(d_weight, w_weight, atol=tol, rtol=tol)
+    assert torch.equal(reference_label_logprobs(hidden, weight, labels), want.detach().where(labels != -100, 0.0))

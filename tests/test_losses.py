@@ -21,7 +21,7 @@ from ringtune.losses import (
     LOSS_FNS,
     LossConfig,
     check_datum_inputs,
-    default_input_value,
+    input_default,
     local_token_losses,
     loss_metrics,
     parse_loss_config,
@@ -92,8 +92,8 @@ def make_row(seq_lens: tuple[int, ...], seed: int, variant: str):
             lo = 0.7 + 0.25 * torch.rand(n, generator=gen, dtype=torch.float64)
             hi = 1.05 + 0.3 * torch.rand(n, generator=gen, dtype=torch.float64)
             if d % 2:
-                lo = torch.full((n,), default_input_value(config, "clip_low_threshold"), dtype=torch.float64)
-                hi = torch.full((n,), default_input_value(config, "clip_high_threshold"), dtype=torch.float64)
+                lo = torch.full((n,), input_default(config, "clip_low_threshold"), dtype=torch.float64)
+                hi = torch.full((n,), input_default(config, "clip_high_threshold"), dtype=torch.float64)
             datum["clip_low_threshold"], datum["clip_high_threshold"] = lo, hi
         check_datum_inputs(loss_fn, d, n, datum)
         for key, value in datum.items():
@@ -277,7 +277,7 @@ def test_local_float32_and_single_process_matches_reference():
 def test_local_rejects_bad_shapes():
     config = parse_loss_config("ppo", None)
     lp = torch.zeros(4, 2)
-    with pytest.raises(ValueError, match="only cross_entropy takes"):
+    with pytest.raises(ValueError, match=r"only \(.cross_entropy., .importance_sampling.\) take"):
         local_token_losses(config, lp, {}, datum_index=torch.zeros(4, dtype=torch.int64), num_datums=1, group=None)
     with pytest.raises(ValueError, match="datum_index"):
         local_token_losses(
@@ -371,7 +371,7 @@ def _rl(n: int = 4, **extra):
         (
             "ppo",
             _rl(target_tokens=torch.zeros(4, 2, dtype=torch.int64)),
-            ["'target_tokens'", "[4, 2]", "only for cross_entropy"],
+            ["'target_tokens'", "[4, 2]", "only for cross_entropy and importance_sampling"],
         ),
         ("ppo", _rl(target_tokens=torch.zeros(3, dtype=torch.int64)), ["'target_tokens'", "[3]", "expected [4]"]),
         ("ppo", _rl(target_tokens=torch.zeros(4)), ["'target_tokens'", "torch.float32", "int64"]),
@@ -424,8 +424,12 @@ def test_check_datum_inputs_accepts():
         check_datum_inputs("stable_reinforce", 0, 4, _rl())
 
 
-def test_default_input_value():
+def test_input_default():
     config = parse_loss_config("cispo", None)
-    assert default_input_value(config, "clip_low_threshold") == 0.0
-    assert default_input_value(config, "clip_high_threshold") == 4.0
-    assert default_input_value(config, "weights") == 0.0
+    assert input_default(config, "clip_low_threshold") == 0.0
+    assert input_default(config, "clip_high_threshold") == 4.0
+    assert input_default(config, "mask") == 1.0
+    with pytest.raises(UserInputError, match=r"loss_fn_inputs\['weights'\] has no default"):
+        input_default(config, "weights")
+    with pytest.raises(UserInputError, match="has no default"):
+        input_default(parse_loss_config("cross_entropy", None), "clip_low_threshold")

@@ -54,6 +54,28 @@ class GradientInvariant:
         """Record that every rank of the group ran ``microbatches_per_rank`` microbatches."""
         self.expected += microbatches_per_rank * self.group_size
 
+    def take(self) -> tuple[torch.Tensor | None, int]:
+        """Set aside what has been accumulated (canary gradient, expected count) and start from zero."""
+        saved = (self.canary.grad, self.expected)
+        self.canary.grad = None
+        self.expected = 0
+        return saved
+
+    def restore(self, saved: tuple[torch.Tensor | None, int]) -> None:
+        """Drop what was accumulated since :meth:`take` and put ``saved`` back (a refused request)."""
+        self.canary.grad, self.expected = saved
+
+    def merge(self, saved: tuple[torch.Tensor | None, int]) -> None:
+        """Add ``saved`` (from :meth:`take`) to what was accumulated since (a request that succeeded)."""
+        grad, expected = saved
+        if grad is not None:
+            self.canary.grad = grad if self.canary.grad is None else grad + self.canary.grad
+        self.expected += expected
+
+    def reset(self) -> None:
+        """Forget everything accumulated (the gradients were dropped)."""
+        self.take()
+
     def reduce_and_check(self, grads: list[torch.Tensor]) -> None:
         """Reduce ``grads`` and the canary together over the group, then require canary == expected."""
         canary = self.canary.grad if self.canary.grad is not None else torch.zeros((), dtype=torch.float64)

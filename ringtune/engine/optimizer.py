@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from numbers import Real
 
 import torch
 
@@ -22,18 +23,26 @@ class AdamParams:
     grad_clip_norm: float = 0.0
 
     def validate(self) -> None:
-        """UserInputError naming the field, value and limit; checked before anything changes."""
-        checks = (
-            ("learning_rate", self.learning_rate, self.learning_rate >= 0, ">= 0"),
-            ("beta1", self.beta1, 0 <= self.beta1 < 1, "in [0, 1)"),
-            ("beta2", self.beta2, 0 <= self.beta2 < 1, "in [0, 1)"),
-            ("eps", self.eps, self.eps > 0, "> 0"),
-            ("weight_decay", self.weight_decay, self.weight_decay >= 0, ">= 0"),
-            ("grad_clip_norm", self.grad_clip_norm, self.grad_clip_norm >= 0, ">= 0 (0 = off)"),
-        )
-        for name, value, ok, limit in checks:
-            if not (isinstance(value, int | float) and math.isfinite(value) and ok):
-                raise UserInputError(f"adam_params.{name}={value!r} must be {limit}")
+        """UserInputError naming the field, value and limit; checked before anything changes.
+
+        Every field must be a real number (bools and strings are refused), finite and within its range.
+        """
+        limits = {
+            "learning_rate": (lambda v: v >= 0, ">= 0"),
+            "beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+            "beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+            "eps": (lambda v: v > 0, "> 0"),
+            "weight_decay": (lambda v: v >= 0, ">= 0"),
+            "grad_clip_norm": (lambda v: v >= 0, ">= 0 (0 = off)"),
+        }
+        for name, (ok, limit) in limits.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, Real):
+                raise UserInputError(
+                    f"adam_params.{name}={value!r} ({type(value).__name__}) must be a real number {limit}"
+                )
+            if not (math.isfinite(float(value)) and ok(float(value))):
+                raise UserInputError(f"adam_params.{name}={value!r} must be finite and {limit}")
 
 
 def global_grad_norm(params: list[torch.nn.Parameter]) -> float:

@@ -1,50 +1,69 @@
-"""The training engine: Tinker forward / forward_backward / optim_step over a DP×CP mesh.
+"""The training engine: Tinker forward / forward_backward / optim_step over a DP×CP mesh, all-or-nothing.
 
-Every rank of the mesh calls the same methods with the same request. The request is validated and packed
-first (a user error changes nothing); then each DP rank runs its microbatches, each a packed row split
-over the CP group by the zigzag layout. Per-datum outputs are gathered to full length (one CP all-reduce
-per microbatch) and collected on the result rank (rank 0 of the DP×CP group). Gradients accumulate
-locally over calls and are SUMMED over DP×CP at optim_step, checked by the gradient invariant.
+Every rank of the mesh calls the same methods with the same request. A request is first turned into a
+validated :class:`~ringtune.engine.batch.Batch` (a pure function: a user error is raised on every rank
+alike, before any compute). Then each DP rank runs its microbatches, each a packed row split over the CP
+group by the zigzag layout. Per-datum outputs are gathered to full length (one CP all-reduce per
+microbatch) and collected on the result rank (rank 0 of the DP×CP group). Gradients accumulate locally
+over calls and are SUMMED over DP×CP at optim_step, checked by the gradient invariant.
+
+All-or-nothing: a request either completes on every rank or leaves weights, AdamW state, accumulated
+gradients and the step unchanged on every rank, and every rank raises the same error. The ranks agree on
+the outcome over the mesh's control group (:mod:`ringtune.parallel.control`) before anything is kept:
+
+- forward_backward sets the gradients accumulated so far aside, runs the request into fresh ones, and
+  adds them only when every rank succeeded and every loss and gradient is finite (else
+  :class:`~ringtune.errors.NonFiniteError` naming the datums); otherwise it puts the old ones back;
+- a rank that fails in the middle (a fault, a bug) leaves its peers waiting in a data collective until
+  the mesh's timeout; after the agreement the data groups are rebuilt (their sequence numbers no longer
+  match) and the trainer is usable again. A rank that died or hung is fatal: every later call raises.
+- optim_step refuses a step whose summed gradient is not finite or whose weights are not finite (weights,
+  moments and step untouched; the accumulated gradients are dropped).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ringtune.engine import sharding
+from ringtune.engine.batch import MAX_TARGET_K, Batch, TrainDatum, build_batch
 from ringtune.engine.checkpoint import export_hf_weights, load_checkpoint, save_checkpoint
 from ringtune.engine.gather import gather_row
 from ringtune.engine.gradients import GradientInvariant
 from ringtune.engine.memory import peak_memory_bytes
-from ringtune.engine.optimizer import AdamParams, adamw_step
-from ringtune.engine.packing import PackingPlan, pack_datums
-from ringtune.errors import ParallelConfigError, UserInputError
+from ringtune.engine.optimizer import AdamParams, adamw_step, global_grad_norm
+from ringtune.errors import NonFiniteError, ParallelConfigError
 from ringtune.layout.zigzag import ZigzagPlan, zigzag_plan, zigzag_slice
-from ringtune.losses import check_datum_inputs, local_token_losses, parse_loss_config
+from ringtune.losses import PER_TARGET_KEYS, local_token_losses
 from ringtune.models.decoder import CausalLM
-from ringtune.models.logprob_head import label_logprobs
 from ringtune.models.shard import PackedShard
-from ringtune.parallel.mesh import ParallelMesh
+from ringtune.ops.cp_modes import DEFAULT_ATTENTION, DEFAULT_GATED_DELTA
+from ringtune.parallel.control import (
+    RankFailedError,
+    agree,
+    agreed_call,
+    all_gather_objects,
+    gather_object_to,
+)
+from ringtune.parallel.mesh import ParallelMesh, rebuild_mesh
 
 IGNORE = -100
 
+__all__ = ["ForwardBackwardResult", "TrainDatum", "Trainer"]
 
-@dataclass(frozen=True)
-class TrainDatum:
-    """One Tinker datum: ``tokens`` int64 [N] (the model input) and its ``loss_fn_inputs`` (leading dim N)."""
-
-    tokens: torch.Tensor
-    inputs: Mapping[str, torch.Tensor]
+_NOT_CAUGHT = (KeyboardInterrupt, SystemExit, GeneratorExit)
 
 
 @dataclass(frozen=True)
 class ForwardBackwardResult:
-    """``outputs[i]`` = {"logprobs", "elementwise_loss"} of datum i (request order), full length; on the
-    result rank only (None elsewhere). ``metrics`` likewise ({} elsewhere)."""
+    """``outputs[i]`` = {"logprobs", "elementwise_loss"} of datum i (request order), full length ([N] or
+    [N, K] like its targets); on the result rank only (None elsewhere). ``metrics`` likewise ({} elsewhere)."""
 
     outputs: list[dict[str, torch.Tensor]] | None
     metrics: dict[str, float]
@@ -57,12 +76,18 @@ class Trainer:
         model: this rank's replica (identical on every rank of the DP×CP group).
         mesh: the DP×CP mesh, or None for a single process.
         max_tokens_per_rank: the per-rank token budget of a microbatch.
-        attention, gated_delta: CP modes (checked against the model's heads here, at build time).
+        attention, gated_delta: CP modes (names from :mod:`ringtune.ops.cp_modes`; checked against the
+            model's heads here, at build time).
         pad_multiplier: the per-rank stream is padded to a multiple of this.
+        max_target_k: cap on K of ``[N, K]`` targets.
         fault: negative controls only (see :mod:`ringtune.engine.gradients`).
         shard_params: FSDP2 over DP, replicated over CP (:mod:`ringtune.engine.sharding`): parameters, gradients
             and AdamW state are DTensors sharded over the DP group, gradients are SUMMED by FSDP during
             backward (start-up probe checked); same numbers as the replicated engine.
+
+    Attributes:
+        microbatch_hook: a test/debug seam, ``hook(microbatch_index)`` called on this rank before each
+            microbatch of a request (fault injection raises from it). None in normal use.
     """
 
     def __init__(
@@ -71,9 +96,10 @@ class Trainer:
         mesh: ParallelMesh | None,
         *,
         max_tokens_per_rank: int,
-        attention: str = "ring",
-        gated_delta: str = "headwise",
+        attention: str = DEFAULT_ATTENTION,
+        gated_delta: str = DEFAULT_GATED_DELTA,
         pad_multiplier: int = 8,
+        max_target_k: int = MAX_TARGET_K,
         fault: str | None = None,
         shard_params: bool = False,
     ) -> None:
@@ -81,11 +107,12 @@ class Trainer:
         self.mesh = mesh
         self.dp_size, self.dp_rank = (mesh.dp_size, mesh.dp_rank) if mesh else (1, 0)
         self.cp_size, self.cp_rank = (mesh.cp_size, mesh.cp_rank) if mesh else (1, 0)
-        self.cp_group = mesh.cp_group if mesh else None
-        self.dp_cp_group = mesh.dp_cp_group if mesh else None
+        self.control_group = mesh.control_group if mesh else None
+        self._bind_groups()
         self.max_tokens_per_rank = max_tokens_per_rank
         self.attention, self.gated_delta = attention, gated_delta
         self.pad_multiplier = pad_multiplier
+        self.max_target_k = max_target_k
         model.config.check_parallel(cp_size=self.cp_size, attention=attention, gated_delta=gated_delta)
         self.fsdp_units: list = []
         if shard_params:
@@ -93,52 +120,111 @@ class Trainer:
                 raise ParallelConfigError("shard_params=True needs a mesh (it shards over the DP group); got None")
             modes = {"attention": attention, "gated_delta": gated_delta}
             self.fsdp_units = sharding.shard_params(model, mesh, **modes, fault=fault)
+        self.names = {id(p): n for n, p in model.named_parameters()}
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=0.0)
         self.invariant = GradientInvariant(self.dp_cp_group, fault=fault)
         self.invariant.startup_check()
         self.step = 0
+        self.microbatch_hook: Callable[[int], None] | None = None
+        self.broken: str | None = None
+
+    def _bind_groups(self) -> None:
+        self.cp_group = self.mesh.cp_group if self.mesh else None
+        self.dp_cp_group = self.mesh.dp_cp_group if self.mesh else None
 
     @property
     def is_result_rank(self) -> bool:
         """True on the one rank that returns results (rank 0 of the DP×CP group)."""
-        return self.dp_cp_group is None or dist.get_rank(self.dp_cp_group) == 0
+        return self.control_group is None or dist.get_rank(self.control_group) == 0
 
-    # ------------------------------------------------------------------ request validation
+    def _check_usable(self) -> None:
+        if self.broken is not None:
+            raise RankFailedError(f"this trainer can no longer run requests: {self.broken}; restart the server")
 
-    def _validate(self, data: Sequence[TrainDatum], loss_fn: str, loss_config: Mapping[str, float] | None):
-        config = parse_loss_config(loss_fn, loss_config)
-        vocab = self.model.config.vocab_size
-        target_ndim = None
-        for i, d in enumerate(data):
-            tokens = d.tokens
-            if tokens.ndim != 1 or tokens.dtype != torch.int64:
-                raise UserInputError(
-                    f"data[{i}].model_input: expected int64 [N] tokens, got {tokens.dtype} {tuple(tokens.shape)}"
-                )
-            if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
-                raise UserInputError(
-                    f"data[{i}].model_input: token ids must be in [0, {vocab}); got {int(tokens.max())}"
-                )
-            check_datum_inputs(loss_fn, i, tokens.numel(), d.inputs)
-            targets = d.inputs["target_tokens"]
-            if int(targets.min()) < 0 or int(targets.max()) >= vocab:
-                raise UserInputError(f"data[{i}].loss_fn_inputs.target_tokens: ids must be in [0, {vocab})")
-            if target_ndim is None:
-                target_ndim = (targets.ndim, targets.shape[1:])
-            elif (targets.ndim, targets.shape[1:]) != target_ndim:
-                raise UserInputError(
-                    f"data[{i}].loss_fn_inputs.target_tokens: shape {tuple(targets.shape)} differs from data[0]'s "
-                    "trailing shape; one request holds [N] or [N, K] targets with one K"
-                )
-        plan = pack_datums(
-            [d.tokens.numel() for d in data],
+    # ------------------------------------------------------------------ requests
+
+    def build_batch(self, data: Sequence[Any], loss_fn: str, loss_config: Mapping[str, Any] | None) -> Batch:
+        """The validated, planned request (pure; raises UserInputError). See :mod:`ringtune.engine.batch`."""
+        return build_batch(
+            data,
+            loss_fn,
+            loss_config,
+            vocab_size=self.model.config.vocab_size,
             dp_size=self.dp_size,
             cp_size=self.cp_size,
             max_tokens_per_rank=self.max_tokens_per_rank,
             pad_multiplier=self.pad_multiplier,
+            max_target_k=self.max_target_k,
         )
-        return config, plan
+
+    def forward_backward(
+        self,
+        data: Sequence[Any],
+        loss_fn: str,
+        loss_config: Mapping[str, Any] | None = None,
+        *,
+        forward_only: bool = False,
+    ) -> ForwardBackwardResult:
+        """Tinker ``forward_backward`` (or ``forward`` with ``forward_only``); collective over the whole mesh.
+
+        Gradients are added to this rank's local accumulators (reduced at :meth:`optim_step`) only if the
+        request succeeds on every rank. Raises UserInputError (before any compute) for an invalid request,
+        NonFiniteError for a non-finite loss or gradient, RankFailedError when another rank failed; in
+        every case on every rank, with nothing changed.
+        """
+        self._check_usable()
+        batch = agreed_call(lambda: self.build_batch(data, loss_fn, loss_config), self.control_group)
+        return self.run_batch(batch, forward_only=forward_only)
+
+    def forward(self, data: Sequence[Any], loss_fn: str = "cross_entropy", loss_config=None) -> ForwardBackwardResult:
+        """Tinker ``forward``: outputs and loss, no gradients (accumulated ones are left alone)."""
+        return self.forward_backward(data, loss_fn, loss_config, forward_only=True)
+
+    def run_batch(self, batch: Batch, *, forward_only: bool = False) -> ForwardBackwardResult:
+        """Run a validated :class:`Batch` (identical on every rank) all-or-nothing; see :meth:`forward_backward`."""
+        self._check_usable()
+        stash = None if forward_only else self._take_gradients()
+        mine: dict[int, dict[str, torch.Tensor]] = {}
+        suspects: set[int] = set()
+        error: BaseException | None = None
+        count = batch.plan.microbatches_per_rank
+        rows = zip(batch.plan.rows[self.dp_rank], batch.plan.local_lens[self.dp_rank], strict=True)
+        try:
+            for m, (row, local_len) in enumerate(rows):
+                if self.microbatch_hook is not None:
+                    self.microbatch_hook(m)
+                out, bad = self._microbatch(batch, row, local_len, backward=not forward_only, flagged=bool(suspects))
+                mine.update(out)
+                suspects |= bad
+        except _NOT_CAUGHT:
+            raise
+        except BaseException as exc:
+            error = exc
+        try:
+            verdicts = all_gather_objects((error is not None, sorted(suspects)), self.control_group)
+            repair = any(raised for raised, _ in verdicts)
+            bad = sorted({i for _, found in verdicts for i in found})
+            if error is None and bad:
+                error = NonFiniteError(
+                    f"{'forward' if forward_only else 'forward_backward'} refused: non-finite loss or gradient "
+                    f"from data[{', '.join(map(str, bad[:16]))}]{' ...' if len(bad) > 16 else ''} "
+                    f"(loss_fn={batch.loss.loss_fn!r}); check their weights/advantages/logprobs for huge values. "
+                    "Nothing was accumulated."
+                )
+            agree(error, self.control_group)
+        except BaseException as exc:
+            if stash is not None:
+                self._restore_gradients(stash)
+            if not isinstance(exc, RankFailedError | NonFiniteError) and error is None:
+                self.broken = f"the control group failed ({type(exc).__name__}: {exc})"
+            elif repair:
+                self._repair()
+            raise
+        if stash is not None:
+            self._merge_gradients(stash)
+            self.invariant.count(count)
+        return self._collect(mine if self.cp_rank == 0 else {}, batch)
 
     # ------------------------------------------------------------------ one microbatch
 
@@ -147,9 +233,17 @@ class Trainer:
             lens, cp_size=self.cp_size, cp_rank=self.cp_rank, pad_multiplier=self.pad_multiplier, pad_to=local_len
         )
 
-    def _microbatch(self, data, row: tuple[int, ...], local_len: int, config, *, backward: bool, count: int):
-        """Run one packed row; returns {datum index: outputs} (full length, on every CP rank)."""
-        lens = [data[i].tokens.numel() for i in row]
+    def _microbatch(
+        self, batch: Batch, row: tuple[int, ...], local_len: int, *, backward: bool, flagged: bool
+    ) -> tuple[dict[int, dict[str, torch.Tensor]], set[int]]:
+        """Run one packed row (collective over the CP group).
+
+        Returns ({datum index: outputs} full length, on every CP rank; the datums of this row whose loss
+        or log-probs are not finite, or all of the row's datums if the gradient became non-finite here).
+        ``flagged``: a previous microbatch already made the gradient non-finite (not checked again).
+        """
+        members = [batch.datums[i] for i in row]
+        lens = [d.num_tokens for d in members]
         plan = self._row_plan(lens, local_len)
         shard = PackedShard(
             plan=plan,
@@ -158,112 +252,170 @@ class Trainer:
             attention=self.attention,
             gated_delta=self.gated_delta,
         )
-        # Every microbatch carries the request's keys (a pad-only one as empty tensors of the same trailing
+        # Every datum carries exactly batch.input_keys (a pad-only row: empty tensors of the same trailing
         # shapes), so every rank runs the same loss code and the same collectives.
-        template = data[0].inputs
-        members = [data[i] for i in row]
+        k_shape = () if batch.target_k is None else (batch.target_k,)
+        device = self.model.output_weight.device
+
+        per_target = {"target_tokens", *PER_TARGET_KEYS.get(batch.loss.loss_fn, ())}
+
+        def column(key: str, dtype: torch.dtype) -> torch.Tensor:
+            empty = torch.zeros((0, *(k_shape if key in per_target else ())), dtype=dtype)
+            return torch.cat([empty, *(d.inputs[key] for d in members)])
+
         ids = torch.cat([torch.zeros(0, dtype=torch.int64), *(d.tokens for d in members)])
-        targets = torch.cat([template["target_tokens"][:0], *(d.inputs["target_tokens"] for d in members)])
-        keys = [k for k in template if k != "target_tokens"]
-        inputs_row = {k: torch.cat([template[k][:0], *(d.inputs[k] for d in members)]) for k in keys}
+        targets = column("target_tokens", torch.int64)
+        values = {k: column(k, torch.float64) for k in batch.input_keys if k != "target_tokens"}
         datum_index = torch.repeat_interleave(torch.arange(len(row)), torch.tensor(lens, dtype=torch.int64))
-        local_ids = zigzag_slice(ids, plan)
-        local_targets = zigzag_slice(targets, plan, pad_value=IGNORE)
-        local_inputs = {k: zigzag_slice(v, plan) for k, v in inputs_row.items()}
-        local_datum = zigzag_slice(datum_index, plan, pad_value=-1)
+        local_ids = zigzag_slice(ids, plan).to(device)
+        local_targets = zigzag_slice(targets, plan, pad_value=IGNORE).to(device)
+        local_inputs = {k: zigzag_slice(v, plan).to(device) for k, v in values.items()}
+        local_datum = zigzag_slice(datum_index, plan, pad_value=-1).to(device)
+        bad: set[int] = set()
         with torch.set_grad_enabled(backward):
-            hidden = self.model.hidden_states(local_ids, shard)
-            weight = self.model.output_weight
-            if local_targets.ndim == 2:
-                lp = torch.stack(
-                    [label_logprobs(hidden, weight, local_targets[:, j]) for j in range(local_targets.shape[1])], 1
-                )
-            else:
-                lp = label_logprobs(hidden, weight, local_targets)
+            lp = self.model(local_ids, shard, local_targets)
             elementwise = local_token_losses(
-                config, lp, local_inputs, datum_index=local_datum, num_datums=len(row), group=self.cp_group
+                batch.loss, lp, local_inputs, datum_index=local_datum, num_datums=len(row), group=self.cp_group
             )
             if backward:
                 loss = elementwise.sum().to(torch.float64) + self.invariant.loss_term()
-                self.invariant.scale_loss(loss, count).backward()
+                self.invariant.scale_loss(loss, batch.plan.microbatches_per_rank).backward()
+                if not flagged and not self._gradients_finite():
+                    bad.update(row)
         both = torch.stack([lp.detach(), elementwise.detach()], dim=-1).to(torch.float64)
-        full = gather_row(both, plan, self.cp_group)
+        full = gather_row(both, plan, self.cp_group).cpu()
         out, start = {}, 0
         for i, n in zip(row, lens, strict=True):
             piece = full[start : start + n]
             out[i] = {"logprobs": piece[..., 0].clone(), "elementwise_loss": piece[..., 1].clone()}
+            if not bool(torch.isfinite(piece).all()):
+                bad.add(i)
             start += n
-        return out
+        return out, bad
 
-    # ------------------------------------------------------------------ public API
+    def _gradients_finite(self) -> bool:
+        """Whether every gradient accumulated so far in this request is finite (one device sync)."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not grads:
+            return True
+        return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
 
-    def forward_backward(
-        self,
-        data: Sequence[TrainDatum],
-        loss_fn: str,
-        loss_config: Mapping[str, float] | None = None,
-        *,
-        forward_only: bool = False,
-    ) -> ForwardBackwardResult:
-        """Tinker ``forward_backward`` (or ``forward`` with ``forward_only``); collective over the whole mesh.
-
-        Gradients are added to this rank's local accumulators (reduced at :meth:`optim_step`).
-        Raises UserInputError before any compute when the request is invalid.
-        """
-        config, plan = self._validate(data, loss_fn, loss_config)
-        mine: dict[int, dict[str, torch.Tensor]] = {}
-        count = plan.microbatches_per_rank
-        for row, local_len in zip(plan.rows[self.dp_rank], plan.local_lens[self.dp_rank], strict=True):
-            mine.update(self._microbatch(data, row, local_len, config, backward=not forward_only, count=count))
-        if not forward_only:
-            self.invariant.count(count)
-        return self._collect(mine if self.cp_rank == 0 else {}, len(data), plan)
-
-    def forward(self, data: Sequence[TrainDatum], loss_fn: str = "cross_entropy", loss_config=None):
-        """Tinker ``forward``: outputs and loss, no gradients."""
-        return self.forward_backward(data, loss_fn, loss_config, forward_only=True)
-
-    def _collect(self, mine: dict, n: int, plan: PackingPlan) -> ForwardBackwardResult:
-        """Per-datum outputs of every DP group onto the result rank (one gather_object over DP×CP)."""
-        if self.dp_cp_group is not None and dist.get_world_size(self.dp_cp_group) > 1:
-            parts = [None] * dist.get_world_size(self.dp_cp_group) if self.is_result_rank else None
-            dist.gather_object(mine, parts, group=self.dp_cp_group, group_dst=0)
-            if not self.is_result_rank:
-                return ForwardBackwardResult(outputs=None, metrics={})
-            for part in parts:
-                mine.update(part)
-        outputs = [mine[i] for i in range(n)]
+    def _collect(self, mine: dict, batch: Batch) -> ForwardBackwardResult:
+        """Per-datum outputs of every DP group onto the result rank (one gather over the control group)."""
+        parts = gather_object_to(mine, self.control_group, dst=0)
+        if parts is None:
+            return ForwardBackwardResult(outputs=None, metrics={})
+        merged: dict[int, dict[str, torch.Tensor]] = {}
+        for part in parts:
+            merged.update(part)
+        outputs = [merged[i] for i in range(len(batch.datums))]
         loss = sum(float(o["elementwise_loss"].sum()) for o in outputs)
-        tokens = sum(int(o["logprobs"].shape[0]) for o in outputs)
         metrics = {
             "loss:sum": loss,
-            "num_tokens:sum": float(tokens),
-            "microbatches:sum": float(plan.microbatches_per_rank * self.dp_size),
+            "num_tokens:sum": float(batch.num_tokens),
+            "microbatches:sum": float(batch.plan.microbatches_per_rank * self.dp_size),
         }
         return ForwardBackwardResult(outputs=outputs, metrics=metrics)
 
-    def optim_step(self, adam: AdamParams) -> dict[str, float]:
-        """Reduce the accumulated gradients (SUM over DP×CP, invariant-checked), clip, AdamW; collective."""
-        adam.validate()
+    # ------------------------------------------------------------------ gradients, all-or-nothing
+
+    def _take_gradients(self) -> tuple[list[torch.Tensor | None], Any]:
+        """Set the accumulated gradients aside (the request accumulates into fresh ones)."""
+        saved = [p.grad for p in self.params]
         for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if self.fsdp_units:  # FSDP summed the param grads in backward; the canary is still reduced and checked
-            self.invariant.reduce_and_check([])
-            sharding.reshard_all(self.fsdp_units)
-            norm = sharding.sharded_grad_norm(self.params, self.mesh.dp_group)
-            norm = adamw_step(self.optimizer, self.params, adam, norm=norm)
-        else:
-            self.invariant.reduce_and_check([p.grad for p in self.params])
-            norm = adamw_step(self.optimizer, self.params, adam)
+            p.grad = None
+        return saved, self.invariant.take()
+
+    def _restore_gradients(self, stash) -> None:
+        saved, canary = stash
+        for p, old in zip(self.params, saved, strict=True):
+            p.grad = old
+        self.invariant.restore(canary)
+
+    def _merge_gradients(self, stash) -> None:
+        saved, canary = stash
+        for p, old in zip(self.params, saved, strict=True):
+            if old is not None:
+                if p.grad is not None:
+                    old.add_(p.grad)
+                p.grad = old
+        self.invariant.merge(canary)
+
+    def _drop_gradients(self) -> None:
+        for p in self.params:
+            p.grad = None
+        self.invariant.reset()
+
+    def _repair(self) -> None:
+        """After a rank failed between collectives: fresh data groups on every rank of the replica."""
+        if self.mesh is None:
+            return
+        if self.fsdp_units:
+            self.broken = "a rank failed mid-request and FSDP-sharded parameters cannot move to new groups"
+            return
+        try:
+            self.mesh = rebuild_mesh(self.mesh)
+        except BaseException as exc:
+            self.broken = f"rebuilding the data groups failed ({type(exc).__name__}: {exc})"
+            raise
+        self._bind_groups()
+        self.invariant.group = self.dp_cp_group
+
+    # ------------------------------------------------------------------ optimizer
+
+    def optim_step(self, adam: AdamParams) -> dict[str, float]:
+        """Reduce the accumulated gradients (SUM over DP×CP, invariant-checked), clip, AdamW; collective.
+
+        Raises UserInputError for bad ``adam`` (nothing changed), NonFiniteError when the summed gradient
+        or a weight is not finite (weights, moments and step unchanged; the accumulated gradients are
+        dropped), RankFailedError when another rank failed.
+        """
+        self._check_usable()
+        agreed_call(adam.validate, self.control_group)
+        norm = math.nan
+        error: BaseException | None = None
+        bad_weights: list[str] = []
+        try:
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            if self.fsdp_units:  # FSDP summed the param grads in backward; the canary is still reduced and checked
+                self.invariant.reduce_and_check([])
+                sharding.reshard_all(self.fsdp_units)
+                norm = sharding.sharded_grad_norm(self.params, self.mesh.dp_group)
+            else:
+                self.invariant.reduce_and_check([p.grad for p in self.params])
+                norm = global_grad_norm(self.params)
+            bad_weights = [self.names[id(p)] for p in self.params if not bool(torch.isfinite(p.detach()).all())]
+        except _NOT_CAUGHT:
+            raise
+        except BaseException as exc:
+            error = exc
+        verdicts = all_gather_objects((math.isfinite(norm), bad_weights), self.control_group)
+        weights = sorted({n for _, names in verdicts for n in names})
+        if error is None and weights:
+            error = NonFiniteError(
+                f"optim_step refused: parameter(s) {', '.join(weights[:8])} hold non-finite values (the model is "
+                "corrupt; load a checkpoint). Weights, AdamW moments and step unchanged; accumulated gradients dropped."
+            )
+        elif error is None and not all(finite for finite, _ in verdicts):
+            error = NonFiniteError(
+                f"optim_step refused: the summed gradient's norm is {norm} (not finite). Weights, AdamW moments "
+                "and step unchanged; the accumulated gradients were dropped."
+            )
+        try:
+            agree(error, self.control_group)
+        except BaseException:
+            self._drop_gradients()
+            raise
+        norm = adamw_step(self.optimizer, self.params, adam, norm=norm)
         self.step += 1
         peak = torch.tensor([float(peak_memory_bytes())], dtype=torch.float64)
-        if self.dp_cp_group is not None:
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=self.dp_cp_group)
+        peaks = all_gather_objects(float(peak), self.control_group)
         return {
             "grad_norm:mean": norm,
-            "learning_rate:mean": adam.learning_rate,
-            "peak_memory_gib:max": float(peak) / 2**30,
+            "learning_rate:mean": float(adam.learning_rate),
+            "peak_memory_gib:max": max(peaks) / 2**30,
             "step:max": float(self.step),
         }
 
@@ -271,19 +423,24 @@ class Trainer:
 
     def save_state(self, path: str, *, extra: dict | None = None) -> None:
         """Weights + AdamW state + step, atomically (torch.distributed.checkpoint); collective over the world."""
+        self._check_usable()
         save_checkpoint(path, model=self.model, optimizer=self.optimizer, step=self.step, extra=extra)
 
     def load_state(self, path: str, *, optimizer: bool = True) -> dict:
         """Restore weights (and AdamW moments unless ``optimizer=False``: fresh moments); returns ``extra``.
 
         Raises UserInputError (nothing changed) when the checkpoint is missing or for another model.
+        Accumulated gradients are dropped by a successful load.
         """
+        self._check_usable()
         step, extra = load_checkpoint(path, model=self.model, optimizer=self.optimizer if optimizer else None)
         if not optimizer:  # only after a successful load: a refused checkpoint changes nothing
             self.optimizer = torch.optim.AdamW(self.params, lr=0.0)
+        self.invariant.reset()
         self.step = step
         return extra
 
     def export_hf(self, path: str) -> None:
         """The current weights as an HF checkpoint directory (for sampling); written by global rank 0."""
+        self._check_usable()
         export_hf_weights(self.model, path)

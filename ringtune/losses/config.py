@@ -18,8 +18,12 @@ Choices this module makes (the SDK and the docs leave them open):
 - Per-token ``clip_low_threshold`` / ``clip_high_threshold`` tensors override the config thresholds
   token by token for ppo, cispo and gspo (ignored by the other losses).
 - ``target_tokens`` must be an integer tensor of token ids >= 0 (the vocab bound is the model's to
-  check), shape ``[N]``, or ``[N, K]`` (K >= 1) for cross_entropy only, whose ``weights`` must then
-  be ``[N, K]`` as well. Every other key is ``[N]``.
+  check), shape ``[N]``, or ``[N, K]`` (K >= 1) for cross_entropy and importance_sampling
+  (:data:`TARGET_K_LOSSES`), whose per-target keys (:data:`PER_TARGET_KEYS`: cross_entropy's
+  ``weights``, importance_sampling's ``logprobs`` and ``advantages``) must then be ``[N, K]`` as well.
+  Every other key is ``[N]``.
+- Defaults of optional keys (:func:`input_default`): per-token thresholds take the config value;
+  ``mask`` (carried by the cookbook's RL datums, used by no loss) is 1. A required key has no default.
 """
 
 from __future__ import annotations
@@ -78,6 +82,15 @@ INPUT_KEYS = (
 """Every ``loss_fn_inputs`` key the SDK knows; any other key is refused."""
 
 _RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+
+TARGET_K_LOSSES = ("cross_entropy", "importance_sampling")
+"""Losses that take ``[N, K]`` targets (K candidate targets per position, e.g. top-k distillation)."""
+
+PER_TARGET_KEYS: dict[str, tuple[str, ...]] = {
+    "cross_entropy": ("weights",),
+    "importance_sampling": ("logprobs", "advantages"),
+}
+"""Keys shaped like ``target_tokens`` (``[N]`` or ``[N, K]``); every other key is ``[N]``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,18 +169,24 @@ def required_inputs(loss_fn: str) -> tuple[str, ...]:
     return _RL_INPUTS
 
 
-def default_input_value(config: LossConfig, key: str) -> float:
-    """The value to fill a per-token key with on a datum that does not send it (pads get 0 regardless).
+def used_inputs(loss_fn: str) -> tuple[str, ...]:
+    """The keys ``loss_fn`` reads: its required keys, then the optional per-token thresholds of clipped losses."""
+    loss_fn = check_loss_fn(loss_fn)
+    optional = CLIP_KEYS if loss_fn in CLIP_DEFAULTS else ()
+    return (*required_inputs(loss_fn), *optional)
 
-    When some datums of a batch send per-token ``clip_*_threshold`` tensors and others do not, the
-    engine builds the key for every datum: the others get the config threshold, so they behave as if
-    the key were absent. Any other key fills with 0.
+
+def input_default(config: LossConfig, key: str) -> float:
+    """The value a datum that does not send optional key ``key`` behaves as if it had sent, token by token.
+
+    ``clip_low_threshold`` / ``clip_high_threshold``: the config threshold; ``mask``: 1 (no loss reads it).
+    Raises UserInputError for a key that has no default (a required key of the loss, or an unknown key).
     """
-    if key == "clip_low_threshold" and config.clip_low is not None:
-        return config.clip_low
-    if key == "clip_high_threshold" and config.clip_high is not None:
-        return config.clip_high
-    return 0.0
+    if key in CLIP_KEYS and config.clip_low is not None and config.clip_high is not None:
+        return config.clip_low if key == "clip_low_threshold" else config.clip_high
+    if key == "mask":
+        return 1.0
+    raise UserInputError(f"loss_fn_inputs[{key!r}] has no default for loss_fn={config.loss_fn!r}; every datum sends it")
 
 
 def _shape(t: torch.Tensor) -> list[int]:
@@ -200,13 +219,13 @@ def check_datum_inputs(loss_fn: str, index: int, n_tokens: int, inputs: Mapping[
     if targets.dtype.is_floating_point or targets.dtype.is_complex or targets.dtype == torch.bool:
         raise UserInputError(f"{where}: loss_fn_inputs['target_tokens'] has dtype {targets.dtype}, expected int64 ids")
     two_d = targets.dim() == 2 and targets.shape[0] == n_tokens and targets.shape[1] >= 1
-    if two_d and loss_fn != "cross_entropy":
+    if two_d and loss_fn not in TARGET_K_LOSSES:
         raise UserInputError(
             f"{where}: loss_fn_inputs['target_tokens'] has shape {_shape(targets)}; [N, K] targets are only for "
-            f"cross_entropy, {loss_fn} expects [{n_tokens}]"
+            f"{' and '.join(TARGET_K_LOSSES)}, {loss_fn} expects [{n_tokens}]"
         )
     if not (two_d or _shape(targets) == [n_tokens]):
-        expected = f"[{n_tokens}] or [{n_tokens}, K]" if loss_fn == "cross_entropy" else f"[{n_tokens}]"
+        expected = f"[{n_tokens}] or [{n_tokens}, K]" if loss_fn in TARGET_K_LOSSES else f"[{n_tokens}]"
         raise UserInputError(
             f"{where}: loss_fn_inputs['target_tokens'] has shape {_shape(targets)}, expected {expected} "
             f"(one target per model_input token)"
@@ -216,9 +235,10 @@ def check_datum_inputs(loss_fn: str, index: int, n_tokens: int, inputs: Mapping[
     for key, t in inputs.items():
         if key == "target_tokens":
             continue
-        expected_shape = _shape(targets) if key == "weights" else [n_tokens]
+        per_target = key in PER_TARGET_KEYS.get(loss_fn, ())
+        expected_shape = _shape(targets) if per_target else [n_tokens]
         if _shape(t) != expected_shape:
-            note = " (the shape of target_tokens)" if key == "weights" else " (one value per model_input token)"
+            note = " (the shape of target_tokens)" if per_target else " (one value per model_input token)"
             raise UserInputError(
                 f"{where}: loss_fn_inputs[{key!r}] has shape {_shape(t)}, expected {expected_shape}{note}"
             )

@@ -5,7 +5,7 @@ With ``lp`` = log p(target) of this pass, ``q`` = sampler logprob (``logprobs``)
 
 =====================  ==============================================================
 cross_entropy          ``-w·lp``  (``w`` any real; ``[T, K]`` lp with ``[T, K]`` weights)
-importance_sampling    ``-r·A``
+importance_sampling    ``-r·A``  (``[T, K]`` lp with ``[T, K]`` logprobs and advantages)
 ppo                    ``-min(r·A, clip(r, lo, hi)·A)``
 cispo                  ``-sg(clip(r, lo, hi))·lp·A``
 dro                    ``-(lp·A - ½·β·(lp - q)²)``  (no mask: A = 0 tokens keep the penalty)
@@ -28,7 +28,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from ringtune.losses.config import LossConfig, check_loss_fn
+from ringtune.losses.config import TARGET_K_LOSSES, LossConfig, check_loss_fn
 
 
 def _get(inputs: Mapping[str, torch.Tensor], key: str, like: torch.Tensor, num_datums: int) -> torch.Tensor:
@@ -106,7 +106,7 @@ def local_token_losses(
         lp: float32/float64 [T_local] (or [T_local, K] for cross_entropy): log p(target) of the local
             tokens, in the local (zigzag shard) order; differentiable. Pads may hold any finite value.
         inputs: the per-token client vectors sliced to the same local tokens, pads 0, same leading
-            dim as lp (``weights`` [T_local, K] with [T_local, K] lp). Keys the loss does not use are
+            dim as lp (the per-target keys [T_local, K] with [T_local, K] lp). Keys the loss does not use are
             ignored; never modified. With ``num_datums == 0`` (a pad-only microbatch) it may be empty.
         datum_index: int64 [T_local]: the datum (0..num_datums-1) each local token belongs to, -1 for pads.
         num_datums: the number of datums the indices refer to (the same on every rank of the group).
@@ -120,8 +120,8 @@ def local_token_losses(
     loss_fn = check_loss_fn(config.loss_fn)
     if datum_index.shape != lp.shape[:1]:
         raise ValueError(f"datum_index has shape {list(datum_index.shape)}, lp has {list(lp.shape)}")
-    if lp.dim() != 1 and not (loss_fn == "cross_entropy" and lp.dim() == 2):
-        raise ValueError(f"lp of shape {list(lp.shape)}: only cross_entropy takes [T, K] lp, others take [T]")
+    if lp.dim() != 1 and not (loss_fn in TARGET_K_LOSSES and lp.dim() == 2):
+        raise ValueError(f"lp of shape {list(lp.shape)}: only {TARGET_K_LOSSES} take [T, K] lp, others take [T]")
     real = datum_index >= 0
     if lp.dim() == 2:
         real = real[:, None].expand_as(lp)

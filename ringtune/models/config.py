@@ -9,9 +9,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringtune.errors import ParallelConfigError, UserInputError
+from ringtune.ops.cp_modes import check_attention_mode, check_gated_delta_mode
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "llama", "qwen3")
 LAYER_TYPES = ("linear_attention", "full_attention")
+
+
+def _pad_token_id(value: Any, vocab_size: int) -> int | None:
+    """The config's ``pad_token_id`` when it names a row of the embedding (else None: no padding row)."""
+    if isinstance(value, list):  # some configs list several; transformers' Embedding takes an int
+        value = value[0] if value else None
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < vocab_size:
+        return value
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +49,7 @@ class DecoderConfig:
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
+    pad_token_id: int | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -67,12 +78,24 @@ class DecoderConfig:
             "rope_theta": theta,
             "tie_word_embeddings": bool(hf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
             "attention_bias": bool(text.get("attention_bias", False)),
+            "pad_token_id": _pad_token_id(text.get("pad_token_id", hf.get("pad_token_id")), int(text["vocab_size"])),
             "hf_config": hf,
         }
+        hybrid = model_type in ("qwen3_5_text", "qwen3_5")
+        # Dense Llama/Qwen3 rotate every channel; Qwen3.5 rotates a fraction (0.25 unless the config says).
+        rotary_factor = (
+            float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))) if hybrid else 1.0
+        )
+        rotary_dim = int(head_dim * rotary_factor)
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise UserInputError(
+                f"config: rotary dim = head_dim·partial_rotary_factor = {head_dim}·{rotary_factor} = {rotary_dim} "
+                f"must be even and in (0, head_dim={head_dim}]"
+            )
         act = text.get("hidden_act", "silu")
         if act != "silu":
             raise UserInputError(f"config.hidden_act={act!r}: only silu (SwiGLU) is supported")
-        if model_type in ("qwen3_5_text", "qwen3_5"):
+        if hybrid:
             n = common["num_layers"]
             layer_types = text.get("layer_types") or [
                 "linear_attention" if (i + 1) % int(text.get("full_attention_interval", 4)) else "full_attention"
@@ -83,7 +106,7 @@ class DecoderConfig:
                 raise UserInputError(f"config.layer_types must be {n} of {LAYER_TYPES}; got {layer_types}")
             return cls(
                 family="qwen3_5",
-                partial_rotary_factor=float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))),
+                partial_rotary_factor=rotary_factor,
                 qk_norm="zero_centered",
                 layer_types=tuple(layer_types),
                 linear_num_key_heads=int(text.get("linear_num_key_heads", 16)),
@@ -101,10 +124,16 @@ class DecoderConfig:
             **common,
         )
 
+    def check_parallel_modes(self, *, attention: str, gated_delta: str) -> None:
+        """Raise ParallelConfigError if a mode name is not in the registry (:mod:`ringtune.ops.cp_modes`)."""
+        check_attention_mode(attention)
+        check_gated_delta_mode(gated_delta)
+
     def check_parallel(self, *, cp_size: int, attention: str, gated_delta: str, tp_size: int = 1) -> None:
         """Raise ParallelConfigError (with the numbers) if the heads do not fit the CP modes at ``cp_size``."""
         if cp_size < 1:
             raise ParallelConfigError(f"cp_size={cp_size} must be >= 1")
+        self.check_parallel_modes(attention=attention, gated_delta=gated_delta)
         if cp_size == 1:
             return
         if attention == "alltoall":

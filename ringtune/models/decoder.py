@@ -66,7 +66,8 @@ class _Body(nn.Module):
 
     def __init__(self, config: DecoderConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # As transformers does (Llama, Qwen3, Qwen3.5): the pad token's row gets no gradient from the lookup.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(config, i, rotary) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centered=config.family == "qwen3_5")
 
@@ -107,12 +108,23 @@ class CausalLM(nn.Module):
             x = layer(x, shard)
         return self.model.norm(x)
 
-    def label_logprobs(self, input_ids: torch.Tensor, labels: torch.Tensor, shard: PackedShard) -> torch.Tensor:
-        """float32 [T_local]: log p(labels[t] | tokens up to t), chunked (no [T × vocab] buffer).
+    def forward(self, input_ids: torch.Tensor, shard: PackedShard, targets: torch.Tensor) -> torch.Tensor:
+        """Log-probs of ``targets``: log p(targets[t] | tokens up to t), through the tiled head.
 
-        ``labels`` int64 [T_local]; entries equal to -100 give 0 and no gradient (pads, unscored tokens).
+        Args:
+            input_ids: int64 [T_local], this rank's zigzag shard of a packed row.
+            shard: the row's plan, positions (checked against the plan), CP group and modes.
+            targets: int64 [T_local] or [T_local, K] (K candidates per position, one logits pass for all);
+                -100 marks an unscored entry (pads), which gets 0 and no gradient.
+        Returns:
+            targets' shape, float32 (float64 for a float64 model); no [T × vocab] buffer is kept.
+            Collective over the shard's CP group (forward and backward), like :meth:`hidden_states`.
         """
-        return label_logprobs(self.hidden_states(input_ids, shard), self.output_weight, labels)
+        return label_logprobs(self.hidden_states(input_ids, shard), self.output_weight, targets)
+
+    def label_logprobs(self, input_ids: torch.Tensor, labels: torch.Tensor, shard: PackedShard) -> torch.Tensor:
+        """:meth:`forward` with the arguments in (ids, labels, shard) order."""
+        return self(input_ids, shard, labels)
 
     def logits(self, input_ids: torch.Tensor, shard: PackedShard) -> torch.Tensor:
         """Full logits [T_local, vocab] (tests and short prompts only: it is the buffer the head avoids)."""

@@ -43,8 +43,8 @@ def _check_inputs(
         raise ValueError(f"weight must be [V, D] with D = {hidden.shape[1]}; got shape {tuple(weight.shape)}")
     if not (hidden.is_floating_point() and weight.is_floating_point()):
         raise ValueError(f"hidden and weight must be floating point; got {hidden.dtype} and {weight.dtype}")
-    if labels.shape != (hidden.shape[0],):
-        raise ValueError(f"labels must be [T] = [{hidden.shape[0]}]; got shape {tuple(labels.shape)}")
+    if labels.dim() not in (1, 2) or labels.shape[0] != hidden.shape[0] or (labels.dim() == 2 and labels.shape[1] < 1):
+        raise ValueError(f"labels must be [T] or [T, K] with T = {hidden.shape[0]}; got shape {tuple(labels.shape)}")
     if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
         raise ValueError(f"labels must be an integer tensor (int64); got {labels.dtype}")
     if bias is not None and bias.shape != (weight.shape[0],):
@@ -74,7 +74,8 @@ def reference_label_logprobs(
     Args:
         hidden: [T, D] float (the final-norm output of T tokens, any layout: the head is per token).
         weight: [V, D] float (the LM head, or the tied embedding matrix); bias: optional [V].
-        labels: integer [T], the target token of each position; ``ignore_index`` marks an unscored one.
+        labels: integer [T] (or [T, K]), the target token(s) of each position; ``ignore_index`` marks an
+            unscored entry.
     Returns:
         [T] log-probs in float32 (float64 for float64 input); 0 where ``labels == ignore_index``.
         Differentiable (through autograd; the ignored tokens get no gradient).
@@ -86,9 +87,10 @@ def reference_label_logprobs(
     logits = hidden.to(acc) @ weight.to(acc).T
     if bias is not None:
         logits = logits + bias.to(acc)
-    scored = labels != ignore_index
-    picked = torch.log_softmax(logits, dim=-1).gather(1, torch.where(scored, labels, 0).long().unsqueeze(1))
-    return torch.where(scored, picked.squeeze(1), 0.0)
+    columns = labels.unsqueeze(1) if labels.dim() == 1 else labels
+    scored = columns != ignore_index
+    picked = torch.log_softmax(logits, dim=-1).gather(1, torch.where(scored, columns, 0).long())
+    return torch.where(scored, picked, 0.0).reshape(labels.shape)
 
 
 @dataclass(frozen=True)
@@ -159,13 +161,13 @@ def _forward_tile(
     targets: torch.Tensor,
     v0: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One tile's (log-sum-exp over its vocab block [tokens], label logit or 0 if outside it [tokens]).
+    """One tile's (log-sum-exp over its vocab block [tokens], label logits or 0 if outside it [tokens, K]).
 
     A function of its own so that the [tokens, vocab] logits are freed on return, before the next tile.
     """
     logits = _tile_logits(h_tile, w_block, b_block)
     cols, inside = _label_columns(targets, v0, w_block.shape[0])
-    label_logit = torch.where(inside, logits.gather(1, cols.unsqueeze(1)).squeeze(1), 0.0)
+    label_logit = torch.where(inside, logits.gather(1, cols), 0.0)
     row_max = logits.amax(dim=1)
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # a block masked to -inf by the bias
     block_lse = row_max + logits.sub_(row_max.unsqueeze(1)).exp_().sum(dim=1).log_()
@@ -180,14 +182,14 @@ def forward_tiles(
     targets: torch.Tensor,
     plan: TilePlan,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-sum-exp and label logit [S] of the S tokens ``hidden[scored]`` (labels ``targets``), in tiles.
+    """Log-sum-exp [S] and label logits [S, K] of the S tokens ``hidden[scored]`` (labels ``targets`` [S, K]).
 
     Accumulator dtype throughout; vocab blocks are merged by ``logaddexp``.
     """
     acc = accumulator_dtype(hidden.dtype, weight.dtype)
     n = scored.numel()
     lse = torch.full((n,), float("-inf"), dtype=acc, device=hidden.device)
-    label_logit = torch.zeros(n, dtype=acc, device=hidden.device)
+    label_logit = torch.zeros(targets.shape, dtype=acc, device=hidden.device)
     for v0, v1 in _blocks(weight.shape[0] if n else 0, plan.vocab):
         w_block = weight[v0:v1].to(acc)
         b_block = None if bias is None else bias[v0:v1].to(acc)
@@ -208,11 +210,14 @@ def _backward_tile(
     lse: torch.Tensor,
     g: torch.Tensor,
 ) -> torch.Tensor:
-    """d logprob / d logits of one tile times the upstream gradient: ``(onehot - softmax) · g``, [tokens, vocab]."""
+    """d logprobs / d logits of one tile times the upstream gradient: ``Σ_k (onehot_k - softmax) · g_k``.
+
+    ``targets`` and ``g`` are [tokens, K]; the result is [tokens, vocab].
+    """
     p = _tile_logits(h_tile, w_block, b_block)
-    p.sub_(lse.unsqueeze(1)).exp_().mul_(-g.unsqueeze(1))
+    p.sub_(lse.unsqueeze(1)).exp_().mul_(-g.sum(dim=1, keepdim=True))
     cols, inside = _label_columns(targets, v0, w_block.shape[0])
-    p.scatter_add_(1, cols.unsqueeze(1), torch.where(inside, g, 0.0).unsqueeze(1))
+    p.scatter_add_(1, cols, torch.where(inside, g, 0.0))
     return p
 
 
@@ -230,7 +235,8 @@ def backward_tiles(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """d_hidden [T, D], d_weight [V, D], d_bias [V] (each None unless ``need`` asks), in the inputs' dtypes.
 
-    ``grad_out`` [T] is the upstream gradient of the log-probs; only the ``scored`` rows take part.
+    ``grad_out`` [T, K] is the upstream gradient of the log-probs (0 at ignored entries); only the ``scored``
+    rows take part; ``targets`` [S, K].
     A gradient already in the accumulator dtype is accumulated in place (views of its rows); a narrower
     one (bf16) is accumulated in float32 (d_hidden [T, D]; d_weight / d_bias one vocab block at a time)
     and rounded once.
@@ -283,20 +289,25 @@ class _LabelLogprobs(torch.autograd.Function):
         ignore_index: int,
         plan: TilePlan,
     ) -> torch.Tensor:
-        scored = (labels != ignore_index).nonzero().squeeze(1)  # [S] rows that are scored
-        targets = labels.index_select(0, scored).long()
+        columns = labels.unsqueeze(1) if labels.dim() == 1 else labels  # [T, K]; K = 1 for [T] labels
+        entry = columns != ignore_index
+        scored = entry.any(dim=1).nonzero().squeeze(1)  # [S] rows with at least one scored label
+        targets = torch.where(entry, columns, 0).index_select(0, scored).long()
         lse, label_logit = forward_tiles(hidden, weight, bias, scored, targets, plan)
-        out = torch.zeros(labels.shape[0], dtype=lse.dtype, device=hidden.device)
-        out.index_copy_(0, scored, label_logit - lse)
-        ctx.save_for_backward(hidden, weight, bias, scored, targets, lse)
+        out = torch.zeros(columns.shape, dtype=lse.dtype, device=hidden.device)
+        out.index_copy_(0, scored, label_logit - lse.unsqueeze(1))
+        out = torch.where(entry, out, 0.0)
+        ctx.save_for_backward(hidden, weight, bias, scored, targets, lse, entry)
         ctx.plan = plan
-        return out
+        ctx.label_shape = labels.shape
+        return out.reshape(labels.shape)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        hidden, weight, bias, scored, targets, lse = ctx.saved_tensors
+        hidden, weight, bias, scored, targets, lse, entry = ctx.saved_tensors
         need = tuple(ctx.needs_input_grad[:3])
-        grads = backward_tiles(grad_out, hidden, weight, bias, scored, targets, lse, ctx.plan, need=need)
+        grad = torch.where(entry, grad_out.reshape(entry.shape), 0.0)
+        grads = backward_tiles(grad, hidden, weight, bias, scored, targets, lse, ctx.plan, need=need)
         return (*grads, None, None, None)
 
 
@@ -311,7 +322,7 @@ def label_logprobs(
     chunk_vocab: int | None = None,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
 ) -> torch.Tensor:
-    """``log_softmax(hidden @ weight.T + bias)[t, labels[t]]`` per token, in tiles (no [T, V] tensor).
+    """``log_softmax(hidden @ weight.T + bias)[t, labels[t]]`` per token (per label), in tiles (no [T, V] tensor).
 
     Same contract and values as :func:`reference_label_logprobs`; forward and backward recompute the
     logits tile by tile (see :func:`plan_tiles` for the tile shape).
@@ -320,11 +331,12 @@ def label_logprobs(
         hidden: [T, D] float32 / bfloat16 / float16 / float64, the tokens on this rank in any layout
             (full row, zigzag or contiguous shard: the head is per token and talks over no group).
         weight: [V, D], same dtype family (the LM head, or the tied embedding matrix); bias: optional [V].
-        labels: integer [T]; ``ignore_index`` marks an unscored token (log-prob 0, no gradient).
+        labels: integer [T], or [T, K] for K candidate labels per token (each tile's logits serve all K);
+            ``ignore_index`` marks an unscored entry (log-prob 0, no gradient).
         chunk_tokens / chunk_vocab: explicit tile shape; by default picked from ``max_chunk_bytes``.
         max_chunk_bytes: budget of the logits tile (and of a float32 block of a bf16 weight).
     Returns:
-        [T] log-probs, float32 (float64 for float64 input). Differentiable in hidden, weight and bias;
+        log-probs of ``labels``' shape, float32 (float64 for float64 input). Differentiable in hidden, weight and bias;
         their gradients come back in their own dtypes, accumulated in float32 (float64) first.
         Memory beyond inputs and gradients: one logits tile and [S] log-sum-exps (S scored tokens); for a
         bf16 weight also its float32 block and that block's d_weight accumulator (each within the budget),

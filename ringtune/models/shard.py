@@ -13,9 +13,7 @@ import torch.distributed as dist
 
 from ringtune.errors import ParallelConfigError
 from ringtune.layout.zigzag import ZigzagPlan, zigzag_plan
-
-ATTENTION_MODES = ("ring", "allgather", "alltoall")
-GATED_DELTA_MODES = ("headwise", "chunkwise")
+from ringtune.ops.cp_modes import DEFAULT_ATTENTION, DEFAULT_GATED_DELTA, check_attention_mode, check_gated_delta_mode
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,18 +32,23 @@ class PackedShard:
     plan: ZigzagPlan
     positions: torch.Tensor
     group: dist.ProcessGroup | None = None
-    attention: str = "ring"
-    gated_delta: str = "headwise"
+    attention: str = DEFAULT_ATTENTION
+    gated_delta: str = DEFAULT_GATED_DELTA
 
     def __post_init__(self) -> None:
-        if self.attention not in ATTENTION_MODES:
-            raise ParallelConfigError(f"attention mode {self.attention!r}: choose one of {ATTENTION_MODES}")
-        if self.gated_delta not in GATED_DELTA_MODES:
-            raise ParallelConfigError(f"gated_delta mode {self.gated_delta!r}: choose one of {GATED_DELTA_MODES}")
+        check_attention_mode(self.attention)
+        check_gated_delta_mode(self.gated_delta)
         if self.positions is None or self.positions.shape != (self.plan.local_len,):
             got = None if self.positions is None else tuple(self.positions.shape)
             raise ParallelConfigError(
                 f"positions must be the rank-local positions, int64 [local_len={self.plan.local_len}]; got {got}"
+            )
+        want = self.plan.positions
+        if not torch.equal(self.positions.to(want.device), want):
+            bad = int((self.positions.to(want.device) != want).nonzero()[0, 0])
+            raise ParallelConfigError(
+                f"positions[{bad}]={int(self.positions[bad])} but the plan puts that local token at position "
+                f"{int(want[bad])}; a shard's positions must be the plan's (plan.positions), not arange"
             )
         if self.plan.cp_size > 1:
             if self.group is None:
@@ -71,8 +74,8 @@ def shard_of(
     cp_size: int = 1,
     cp_rank: int = 0,
     group: dist.ProcessGroup | None = None,
-    attention: str = "ring",
-    gated_delta: str = "headwise",
+    attention: str = DEFAULT_ATTENTION,
+    gated_delta: str = DEFAULT_GATED_DELTA,
     pad_multiplier: int = 1,
     pad_to: int | None = None,
 ) -> PackedShard:

@@ -5,7 +5,7 @@ What a request-serving engine needs so that every rank does the same thing:
 - :func:`broadcast_object`: a request (any picklable object) from the source rank to every rank;
 - :func:`agree`: every rank learns whether any rank failed, and every rank raises the same error (the
   first failing rank's), so no rank goes on into a collective that another rank will never enter;
-- :func:`gather_object_to`: per-rank objects onto one rank (results);
+- :func:`gather_object_to` / :func:`all_gather_objects`: per-rank objects onto one rank (results) or all;
 - :func:`run_on_source`: run a function on one rank (a file write), give its result or error to all.
 
 ``group=None`` means a single process: every function is then local (no communication). All ranks of
@@ -151,3 +151,12 @@ def run_on_source(fn: Callable[[], T], group: dist.ProcessGroup | None, *, src: 
     if error is not None:
         raise error
     raise payload
+
+
+def all_gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
+    """Every rank's ``obj`` in group-rank order, on every rank."""
+    if _size(group) == 1:
+        return [obj]
+    parts: list[Any] = [None] * _size(group)
+    dist.all_gather_object(parts, obj, group=group)
+    return parts

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ringtune.errors import UserInputError
+
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for ``positions``; no learnable state (``inv_freq`` float32, never cast)."""
@@ -19,7 +21,10 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.rotary_dim = int(head_dim * partial_rotary_factor)
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= head_dim:
-            raise ValueError(f"rotary_dim={self.rotary_dim} must be even and in (0, head_dim={head_dim}]")
+            raise UserInputError(
+                f"rotary_dim = head_dim·partial_rotary_factor = {head_dim}·{partial_rotary_factor} = "
+                f"{self.rotary_dim} must be even and in (0, head_dim={head_dim}]"
+            )
         exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device="cpu").float() / self.rotary_dim
         # A plain attribute, not a buffer: ``module.to(bfloat16)`` must not round the frequencies.
         self.inv_freq = 1.0 / (theta**exponent)

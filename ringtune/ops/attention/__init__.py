@@ -6,6 +6,7 @@ All variants share one signature, ``fn(q, k, v, plan, group, *, scale=None, kern
 
 from collections.abc import Callable
 
+from ringtune.ops.cp_modes import ATTENTION_MODES, check_attention_mode
 from ringtune.ops.attention.allgather import allgather_attention
 from ringtune.ops.attention.blocks import varlen_block_attention
 from ringtune.ops.attention.reference import reference_varlen_attention
@@ -17,13 +18,12 @@ CP_ATTENTION: dict[str, Callable] = {
     "allgather": allgather_attention,
     "alltoall": ulysses_attention,
 }
+assert tuple(CP_ATTENTION) == ATTENTION_MODES, "ringtune.ops.cp_modes is the registry of mode names"
 
 
 def cp_attention_fn(mode: str) -> Callable:
     """The CP attention variant called ``mode`` ("ring", "allgather" or "alltoall")."""
-    if mode not in CP_ATTENTION:
-        raise ValueError(f"unknown CP attention mode {mode!r}; choose one of {sorted(CP_ATTENTION)}")
-    return CP_ATTENTION[mode]
+    return CP_ATTENTION[check_attention_mode(mode)]
 
 
 __all__ = [
