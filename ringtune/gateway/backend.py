@@ -1,0 +1,115 @@
+"""The Backend protocol: the Tinker verbs the gateway needs from whatever holds the models.
+
+Every method is synchronous, blocking compute; the gateway calls them from one worker thread, in
+submission order (FIFO, which keeps each run's ``seq_id`` order), never from its event loop. Arguments are
+plain picklable values (str, bool, dicts of numbers, :class:`~ringtune.engine.trainer.TrainDatum` of CPU
+tensors, :class:`~ringtune.engine.optimizer.AdamParams`), so a multi-rank backend can broadcast them as a
+command to its worker processes. Paths are absolute and already checked by the gateway (inside its
+checkpoint root; for several hosts that root must be a shared filesystem).
+
+Errors: :class:`~ringtune.errors.UserInputError` means the request was refused before anything changed (the
+gateway answers ``category: user``); any other exception is a server error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ringtune.engine.optimizer import AdamParams
+from ringtune.engine.trainer import TrainDatum
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackendInfo:
+    """What the gateway reports about the served model (``get_info``, capabilities, ``ringtune serve``).
+
+    Attributes:
+        model_name: the base model name clients pass to ``create_model`` (also ``model_data.model_name``).
+        aliases: other names accepted for it (e.g. the source path).
+        arch: the architecture (``model_type`` of the HF config).
+        tokenizer_dir: absolute local directory with ``tokenizer.json`` (``model_data.tokenizer_id``), or None.
+        context_length: the longest datum (tokens) one request may hold.
+        max_tokens_per_rank: the per-rank token budget of a microbatch.
+        dp_size, cp_size: the data- and context-parallel layout (1, 1 for the local backend).
+        dtype: the parameter dtype name.
+        vocab_size: the model's vocabulary (embedding rows).
+    """
+
+    model_name: str
+    aliases: tuple[str, ...] = ()
+    arch: str
+    tokenizer_dir: str | None
+    context_length: int
+    max_tokens_per_rank: int
+    dp_size: int = 1
+    cp_size: int = 1
+    dtype: str
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class BackendHealth:
+    """``ok`` False once the backend cannot serve any more (e.g. a rank died); ``detail`` says why."""
+
+    ok: bool
+    detail: str = ""
+    extra: dict[str, float | str] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """The training verbs, per training run (``run_id`` = the Tinker model id)."""
+
+    def info(self) -> BackendInfo:
+        """The served model's description (cheap; may be called from the event loop)."""
+        ...
+
+    def health(self) -> BackendHealth:
+        """Whether the backend can serve (cheap; may be called from the event loop)."""
+        ...
+
+    def create_run(self, run_id: str, base_model: str) -> None:
+        """A fresh trainable copy of ``base_model`` (one of ``info().model_name`` / ``aliases``) under ``run_id``."""
+        ...
+
+    def free_run(self, run_id: str) -> None:
+        """Drop the run's weights, gradients and optimizer state; unknown ids are ignored."""
+        ...
+
+    def forward_backward(
+        self,
+        run_id: str,
+        data: Sequence[TrainDatum],
+        loss_fn: str,
+        loss_config: Mapping[str, float] | None,
+        forward_only: bool,
+    ) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
+        """Tinker forward(_backward): per-datum outputs (``logprobs``, ``elementwise_loss``, shaped like
+        ``target_tokens``) and metrics (``name:reduction`` keys, ``loss:sum`` included). Gradients accumulate
+        until :meth:`optim_step` unless ``forward_only``."""
+        ...
+
+    def optim_step(self, run_id: str, adam: AdamParams) -> dict[str, float]:
+        """Apply the accumulated gradients with AdamW(``adam``) and clear them; returns metrics."""
+        ...
+
+    def save_state(self, run_id: str, path: str) -> None:
+        """Write weights + optimizer state + step to the checkpoint directory ``path`` (atomically)."""
+        ...
+
+    def load_state(self, run_id: str, path: str, optimizer: bool) -> None:
+        """Restore a :meth:`save_state` checkpoint; ``optimizer=False`` keeps the weights only (fresh moments).
+        UserInputError (nothing changed) if ``path`` is missing or for another model."""
+        ...
+
+    def export_for_sampler(self, run_id: str, path: str) -> None:
+        """Write the run's current weights as an HF checkpoint directory ``path`` (atomically)."""
+        ...
+
+    def close(self) -> None:
+        """Release everything (end of the server)."""
+        ...

@@ -1,0 +1,63 @@
+"""The gateway's settings (one frozen dataclass, mirrored by ``ringtune serve``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ringtune.errors import UserInputError
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatewayConfig:
+    """Settings of one gateway.
+
+    Attributes:
+        checkpoint_root: directory of every run's checkpoints and records (``<root>/<run_id>/...``).
+        api_key: when set, every request but ``/api/v1/healthz`` must carry it as ``X-API-Key``.
+        max_body_bytes: larger request bodies get 413 (before they are read in full).
+        poll_timeout_s: how long ``retrieve_future`` holds a pending future (well under the SDK's 45 s).
+        max_live_runs: training runs whose weights are held at once; more creates are refused (user error).
+        session_timeout_s: a session without heartbeat this long is finished (its live runs freed); 0 = never.
+        gap_timeout_s: how long later ops wait for a missing ``seq_id`` before it is skipped.
+        max_done_futures, future_max_age_s, retrieved_keep_s: bounds of finished futures (count, age unretrieved,
+            age after retrieval).
+        fwdbwd_max_chunk_len, fwdbwd_max_chunk_bytes: the SDK's chunking limits, sent in ``/client/config``.
+        use_pyqwest_transport: the flag sent in ``/client/config`` (False keeps the SDK on plain httpx).
+    """
+
+    checkpoint_root: str
+    api_key: str | None = None
+    max_body_bytes: int = 256 * 2**20
+    poll_timeout_s: float = 25.0
+    max_live_runs: int = 4
+    session_timeout_s: float = 900.0
+    gap_timeout_s: float = 30.0
+    max_done_futures: int = 10_000
+    future_max_age_s: float = 3600.0
+    retrieved_keep_s: float = 120.0
+    fwdbwd_max_chunk_len: int = 4096
+    fwdbwd_max_chunk_bytes: int = 100_000_000
+    use_pyqwest_transport: bool = False
+
+    def validate(self) -> None:
+        """UserInputError naming the setting, its value and the limit."""
+        checks = (
+            ("max_body_bytes", self.max_body_bytes, self.max_body_bytes >= 1024, ">= 1024"),
+            ("poll_timeout_s", self.poll_timeout_s, 0 < self.poll_timeout_s <= 40, "in (0, 40] (SDK timeout 45 s)"),
+            ("max_live_runs", self.max_live_runs, self.max_live_runs >= 1, ">= 1"),
+            ("session_timeout_s", self.session_timeout_s, self.session_timeout_s >= 0, ">= 0 (0 = never)"),
+            ("gap_timeout_s", self.gap_timeout_s, self.gap_timeout_s > 0, "> 0"),
+            ("fwdbwd_max_chunk_bytes", self.fwdbwd_max_chunk_bytes, self.fwdbwd_max_chunk_bytes >= 1, ">= 1"),
+        )
+        for name, value, ok, limit in checks:
+            if not ok:
+                raise UserInputError(f"gateway setting {name}={value!r} must be {limit}")
+        if self.fwdbwd_max_chunk_bytes > self.max_body_bytes:
+            raise UserInputError(
+                f"fwdbwd_max_chunk_bytes={self.fwdbwd_max_chunk_bytes} exceeds max_body_bytes={self.max_body_bytes}; "
+                "the SDK would send bodies the server refuses"
+            )
+        if self.api_key is not None and not self.api_key.startswith(("tml-", "eyJ")):
+            raise UserInputError(
+                f"api_key must start with 'tml-' (the SDK refuses other keys); got {self.api_key[:4]!r}..."
+            )

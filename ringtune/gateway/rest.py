@@ -1,0 +1,112 @@
+"""The REST side of the protocol (no futures): training runs, checkpoints, weights info, capabilities.
+
+Functions of a :class:`~ringtune.gateway.service.GatewayService`, run on the event loop thread; unknown ids
+raise :class:`~ringtune.gateway.service.RefusedError` 404, malformed ones 400.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from ringtune.errors import UserInputError
+from ringtune.gateway import translate
+from ringtune.gateway.paths import remove_checkpoint
+from ringtune.gateway.service import GatewayService, RefusedError
+from ringtune.gateway.state import RunRecord
+
+MAX_PAGE = 1000
+
+
+def _page(limit: int, offset: int) -> tuple[int, int]:
+    if not 1 <= limit <= MAX_PAGE or offset < 0:
+        raise RefusedError(400, f"limit={limit} must be in [1, {MAX_PAGE}] and offset={offset} >= 0")
+    return limit, offset
+
+
+def _record(service: GatewayService, run_id: str) -> RunRecord:
+    record = service.registry.runs.get(run_id)
+    if record is None:
+        raise RefusedError(404, f"training_run_id={run_id!r}: no such training run")
+    return record
+
+
+def list_training_runs(service: GatewayService, limit: int, offset: int) -> dict[str, Any]:
+    """``TrainingRunsResponse``: newest first, paginated."""
+    limit, offset = _page(limit, offset)
+    runs = sorted(service.registry.runs.values(), key=lambda r: r.created, reverse=True)
+    return {
+        "training_runs": [r.to_wire() for r in runs[offset : offset + limit]],
+        "cursor": {"offset": offset, "limit": limit, "total_count": len(runs)},
+    }
+
+
+def get_training_run(service: GatewayService, run_id: str) -> dict[str, Any]:
+    """``TrainingRun`` (with the ``user_metadata`` given at creation)."""
+    return _record(service, run_id).to_wire()
+
+
+def list_checkpoints(service: GatewayService, run_id: str) -> dict[str, Any]:
+    """``CheckpointsListResponse`` of one run, oldest first."""
+    record = _record(service, run_id)
+    checkpoints = sorted(record.checkpoints.values(), key=lambda c: c.time)
+    return {"checkpoints": [c.to_wire(run_id) for c in checkpoints], "cursor": None}
+
+
+def list_user_checkpoints(service: GatewayService, limit: int, offset: int) -> dict[str, Any]:
+    """Every run's checkpoints, newest first, paginated."""
+    limit, offset = _page(limit, offset)
+    found = [(c.time, c.to_wire(r.run_id)) for r in service.registry.runs.values() for c in r.checkpoints.values()]
+    found.sort(key=lambda item: item[0], reverse=True)
+    return {
+        "checkpoints": [wire for _, wire in found[offset : offset + limit]],
+        "cursor": {"offset": offset, "limit": limit, "total_count": len(found)},
+    }
+
+
+async def delete_checkpoint(service: GatewayService, run_id: str, checkpoint_id: str) -> dict[str, Any]:
+    """Remove a checkpoint's files and record (``checkpoint_id`` = ``weights/<name>`` or ``sampler_weights/<name>``)."""
+    record = _record(service, run_id)
+    try:
+        kind, name = translate.parse_checkpoint_id("checkpoint_id", checkpoint_id)
+    except UserInputError as exc:
+        raise RefusedError(400, str(exc)) from None
+    checkpoint = record.checkpoints.pop(f"{kind}/{name}", None)
+    if checkpoint is None:
+        raise RefusedError(404, f"checkpoint_id={checkpoint_id!r}: run {run_id} has no such checkpoint")
+    service.registry.save(record)
+    await asyncio.to_thread(remove_checkpoint, service.paths.checkpoint(run_id, kind, name))
+    return {}
+
+
+def weights_info(service: GatewayService, tinker_path: str) -> dict[str, Any]:
+    """``WeightsInfoResponse`` of a checkpoint path (full fine-tuning: no LoRA)."""
+    try:
+        parsed = translate.parse_tinker_path("tinker_path", tinker_path)
+    except UserInputError as exc:
+        raise RefusedError(400, str(exc)) from None
+    record = _record(service, parsed.run_id)
+    if parsed.checkpoint_id not in record.checkpoints:
+        raise RefusedError(
+            404, f"tinker_path={tinker_path!r}: run {parsed.run_id} has no checkpoint {parsed.checkpoint_id}"
+        )
+    return {"base_model": record.base_model, "is_lora": False, "lora_rank": None, "optimizer_config": {"type": "adamw"}}
+
+
+def server_capabilities(service: GatewayService) -> dict[str, Any]:
+    """``GetServerCapabilitiesResponse``: the one served model (trainable; sampling comes later)."""
+    info = service.backend.info()
+    return {
+        "supported_models": [
+            {"model_name": name, "max_context_length": info.context_length, "trainable": True, "sampleable": False}
+            for name in (info.model_name, *info.aliases)
+        ]
+    }
+
+
+def get_sampler(service: GatewayService, sampler_id: str) -> dict[str, Any]:
+    """``GetSamplerResponse`` of a sampling session made by an unnamed ``save_weights_for_sampler``."""
+    entry = service.sampling_sessions.get(sampler_id)
+    if entry is None:
+        raise RefusedError(404, f"sampler_id={sampler_id!r}: no such sampling session")
+    return {"sampler_id": sampler_id, "base_model": entry["base_model"], "model_path": None}

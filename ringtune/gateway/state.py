@@ -1,0 +1,198 @@
+"""Sessions, training-run records and their checkpoint lists (the gateway's protocol state).
+
+A run record outlives its session and the server: it is written to ``<root>/<run_id>/run.json`` on every
+change and read back at start-up (as not live), so ``training_runs``, checkpoint lists and
+create-via-load keep working. Event-loop thread only.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from ringtune.gateway.futures import SeqGate
+from ringtune.gateway.paths import KINDS, CheckpointPaths
+
+log = logging.getLogger(__name__)
+
+RUN_FILE = "run.json"
+RUN_FORMAT = "ringtune.gateway.run/1"
+
+
+def now_utc() -> datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.now(UTC)
+
+
+@dataclass
+class CheckpointRecord:
+    """One saved checkpoint of a run (``kind``: ``weights`` = training state, ``sampler_weights`` = HF export)."""
+
+    kind: str
+    name: str
+    time: datetime
+    size_bytes: int | None = None
+    user_metadata: dict[str, str] = field(default_factory=dict)
+    expires_at: datetime | None = None
+
+    @property
+    def checkpoint_id(self) -> str:
+        return f"{self.kind}/{self.name}"
+
+    def to_wire(self, run_id: str) -> dict[str, Any]:
+        """The SDK's ``Checkpoint`` object."""
+        return {
+            "checkpoint_id": self.checkpoint_id,
+            "checkpoint_type": KINDS[self.kind],
+            "time": self.time.isoformat(),
+            "tinker_path": f"tinker://{run_id}/{self.checkpoint_id}",
+            "size_bytes": self.size_bytes,
+            "public": False,
+            "user_metadata": self.user_metadata or None,
+            "expires_at": self.expires_at.isoformat() if self.expires_at else None,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "name": self.name,
+            "time": self.time.isoformat(),
+            "size_bytes": self.size_bytes,
+            "user_metadata": self.user_metadata,
+            "expires_at": self.expires_at.isoformat() if self.expires_at else None,
+        }
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> CheckpointRecord:
+        return CheckpointRecord(
+            kind=d["kind"],
+            name=d["name"],
+            time=datetime.fromisoformat(d["time"]),
+            size_bytes=d.get("size_bytes"),
+            user_metadata=dict(d.get("user_metadata") or {}),
+            expires_at=datetime.fromisoformat(d["expires_at"]) if d.get("expires_at") else None,
+        )
+
+
+@dataclass
+class RunRecord:
+    """A training run (= Tinker model id). ``live``: the backend holds its weights now."""
+
+    run_id: str
+    base_model: str
+    session_id: str
+    user_metadata: dict[str, str]
+    created: datetime
+    last_request_time: datetime
+    live: bool = False
+    checkpoints: dict[str, CheckpointRecord] = field(default_factory=dict)
+    gate: SeqGate = field(default_factory=SeqGate)
+    freed: bool = False
+    """True once the backend was told to free it (a finished session, or a failed create)."""
+
+    def touch(self) -> None:
+        self.last_request_time = now_utc()
+
+    def last(self, kind: str) -> CheckpointRecord | None:
+        found = [c for c in self.checkpoints.values() if c.kind == kind]
+        return max(found, key=lambda c: c.time) if found else None
+
+    def to_wire(self) -> dict[str, Any]:
+        """The SDK's ``TrainingRun`` object (full fine-tuning: ``is_lora`` false, no rank)."""
+        last, last_sampler = self.last("weights"), self.last("sampler_weights")
+        return {
+            "training_run_id": self.run_id,
+            "base_model": self.base_model,
+            "model_owner": "local",
+            "is_lora": False,
+            "corrupted": False,
+            "lora_rank": None,
+            "last_request_time": self.last_request_time.isoformat(),
+            "last_checkpoint": last.to_wire(self.run_id) if last else None,
+            "last_sampler_checkpoint": last_sampler.to_wire(self.run_id) if last_sampler else None,
+            "user_metadata": self.user_metadata or None,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": RUN_FORMAT,
+            "run_id": self.run_id,
+            "base_model": self.base_model,
+            "session_id": self.session_id,
+            "user_metadata": self.user_metadata,
+            "created": self.created.isoformat(),
+            "last_request_time": self.last_request_time.isoformat(),
+            "checkpoints": [c.to_json() for c in self.checkpoints.values()],
+        }
+
+    @staticmethod
+    def from_json(d: dict[str, Any]) -> RunRecord:
+        checkpoints = [CheckpointRecord.from_json(c) for c in d.get("checkpoints", [])]
+        return RunRecord(
+            run_id=d["run_id"],
+            base_model=d["base_model"],
+            session_id=d["session_id"],
+            user_metadata=dict(d.get("user_metadata") or {}),
+            created=datetime.fromisoformat(d["created"]),
+            last_request_time=datetime.fromisoformat(d["last_request_time"]),
+            checkpoints={c.checkpoint_id: c for c in checkpoints},
+        )
+
+
+@dataclass
+class Session:
+    """A client session: created by ``create_session``, kept alive by heartbeats, ended by ``finish``."""
+
+    session_id: str
+    created: float
+    last_heartbeat: float
+    user_metadata: dict[str, Any] = field(default_factory=dict)
+    tags: list[str] = field(default_factory=list)
+    finished: str | None = None
+    """None while open; else why it ended (``success``, ``errored``, ``interrupted``, ``expired``)."""
+    runs: list[str] = field(default_factory=list)
+
+
+class Registry:
+    """Sessions (in memory) and run records (in memory and on disk under the checkpoint root)."""
+
+    def __init__(self, paths: CheckpointPaths, clock=time.monotonic) -> None:
+        self.paths, self.clock = paths, clock
+        self.sessions: dict[str, Session] = {}
+        self.runs: dict[str, RunRecord] = {}
+        self._load()
+
+    def _load(self) -> None:
+        for run_file in sorted(self.paths.root.glob(f"*/{RUN_FILE}")):
+            try:
+                data = json.loads(run_file.read_text())
+                if data.get("format") != RUN_FORMAT:
+                    raise ValueError(f"format {data.get('format')!r}")
+                record = RunRecord.from_json(data)
+                self.runs[record.run_id] = record
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("ignoring unreadable run record %s: %s", run_file, exc)
+
+    def new_session(self, user_metadata: dict[str, Any] | None, tags: list[str]) -> Session:
+        """A new open session with a fresh unique id."""
+        now = self.clock()
+        session = Session(f"s-{uuid.uuid4().hex[:16]}", now, now, dict(user_metadata or {}), list(tags))
+        self.sessions[session.session_id] = session
+        return session
+
+    def save(self, record: RunRecord) -> None:
+        """Write ``record`` to ``<root>/<run_id>/run.json`` atomically."""
+        directory = self.paths.run_dir(record.run_id)
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = directory / f".{RUN_FILE}.{uuid.uuid4().hex}"
+        tmp.write_text(json.dumps(record.to_json(), indent=2))
+        os.replace(tmp, directory / RUN_FILE)
+
+    def live_runs(self) -> list[RunRecord]:
+        return [r for r in self.runs.values() if r.live]
