@@ -304,6 +304,7 @@ def save_twice_and_hang(root: str, point: str) -> None:
     states of A and B are written with torch.save before each save; ``<root>/hanging`` signals the hang.
     """
     import ringtune.engine.checkpoint as ckpt
+    import ringtune.engine.checkpoint_layout as ckpt_layout
 
     root_path = Path(root)
     model = tiny_model(0)
@@ -327,9 +328,9 @@ def save_twice_and_hang(root: str, point: str) -> None:
 
         ckpt.FileSystemWriter.write_data = slow_write
     elif point == "publish":
-        ckpt.os.symlink = lambda *args, **kwargs: hang()
+        ckpt_layout.os.symlink = lambda *args, **kwargs: hang()
     elif point == "cleanup":
-        ckpt._remove_stale = lambda *args, **kwargs: hang()
+        ckpt_layout.remove_versions = lambda *args, **kwargs: hang()
     save_checkpoint(root_path / "ck", model=model, optimizer=optimizer, step=2, extra={"v": "B"})
 
 
@@ -435,11 +436,11 @@ def test_errors_leave_the_target_unchanged(tmp_path):
     untouched(tmp_path / "weights", target, fresh, "no optimizer state")
     assert not fresh.state
 
-    # Another optimizer type: found only once the optimizer's own state names are known; undone.
+    # Another optimizer type: refused by the class recorded in the checkpoint, before anything changes.
     sgd = torch.optim.SGD(target.parameters(), lr=0.1, momentum=0.9)
     grad = torch.randn_like(target.model.norm.weight)
     target.model.norm.weight.grad = grad
-    untouched(tmp_path / "ck", target, sgd, "different model")
+    untouched(tmp_path / "ck", target, sgd, "different optimizer")
     assert not sgd.state
     assert target.model.norm.weight.grad is grad
     assert all(p.grad is None for n, p in target.named_parameters() if n != "model.norm.weight")
