@@ -26,7 +26,7 @@ def tiny_model_dir(dest: Path) -> Path:
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(dest / "tokenizer.json"))
-    config = {"tokenizer_class": "TokenizersBackend", "eos_token": "w1", "pad_token": "w0", "unk_token": "w0"}
+    config = {"tokenizer_class": "TokenizersBackend", "eos_token": "w95", "pad_token": "w94", "unk_token": "w0"}
     (dest / "tokenizer_config.json").write_text(json.dumps(config))
     return dest
 

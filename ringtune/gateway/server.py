@@ -54,7 +54,7 @@ class ServerThread:
         port: int | None = None,
         log_level: str = "warning",
     ) -> None:
-        self.host, self.port = host, port or free_port(host)
+        self.host, self.port, self.backend = host, port or free_port(host), backend
         self.server = uvicorn.Server(uvicorn_config(backend, config, self.host, self.port, log_level))
         self.thread = threading.Thread(target=self.server.run, name="ringtune-gateway", daemon=True)
 
