@@ -32,7 +32,72 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sharpness", type=float, default=d.shape.sharpness)
     p.add_argument("--seed", type=int, default=d.seed)
     _add_probe_parser(sub)
+    _add_serve_parser(sub)
     return parser
+
+
+def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
+    from ringtune.gateway.config import GatewayConfig
+    from ringtune.models.checkpoints.load import EMBEDDED_DEFAULT
+
+    d = GatewayConfig(checkpoint_root="")
+    p = sub.add_parser("serve", help="the Tinker API (HTTP gateway) over a local single-process trainer")
+    p.add_argument("--model", default=EMBEDDED_DEFAULT, help="HF checkpoint dir, .gguf file, or smollm2-135m")
+    p.add_argument("--model-name", default=None, help="base_model name clients pass (default: --model)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the model dir if it has one)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--checkpoint-root", default="ringtune-checkpoints", help="where runs and checkpoints live")
+    p.add_argument("--api-key", default=None, help="require this X-API-Key (must start with tml-)")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--max-tokens-per-rank", type=int, default=None, help="per-rank token budget")
+    budget.add_argument("--context-length", type=int, default=None, help="longest datum (default 8192)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    p.add_argument("--cp", type=int, default=1, choices=[1], help="context parallel size (multi-rank comes later)")
+    p.add_argument("--max-live-runs", type=int, default=d.max_live_runs)
+    p.add_argument("--max-body-mb", type=int, default=d.max_body_bytes // 2**20)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    """Load the model, print how to point the SDK at the server, then serve until interrupted."""
+    from pathlib import Path
+
+    from ringtune.gateway.config import GatewayConfig
+    from ringtune.gateway.local import LocalBackend, budget_for_context
+    from ringtune.gateway.server import serve
+
+    budget = args.max_tokens_per_rank or budget_for_context(args.context_length or 8192)
+    root = Path(args.checkpoint_root).resolve()
+    config = GatewayConfig(
+        checkpoint_root=str(root),
+        api_key=args.api_key,
+        max_live_runs=args.max_live_runs,
+        max_body_bytes=args.max_body_mb * 2**20,
+        fwdbwd_max_chunk_bytes=min(
+            args.max_body_mb * 2**20 // 2, GatewayConfig(checkpoint_root="").fwdbwd_max_chunk_bytes
+        ),
+    )
+    config.validate()
+    backend = LocalBackend(
+        args.model,
+        max_tokens_per_rank=budget,
+        dtype=args.dtype,
+        model_name=args.model_name,
+        tokenizer_dir=args.tokenizer,
+        tokenizer_cache=root / ".tokenizers",
+    )
+    info = backend.info()
+    url = f"http://{args.host}:{args.port}"
+    print(f"ringtune gateway: {info.model_name} ({info.arch}, {info.dtype}), context {info.context_length} tokens,")
+    print(f"  {budget} tokens per rank, checkpoints in {root}, tokenizer {info.tokenizer_dir}")
+    print(f"  serving on {url}; point the SDK at it with:")
+    print(f"  TINKER_BASE_URL={url} TINKER_API_KEY={args.api_key or 'tml-local'}")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+        print("  warning: bound beyond loopback without --api-key: anyone who reaches it can train", file=sys.stderr)
+    sys.stdout.flush()
+    serve(backend, config, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
 
 
 def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
@@ -108,6 +173,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if run_attention_parity(config) else 1
     if args.command == "probe":
         return 0 if run_layer_probe(_probe_config(args)) else 1
+    if args.command == "serve":
+        from ringtune.errors import UserInputError
+
+        try:
+            return _run_serve(args)
+        except UserInputError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     return 2
 
 
