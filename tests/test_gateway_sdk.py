@@ -174,7 +174,7 @@ def test_forward_backward_custom(gateway):
             for d, lp in zip(engine, lps, strict=True)
         ]
         surrogate = ref.forward_backward(weighted, "cross_entropy")
-        assert got.metrics["loss:sum"] == float(loss) and got.metrics["entropy_like:sum"] == float(loss)
+        assert got.metrics["loss:sum"] == float(loss.detach()) == got.metrics["entropy_like:sum"]
         assert got.metrics["surrogate_loss:sum"] == surrogate.metrics["loss:sum"]
         tc.optim_step(tinker.AdamParams(**ADAM)).result()
         ref.optim_step(AdamParams(**ADAM))
@@ -205,6 +205,7 @@ def test_save_state_and_resume_equal_an_uninterrupted_run(gateway):
             resumed.optim_step(tinker.AdamParams(**ADAM))
         again = resumed.forward(probe, "cross_entropy").result()
         assert again.metrics["loss:sum"] == uninterrupted.metrics["loss:sum"]
+        gateway["saved"] = (saved, at_save.metrics["loss:sum"], probe)
         weights_only = sc.create_training_client_from_state(saved).result()
         fresh = weights_only.forward(probe, "cross_entropy").result()
         assert fresh.metrics["loss:sum"] == at_save.metrics["loss:sum"]
@@ -249,3 +250,18 @@ def test_sampler_weights_rest_and_finish(gateway):
     rest = tinker.RestClient(base_url=gateway["url"], api_key=API_KEY)
     assert rest.get_training_run(run_id).result().training_run_id == run_id
     assert len(rest.list_checkpoints(run_id).result().checkpoints) == 1
+
+
+def test_records_survive_a_restart(gateway):
+    """A second gateway on the same checkpoint root lists the runs and resumes from their checkpoints."""
+    saved, loss_at_save, probe = gateway["saved"]
+    server = start_gateway(gateway["root"], gateway["model_dir"])
+    try:
+        rest = tinker.RestClient(base_url=server.url, api_key=API_KEY)
+        run_id = saved.removeprefix("tinker://").split("/")[0]
+        assert rest.get_training_run(run_id).result().user_metadata == {"renderer_name": "role_colon"}
+        with tinker.ServiceClient(base_url=server.url, api_key=API_KEY) as sc:
+            tc = sc.create_training_client_from_state_with_optimizer(saved).result()
+            assert tc.forward(probe, "cross_entropy").result().metrics["loss:sum"] == loss_at_save
+    finally:
+        server.stop()

@@ -67,6 +67,7 @@ class GatewayService:
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringtune-backend")
         self.sampling_sessions: dict[str, dict[str, Any]] = {}
         self._creates: dict[str, str] = {}  # run_id -> request_id of its create_model / create-via-load
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     # ------------------------------------------------------------------ plumbing
 
@@ -154,10 +155,10 @@ class GatewayService:
         session.runs.append(run_id)
         return record
 
-    def _created(self, record: RunRecord, request_id: str, outcome_ok: bool) -> None:
-        if not outcome_ok:
-            record.live, record.freed = False, True
-            self.registry.runs.pop(record.run_id, None)
+    def _forget_failed_create(self, record: RunRecord) -> None:
+        """A create (or create-via-load) failed: the run never existed (its request_id still answers resubmits)."""
+        record.live, record.freed = False, True
+        self.registry.runs.pop(record.run_id, None)
 
     # ------------------------------------------------------------------ sessions
 
@@ -236,7 +237,7 @@ class GatewayService:
             try:
                 self.backend.create_run(run_id, record.base_model)
             except BaseException:
-                self._loop_call(lambda: self._created(record, request_id, False))
+                self._loop_call(lambda: self._forget_failed_create(record))
                 raise
             return Outcome("json", {"model_id": run_id, "type": "create_model"}), lambda: self.registry.save(record)
 
@@ -244,6 +245,8 @@ class GatewayService:
         return {"request_id": request_id, "model_id": run_id}
 
     def _loop_call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the event loop thread (from the worker thread)."""
+        assert self._loop is not None, "bind_loop() was not called (the app's lifespan does it)"
         self._loop.call_soon_threadsafe(fn)
 
     def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -426,7 +429,7 @@ class GatewayService:
                     self.backend.free_run(run_id)
                     raise
             except BaseException:
-                self._loop_call(lambda: self._created(record, request_id, False))
+                self._loop_call(lambda: self._forget_failed_create(record))
                 raise
             result = {"path": body.path, "model_id": run_id, "type": "load_weights"}
             return Outcome("json", result), lambda: self.registry.save(record)

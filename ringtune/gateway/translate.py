@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -149,10 +148,3 @@ def parse_checkpoint_id(field: str, checkpoint_id: str) -> tuple[str, str]:
     if kind not in KINDS:
         raise UserInputError(f"{field}={checkpoint_id!r}: expected weights/<name> or sampler_weights/<name>")
     return kind, check_name(field, name)
-
-
-def finite(field: str, value: float) -> float:
-    """``value`` if finite, else UserInputError."""
-    if not math.isfinite(value):
-        raise UserInputError(f"{field}={value!r} must be finite")
-    return value
