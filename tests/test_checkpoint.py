@@ -255,6 +255,32 @@ def test_fresh_optimizer_stays_fresh(tmp_path):
     assert train(used, used_optimizer, 0, 2) == train(model, optimizer, 0, 2)
 
 
+def test_optimizer_built_from_named_parameters(tmp_path):
+    """An optimizer given ``named_parameters()`` carries ``param_names`` in its groups: it is no hyper-parameter."""
+    model = tiny_model(0)
+    optimizer = torch.optim.AdamW(model.named_parameters(), lr=0.0)
+    train(model, optimizer, 0, 2)
+    save_checkpoint(tmp_path / "named", model=model, optimizer=optimizer, step=2)
+    save_checkpoint(tmp_path / "plain", model=model, optimizer=adamw_from(model, optimizer), step=2)
+    for name in ("named", "plain"):
+        for named in (True, False):
+            target = tiny_model(1)
+            target_optimizer = torch.optim.AdamW(target.named_parameters() if named else target.parameters(), lr=0.0)
+            assert load_checkpoint(tmp_path / name, model=target, optimizer=target_optimizer) == (2, {})
+            assert_same(snapshot(target, target_optimizer), snapshot(model, optimizer))
+            assert ("param_names" in target_optimizer.param_groups[0]) == named
+
+
+def adamw_from(model: CausalLM, named: torch.optim.AdamW) -> torch.optim.AdamW:
+    """An AdamW over ``model.parameters()`` (no param_names) holding a copy of ``named``'s state and settings."""
+    plain = torch.optim.AdamW(model.parameters(), lr=0.0)
+    state = named.state_dict()
+    for group in state["param_groups"]:
+        group.pop("param_names")
+    plain.load_state_dict(state)
+    return plain
+
+
 def test_export_hf_weights(tmp_path):
     model = tiny_model(0)
     export_hf_weights(model, tmp_path / "hf")

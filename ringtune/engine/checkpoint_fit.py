@@ -150,7 +150,9 @@ def _check_optimizer(
         section, _, rest = key.partition(".")
         fqn, _, name = rest.rpartition(".")
         if section == "param_groups":
-            hyper.setdefault(fqn, set()).add(name)
+            names = hyper.setdefault(fqn, set())
+            if name not in _GROUP_KEYS:  # ``param_names`` (optimizers built from named_parameters) is no setting
+                names.add(name)
         elif section == "state":
             state.setdefault(fqn, {})[name] = entry
         else:
@@ -232,7 +234,9 @@ def plan_load(
     plan.fqns, plan.state_names = _check_optimizer(path, record, stored_optim, model, optimizer)
     plan.restore_optimizer = record.optimizer == OPTIM_SAVED
     if plan.restore_optimizer:
-        plan.template["optim"] = {k: _empty(v) for k, v in stored_optim.items()}
+        plan.template["optim"] = {
+            k: _empty(v) for k, v in stored_optim.items() if k.rpartition(".")[2] not in _GROUP_KEYS
+        }
     return plan
 
 
