@@ -1,7 +1,8 @@
 """Where the gateway keeps checkpoints: ``<root>/<run_id>/<kind>/<name>``, names checked and confined.
 
-A minimal stand-in for ``ringtune.engine.checkpoint_root.CheckpointRoot`` (being written beside this); once
-that lands, :class:`CheckpointPaths` should delegate to it. Layout::
+Training and sampler checkpoints go through :class:`ringtune.engine.checkpoint_root.CheckpointRoot` (name
+rules, confinement, deletion); this file adds the gateway's own entries (``run.json``, ephemeral exports) and
+keeps the gateway's stricter names (no ``:``). Layout::
 
     <root>/<run_id>/run.json                  the run's record (base model, user_metadata, checkpoints)
     <root>/<run_id>/weights/<name>            training state (weights + AdamW + step; engine DCP format)
@@ -15,6 +16,7 @@ import re
 import shutil
 from pathlib import Path
 
+from ringtune.engine.checkpoint_root import CheckpointNotFoundError, CheckpointRoot
 from ringtune.errors import UserInputError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
@@ -50,6 +52,7 @@ class CheckpointPaths:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root).resolve()
         self.root.mkdir(parents=True, exist_ok=True)
+        self.engine_root = CheckpointRoot(self.root)
 
     def _inside(self, path: Path) -> Path:
         resolved = path.resolve()
@@ -65,7 +68,16 @@ class CheckpointPaths:
         """``<root>/<run_id>/<kind>/<name>`` for ``kind`` in :data:`KINDS` or ``ephemeral`` (not created)."""
         if kind not in (*KINDS, "ephemeral"):
             raise UserInputError(f"checkpoint kind {kind!r} is not one of {[*KINDS, 'ephemeral']}")
+        if kind in KINDS:
+            return self.engine_root.path(run_id, kind, check_name("name", name))
         return self._inside(self.run_dir(run_id) / kind / check_name("name", name))
+
+    def delete(self, run_id: str, kind: str, name: str) -> None:
+        """Remove a checkpoint's files (CheckpointRoot.delete; a name with no complete checkpoint is a no-op)."""
+        try:
+            self.engine_root.delete(run_id, kind, check_name("name", name))
+        except CheckpointNotFoundError:
+            remove_checkpoint(self.checkpoint(run_id, kind, name))  # leftovers of an incomplete save
 
 
 def dir_bytes(path: Path) -> int:

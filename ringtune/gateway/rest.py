@@ -11,7 +11,6 @@ from typing import Any
 
 from ringtune.errors import UserInputError
 from ringtune.gateway import translate
-from ringtune.gateway.paths import remove_checkpoint
 from ringtune.gateway.service import GatewayService, RefusedError
 from ringtune.gateway.state import RunRecord
 
@@ -75,7 +74,7 @@ async def delete_checkpoint(service: GatewayService, run_id: str, checkpoint_id:
     if checkpoint is None:
         raise RefusedError(404, f"checkpoint_id={checkpoint_id!r}: run {run_id} has no such checkpoint")
     service.registry.save(record)
-    await asyncio.to_thread(remove_checkpoint, service.paths.checkpoint(run_id, kind, name))
+    await asyncio.to_thread(service.paths.delete, run_id, kind, name)
     return {}
 
 
