@@ -19,3 +19,23 @@ class ParallelConfigError(UserInputError):
 
 class NonFiniteError(UserInputError):
     """A request whose loss, gradient or update is not finite (inf/NaN); it was refused and changed nothing."""
+
+
+class RankFailedError(RuntimeError):
+    """Another rank of the group failed with a server-side error (a bug, a fault, a dead peer).
+
+    Attributes:
+        rank: the group rank that failed first; ``error_type``: its exception's class name.
+    """
+
+    def __init__(self, message: str, *, rank: int = -1, error_type: str = "RuntimeError") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.error_type = error_type
+
+    def __reduce__(self):
+        return (_rank_failed_error, (str(self), self.rank, self.error_type))
+
+
+def _rank_failed_error(message: str, rank: int, error_type: str) -> RankFailedError:
+    return RankFailedError(message, rank=rank, error_type=error_type)

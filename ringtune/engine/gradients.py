@@ -9,6 +9,8 @@ group all change it, and :meth:`GradientInvariant.check` fails loudly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -33,11 +35,13 @@ def reduce_gradients(tensors: list[torch.Tensor], group: dist.ProcessGroup | Non
 class GradientInvariant:
     """The canary that proves the gradient path is a plain SUM over microbatches and DP×CP ranks."""
 
-    def __init__(self, group: dist.ProcessGroup | None, *, fault: str | None = None) -> None:
+    def __init__(self, group: Callable[[], dist.ProcessGroup | None], *, fault: str | None = None) -> None:
+        """``group()`` gives the DP×CP group at the time of each reduction (the mesh may rebuild it)."""
         if fault not in FAULTS:
             raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
-        self.group = group
-        self.group_size = 1 if group is None else dist.get_world_size(group)
+        self._group = group
+        current = group()
+        self.group_size = 1 if current is None else dist.get_world_size(current)
         self.fault = fault
         self.canary = torch.zeros((), dtype=torch.float64, requires_grad=True)
         self.expected = 0
@@ -80,7 +84,7 @@ class GradientInvariant:
         """Reduce ``grads`` and the canary together over the group, then require canary == expected."""
         canary = self.canary.grad if self.canary.grad is not None else torch.zeros((), dtype=torch.float64)
         canary = canary.detach().clone()
-        reduce_gradients([*grads, canary], self.group, fault=self.fault)
+        reduce_gradients([*grads, canary], self._group(), fault=self.fault)
         got, want = float(canary), float(self.expected)
         self.canary.grad = None
         self.expected = 0

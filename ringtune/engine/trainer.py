@@ -69,6 +69,28 @@ class ForwardBackwardResult:
     metrics: dict[str, float]
 
 
+def _datum_list(indices: list[int], limit: int = 16) -> str:
+    shown = ", ".join(f"data[{i}]" for i in indices[:limit])
+    return shown + (f" and {len(indices) - limit} more" if len(indices) > limit else "")
+
+
+def _non_finite_error(verdicts: list, batch: Batch, forward_only: bool) -> NonFiniteError | None:
+    """The error naming the datums whose loss (or the gradient after whose microbatch) was not finite."""
+    loss_bad = sorted({i for _, found, _ in verdicts for i in found})
+    grad_bad = sorted({i for _, _, found in verdicts for i in found})
+    if not loss_bad and not grad_bad:
+        return None
+    parts = []
+    if loss_bad:
+        parts.append(f"non-finite loss or log-probs in {_datum_list(loss_bad)}")
+    if grad_bad:
+        parts.append(f"non-finite gradient after the microbatch of {_datum_list(grad_bad)}")
+    return NonFiniteError(
+        f"{'forward' if forward_only else 'forward_backward'} refused (loss_fn={batch.loss.loss_fn!r}): "
+        f"{'; '.join(parts)}; look for huge weights, advantages or logprobs there. Nothing was accumulated."
+    )
+
+
 class Trainer:
     """Owns the model replica of this rank, its AdamW state and the gradient invariant.
 
@@ -108,7 +130,6 @@ class Trainer:
         self.dp_size, self.dp_rank = (mesh.dp_size, mesh.dp_rank) if mesh else (1, 0)
         self.cp_size, self.cp_rank = (mesh.cp_size, mesh.cp_rank) if mesh else (1, 0)
         self.control_group = mesh.control_group if mesh else None
-        self._bind_groups()
         self.max_tokens_per_rank = max_tokens_per_rank
         self.attention, self.gated_delta = attention, gated_delta
         self.pad_multiplier = pad_multiplier
@@ -123,15 +144,20 @@ class Trainer:
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=0.0)
-        self.invariant = GradientInvariant(self.dp_cp_group, fault=fault)
+        self.invariant = GradientInvariant(lambda: self.dp_cp_group, fault=fault)
         self.invariant.startup_check()
         self.step = 0
         self.microbatch_hook: Callable[[int], None] | None = None
         self.broken: str | None = None
 
-    def _bind_groups(self) -> None:
-        self.cp_group = self.mesh.cp_group if self.mesh else None
-        self.dp_cp_group = self.mesh.dp_cp_group if self.mesh else None
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """The CP group, read from the mesh at each use (:func:`rebuild_mesh` may replace it)."""
+        return self.mesh.cp_group if self.mesh else None
+
+    @property
+    def dp_cp_group(self) -> dist.ProcessGroup | None:
+        return self.mesh.dp_cp_group if self.mesh else None
 
     @property
     def is_result_rank(self) -> bool:
@@ -186,7 +212,8 @@ class Trainer:
         self._check_usable()
         stash = None if forward_only else self._take_gradients()
         mine: dict[int, dict[str, torch.Tensor]] = {}
-        suspects: set[int] = set()
+        loss_bad: set[int] = set()  # datums whose loss or log-probs are not finite
+        grad_bad: set[int] = set()  # datums of the microbatch after which the gradient became non-finite
         error: BaseException | None = None
         count = batch.plan.microbatches_per_rank
         rows = zip(batch.plan.rows[self.dp_rank], batch.plan.local_lens[self.dp_rank], strict=True)
@@ -194,31 +221,32 @@ class Trainer:
             for m, (row, local_len) in enumerate(rows):
                 if self.microbatch_hook is not None:
                     self.microbatch_hook(m)
-                out, bad = self._microbatch(batch, row, local_len, backward=not forward_only, flagged=bool(suspects))
+                out, bad_loss, bad_grad = self._microbatch(
+                    batch, row, local_len, backward=not forward_only, flagged=bool(grad_bad)
+                )
                 mine.update(out)
-                suspects |= bad
+                loss_bad |= bad_loss
+                grad_bad |= bad_grad
         except _NOT_CAUGHT:
             raise
         except BaseException as exc:
             error = exc
         try:
-            verdicts = all_gather_objects((error is not None, sorted(suspects)), self.control_group)
-            repair = any(raised for raised, _ in verdicts)
-            bad = sorted({i for _, found in verdicts for i in found})
-            if error is None and bad:
-                error = NonFiniteError(
-                    f"{'forward' if forward_only else 'forward_backward'} refused: non-finite loss or gradient "
-                    f"from data[{', '.join(map(str, bad[:16]))}]{' ...' if len(bad) > 16 else ''} "
-                    f"(loss_fn={batch.loss.loss_fn!r}); check their weights/advantages/logprobs for huge values. "
-                    "Nothing was accumulated."
-                )
-            agree(error, self.control_group)
-        except BaseException as exc:
+            verdicts = all_gather_objects((error is not None, sorted(loss_bad), sorted(grad_bad)), self.control_group)
+        except BaseException as exc:  # a rank died or hung: the mesh cannot agree any more
             if stash is not None:
                 self._restore_gradients(stash)
-            if not isinstance(exc, RankFailedError | NonFiniteError) and error is None:
-                self.broken = f"the control group failed ({type(exc).__name__}: {exc})"
-            elif repair:
+            self.broken = f"the ranks could not agree ({type(exc).__name__}: {exc})"
+            raise RankFailedError(f"a rank of the mesh died or hung: {exc}", error_type=type(exc).__name__) from exc
+        repair = any(raised for raised, _, _ in verdicts)
+        if error is None:
+            error = _non_finite_error(verdicts, batch, forward_only)
+        try:
+            agree(error, self.control_group)
+        except BaseException:
+            if stash is not None:
+                self._restore_gradients(stash)
+            if repair:
                 self._repair()
             raise
         if stash is not None:
@@ -235,11 +263,11 @@ class Trainer:
 
     def _microbatch(
         self, batch: Batch, row: tuple[int, ...], local_len: int, *, backward: bool, flagged: bool
-    ) -> tuple[dict[int, dict[str, torch.Tensor]], set[int]]:
+    ) -> tuple[dict[int, dict[str, torch.Tensor]], set[int], set[int]]:
         """Run one packed row (collective over the CP group).
 
         Returns ({datum index: outputs} full length, on every CP rank; the datums of this row whose loss
-        or log-probs are not finite, or all of the row's datums if the gradient became non-finite here).
+        or log-probs are not finite; all of the row's datums if the gradient became non-finite here).
         ``flagged``: a previous microbatch already made the gradient non-finite (not checked again).
         """
         members = [batch.datums[i] for i in row]
@@ -271,7 +299,8 @@ class Trainer:
         local_targets = zigzag_slice(targets, plan, pad_value=IGNORE).to(device)
         local_inputs = {k: zigzag_slice(v, plan).to(device) for k, v in values.items()}
         local_datum = zigzag_slice(datum_index, plan, pad_value=-1).to(device)
-        bad: set[int] = set()
+        bad_loss: set[int] = set()
+        bad_grad: set[int] = set()
         with torch.set_grad_enabled(backward):
             lp = self.model(local_ids, shard, local_targets)
             elementwise = local_token_losses(
@@ -281,7 +310,7 @@ class Trainer:
                 loss = elementwise.sum().to(torch.float64) + self.invariant.loss_term()
                 self.invariant.scale_loss(loss, batch.plan.microbatches_per_rank).backward()
                 if not flagged and not self._gradients_finite():
-                    bad.update(row)
+                    bad_grad.update(row)
         both = torch.stack([lp.detach(), elementwise.detach()], dim=-1).to(torch.float64)
         full = gather_row(both, plan, self.cp_group).cpu()
         out, start = {}, 0
@@ -289,9 +318,9 @@ class Trainer:
             piece = full[start : start + n]
             out[i] = {"logprobs": piece[..., 0].clone(), "elementwise_loss": piece[..., 1].clone()}
             if not bool(torch.isfinite(piece).all()):
-                bad.add(i)
+                bad_loss.add(i)
             start += n
-        return out, bad
+        return out, bad_loss, bad_grad
 
     def _gradients_finite(self) -> bool:
         """Whether every gradient accumulated so far in this request is finite (one device sync)."""
@@ -354,12 +383,10 @@ class Trainer:
             self.broken = "a rank failed mid-request and FSDP-sharded parameters cannot move to new groups"
             return
         try:
-            self.mesh = rebuild_mesh(self.mesh)
+            rebuild_mesh(self.mesh)
         except BaseException as exc:
             self.broken = f"rebuilding the data groups failed ({type(exc).__name__}: {exc})"
             raise
-        self._bind_groups()
-        self.invariant.group = self.dp_cp_group
 
     # ------------------------------------------------------------------ optimizer
 

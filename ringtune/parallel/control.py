@@ -4,7 +4,9 @@ What a request-serving engine needs so that every rank does the same thing:
 
 - :func:`broadcast_object`: a request (any picklable object) from the source rank to every rank;
 - :func:`agree`: every rank learns whether any rank failed, and every rank raises the same error (the
-  first failing rank's), so no rank goes on into a collective that another rank will never enter;
+  first failing rank's), so no rank goes on into a collective that another rank will never enter.
+  Verdicts travel through the store with heartbeats (:mod:`ringtune.parallel.liveness`): a dead rank is
+  named within seconds, a rank that is still computing is waited for;
 - :func:`gather_object_to` / :func:`all_gather_objects`: per-rank objects onto one rank (results) or all;
 - :func:`run_on_source`: run a function on one rank (a file write), give its result or error to all.
 
@@ -20,33 +22,14 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from ringtune.errors import UserInputError
+from ringtune.errors import RankFailedError, UserInputError
+from ringtune.parallel.liveness import exchange_objects
 
 T = TypeVar("T")
 
 _NOT_CAUGHT = (KeyboardInterrupt, SystemExit, GeneratorExit)
 """BaseExceptions that end the process rather than a request; everything else (DCP's CheckpointException is a
 BaseException) is caught and agreed on."""
-
-
-class RankFailedError(RuntimeError):
-    """Another rank of the group failed with a server-side error (a bug, a fault, a dead peer).
-
-    Attributes:
-        rank: the group rank that failed first; ``error_type``: its exception's class name.
-    """
-
-    def __init__(self, message: str, *, rank: int = -1, error_type: str = "RuntimeError") -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.error_type = error_type
-
-    def __reduce__(self):
-        return (_rank_failed_error, (str(self), self.rank, self.error_type))
-
-
-def _rank_failed_error(message: str, rank: int, error_type: str) -> RankFailedError:
-    return RankFailedError(message, rank=rank, error_type=error_type)
 
 
 def _size(group: dist.ProcessGroup | None) -> int:
@@ -87,13 +70,37 @@ def _portable(error: BaseException, rank: int) -> BaseException:
     return RankFailedError(f"rank {rank} failed: {described}", rank=rank, error_type=type(error).__name__)
 
 
+def _is_peer_symptom(error: BaseException) -> bool:
+    """Whether ``error`` looks like the echo of another rank's failure (a collective that timed out or lost
+    its peer) rather than a cause of its own."""
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(
+        needle in text for needle in ("Timed out", "timed out", "Connection closed", "Connection reset", "peer")
+    )
+
+
+def _choose(verdicts: list[Any]) -> tuple[int, BaseException]:
+    """The error every rank raises: the lowest rank's user error, else the lowest rank's cause (an error that
+    is not merely a peer's timeout), else the lowest rank's error; a RankFailedError names the others too."""
+    failed = [(r, e) for r, e in enumerate(verdicts) if e is not None]
+    users = [(r, e) for r, e in failed if isinstance(e, UserInputError)]
+    if users:
+        return users[0]
+    causes = [(r, e) for r, e in failed if not _is_peer_symptom(e)] or failed
+    rank, first = causes[0]
+    others = [r for r, _ in failed if r != rank]
+    if isinstance(first, RankFailedError) and others:
+        note = f" (ranks {', '.join(map(str, others))} failed too, waiting on it)"
+        return rank, RankFailedError(str(first) + note, rank=first.rank, error_type=first.error_type)
+    return rank, first
+
+
 def agree(error: BaseException | None, group: dist.ProcessGroup | None) -> None:
     """Collective verdict: return on every rank if no rank passed an error, else raise on every rank.
 
-    The error raised is the first failing rank's (lowest group rank): a :class:`UserInputError` (or
-    subclass) travels as itself, with its message; anything else becomes a :class:`RankFailedError` naming
-    the rank and the original type and message. The rank that had the chosen error re-raises its own
-    exception (with its traceback); every other rank raises the agreed copy.
+    Every rank raises the same error (:func:`_choose`): a :class:`UserInputError` (or subclass) travels as
+    itself, with its message; anything else becomes a :class:`RankFailedError` naming the rank, the original
+    type and message (chained to the local exception where there is one, for its traceback).
     """
     if _size(group) == 1:
         if error is not None:
@@ -101,15 +108,13 @@ def agree(error: BaseException | None, group: dist.ProcessGroup | None) -> None:
         return
     rank = _rank(group)
     mine = None if error is None else _portable(error, rank)
-    verdicts: list[Any] = [None] * _size(group)
-    dist.all_gather_object(verdicts, mine, group=group)
-    failed = [(r, e) for r, e in enumerate(verdicts) if e is not None]
-    if not failed:
+    verdicts = exchange_objects(mine, group)
+    if all(v is None for v in verdicts):
         return
-    first_rank, first = failed[0]
-    if first_rank == rank and error is not None and mine is error:
+    chosen_rank, chosen = _choose(verdicts)
+    if chosen_rank == rank and mine is error and error is not None:
         raise error
-    raise first from error
+    raise chosen from error
 
 
 def agreed_call(fn: Callable[[], T], group: dist.ProcessGroup | None) -> T:
@@ -154,9 +159,8 @@ def run_on_source(fn: Callable[[], T], group: dist.ProcessGroup | None, *, src: 
 
 
 def all_gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
-    """Every rank's ``obj`` in group-rank order, on every rank."""
+    """Every rank's small ``obj`` in group-rank order, on every rank (through the store, with liveness:
+    :func:`ringtune.parallel.liveness.exchange_objects`)."""
     if _size(group) == 1:
         return [obj]
-    parts: list[Any] = [None] * _size(group)
-    dist.all_gather_object(parts, obj, group=group)
-    return parts
+    return exchange_objects(obj, group)

@@ -19,7 +19,7 @@ replica can :func:`rebuild_mesh` its data groups after a failure without the res
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -41,9 +41,12 @@ def default_backend(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(kw_only=True, eq=False)
 class ParallelMesh:
     """A DP×CP×TP mesh and the process groups the ops talk over.
+
+    One object per mesh, shared by everything that runs on it (several trainers): :func:`rebuild_mesh`
+    replaces its data groups in place, so read the groups from the mesh when a collective is made.
 
     Attributes:
         ranks: int64 [dp, cp, tp], the global rank at each coordinate of this replica.
@@ -161,7 +164,7 @@ def build_mesh(
 
 
 def rebuild_mesh(mesh: ParallelMesh) -> ParallelMesh:
-    """Fresh data groups for ``mesh`` (same ranks, same control group), after a failure left them unusable.
+    """In place: fresh data groups for ``mesh`` (same ranks, same control group) after a failure; returns it.
 
     When one rank fails between collectives, its peers time out inside a data collective that the failed
     rank never entered: the groups' sequence numbers no longer match and the next collective would pair
@@ -170,5 +173,6 @@ def rebuild_mesh(mesh: ParallelMesh) -> ParallelMesh:
     """
     backend = default_backend(mesh.device_type)
     groups = _data_groups(mesh.ranks, (mesh.dp_rank, mesh.cp_rank, mesh.tp_rank), backend, mesh.timeout_s)
-    cp_group, dp_group, dp_cp_group = groups
-    return replace(mesh, cp_group=cp_group, dp_group=dp_group, dp_cp_group=dp_cp_group, generation=mesh.generation + 1)
+    mesh.cp_group, mesh.dp_group, mesh.dp_cp_group = groups
+    mesh.generation += 1
+    return mesh

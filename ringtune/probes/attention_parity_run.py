@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ringtune.ops.cp_modes import ATTENTION_MODES
 from ringtune.parallel.launch import init_from_env, spawn
 from ringtune.parallel.mesh import build_mesh
 from ringtune.probes.attention_parity import FIELDS, AttentionShape, compare_attention
@@ -24,7 +25,7 @@ class AttentionParityConfig:
     """What ``ringtune attention-parity`` runs; one field per command-line flag."""
 
     cp: int = 2
-    modes: tuple[str, ...] = ("ring", "allgather", "alltoall")
+    modes: tuple[str, ...] = ATTENTION_MODES
     dtype: str = "float64"
     scenarios: tuple[str, ...] = tuple(SCENARIOS)
     shape: AttentionShape = field(default_factory=AttentionShape)

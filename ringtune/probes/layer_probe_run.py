@@ -16,6 +16,7 @@ import torch.distributed as dist
 from ringtune.errors import ParallelConfigError
 from ringtune.layout.zigzag import zigzag_slice
 from ringtune.models.shard import shard_of
+from ringtune.ops.cp_modes import ATTENTION_MODES, GATED_DELTA_MODES
 from ringtune.parallel.launch import init_from_env, spawn
 from ringtune.probes.layer_probe import (
     ProbeSizes,
@@ -35,7 +36,7 @@ from ringtune.probes.layer_probe import (
 # to ~1e-6 relative; bfloat16 rounds every layer input/output (8 bits of mantissa, ~4e-3 relative per
 # op), so whole-tensor cosines stay above 0.999 and single rows may dip, most of all rows of tiny norm.
 LIMITS = {"float64": (1 - 1e-10, 1e-8, 0.0), "float32": (0.9999, 1e-3, 0.0), "bfloat16": (0.99, 0.03, 0.01)}
-MODES = {"gdn": ("headwise", "chunkwise"), "attention": ("ring", "allgather", "alltoall")}
+MODES = {"gdn": GATED_DELTA_MODES, "attention": ATTENTION_MODES}
 
 
 @dataclass(frozen=True, kw_only=True)

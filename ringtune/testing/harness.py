@@ -16,6 +16,7 @@ import importlib
 import importlib.util
 import queue as queue_mod
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -108,29 +109,42 @@ class RankPool:
         for p in self._procs:
             p.start()
 
-    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        """Run ``fn(ctx, *args, **kwargs)`` on every rank; per-rank return values in rank order."""
+    def run(self, fn: Callable[..., Any], *args: Any, allow_dead: bool = False, **kwargs: Any) -> list[Any]:
+        """Run ``fn(ctx, *args, **kwargs)`` on every rank; per-rank return values in rank order.
+
+        ``allow_dead``: a rank process that dies (a SIGKILL test) gives None instead of failing the call;
+        the others are still waited for, and the pool restarts afterwards.
+        """
         module = fn.__module__
         path = getattr(sys.modules.get(module), "__file__", None)
         for q in self._tasks:
             q.put((module, path, fn.__qualname__, args, kwargs))
         got: dict[int, Any] = {}
+        dead: set[int] = set()
         failures: list[str] = []
-        try:
-            while len(got) + len(failures) < self.world_size:
-                rank, ok, value = self._results.get(timeout=self.timeout)
-                if ok:
-                    got[rank] = value
-                else:
-                    failures.append(f"rank {rank}:\n{value}")
-                    # The other ranks may be stuck in a collective: restart rather than wait for them.
-                    break
-        except queue_mod.Empty:
-            failures.append(f"timed out after {self.timeout}s with ranks {sorted(got)} done (a hang?)")
-        if failures:
+        deadline = time.monotonic() + self.timeout
+        while len(got) + len(dead) < self.world_size and not failures:
+            try:
+                rank, ok, value = self._results.get(timeout=0.5)
+            except queue_mod.Empty:
+                for r, p in enumerate(self._procs):
+                    if r not in got and r not in dead and not p.is_alive():
+                        if not allow_dead:
+                            failures.append(f"rank {r} died (exit code {p.exitcode})")
+                        dead.add(r)
+                if time.monotonic() > deadline:
+                    failures.append(f"timed out after {self.timeout}s with ranks {sorted(got)} done (a hang?)")
+                continue
+            if ok:
+                got[rank] = value
+            else:
+                # The other ranks may be stuck in a collective: restart rather than wait for them.
+                failures.append(f"rank {rank}:\n{value}")
+        if failures or dead:
             self._restart()
+        if failures:
             raise RuntimeError(f"{fn.__qualname__} failed on the rank pool:\n" + "\n".join(failures))
-        return [got[r] for r in range(self.world_size)]
+        return [got.get(r) for r in range(self.world_size)]
 
     def _restart(self) -> None:
         self.close(graceful=False)

@@ -6,12 +6,12 @@ All variants share one signature, ``fn(q, k, v, plan, group, *, scale=None, kern
 
 from collections.abc import Callable
 
-from ringtune.ops.cp_modes import ATTENTION_MODES, check_attention_mode
 from ringtune.ops.attention.allgather import allgather_attention
 from ringtune.ops.attention.blocks import varlen_block_attention
 from ringtune.ops.attention.reference import reference_varlen_attention
 from ringtune.ops.attention.ring import ring_attention
 from ringtune.ops.attention.ulysses import check_ulysses_heads, ulysses_attention
+from ringtune.ops.cp_modes import ATTENTION_MODES, check_attention_mode
 
 CP_ATTENTION: dict[str, Callable] = {
     "ring": ring_attention,

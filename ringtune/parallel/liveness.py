@@ -1,0 +1,109 @@
+"""Store-based exchange of small objects with liveness: agreement that a dead rank cannot stall.
+
+A collective over gloo only notices a dead peer on the pairs that talk to it directly; the others wait
+for their full timeout (a rank that is two hops from the dead one in a ring all-gather). Agreement therefore
+goes through the job's key-value store (the c10d TCPStore every rank already shares):
+
+- every process runs a daemon thread that bumps its heartbeat counter ``ringtune/alive/<rank>`` every
+  :data:`HEARTBEAT_S` seconds over its own store connection;
+- :func:`exchange_objects` writes this rank's object under a key of the exchange's sequence number, then
+  waits for every other rank's key; while it waits it reads the missing ranks' heartbeats, and a rank whose
+  counter has not moved for :data:`DEAD_AFTER_S` seconds is declared dead (:class:`RankFailedError`).
+
+A rank that is alive but still computing keeps beating, so an exchange waits for it as long as it needs: no
+timeout has to cover the longest request. A dead rank is found within ``DEAD_AFTER_S`` + one poll.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ringtune.errors import RankFailedError
+
+HEARTBEAT_S = 0.5
+"""Seconds between two heartbeats of a process."""
+
+DEAD_AFTER_S = 10.0
+"""A rank whose heartbeat has not moved for this long is dead."""
+
+_POLL = timedelta(seconds=1.0)
+_state: dict[str, Any] = {"thread": None, "sequence": {}}
+_lock = threading.Lock()
+
+
+def _store() -> dist.Store:
+    return dist.distributed_c10d._get_default_store()
+
+
+def _alive_key(rank: int) -> str:
+    return f"ringtune/alive/{rank}"
+
+
+def _beat(store: dist.Store, rank: int, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            store.add(_alive_key(rank), 1)
+        except Exception:  # the store is gone (rank 0 exited): nothing left to tell
+            return
+        stop.wait(HEARTBEAT_S)
+
+
+def start_heartbeat() -> None:
+    """Start this process's heartbeat thread (once per process; idempotent)."""
+    with _lock:
+        thread = _state["thread"]
+        if thread is not None and thread.is_alive():
+            return
+        stop = threading.Event()
+        thread = threading.Thread(target=_beat, args=(_store().clone(), dist.get_rank(), stop), daemon=True)
+        thread.start()
+        _state.update(thread=thread, stop=stop)
+
+
+def exchange_objects(obj: Any, group: dist.ProcessGroup) -> list[Any]:
+    """Every rank's small picklable ``obj`` in group-rank order, on every rank of ``group``, via the store.
+
+    Collective over ``group`` (every member calls it, in the same order as its other exchanges on the group).
+    Raises RankFailedError naming a rank whose heartbeat stopped (dead) while it was waited for.
+    """
+    start_heartbeat()
+    store = _store()
+    ranks = dist.get_process_group_ranks(group)
+    me = dist.get_rank()
+    name = group.group_name
+    seq = _state["sequence"].get(name, 0)
+    _state["sequence"][name] = seq + 1
+    prefix = f"ringtune/x/{name}/{seq}/"
+    store.set(prefix + str(me), pickle.dumps(obj))
+    seen = {r: (-1, time.monotonic()) for r in ranks}
+    missing = [r for r in ranks if r != me]
+    while missing:
+        try:
+            store.wait([prefix + str(r) for r in missing], _POLL)
+            break
+        except Exception:  # not all there yet: who is still alive?
+            pass
+        now = time.monotonic()
+        for r in missing:
+            count = store.add(_alive_key(r), 0)
+            last, since = seen[r]
+            if count != last:
+                seen[r] = (count, now)
+            elif now - since > DEAD_AFTER_S:
+                raise RankFailedError(
+                    f"rank {r} stopped responding (no heartbeat for {DEAD_AFTER_S:.0f} s): it died or its process "
+                    "hung outside a collective",
+                    rank=r,
+                    error_type="RankDied",
+                )
+        missing = [r for r in missing if not store.check([prefix + str(r)])]
+    values = [pickle.loads(store.get(prefix + str(r))) for r in ranks]
+    if seq >= 2:  # every rank has read exchange seq-2 before it wrote seq-1, which this rank has now read
+        store.delete_key(f"ringtune/x/{name}/{seq - 2}/{me}")
+    return values
