@@ -384,6 +384,32 @@ def test_kill_during_save_leaves_a_complete_checkpoint(tmp_path, point, survivor
     assert_same(snapshot(fresh, fresh_optimizer), snapshot(model, optimizer))
 
 
+def test_failed_write_removes_the_partial_save_and_keeps_the_old(tmp_path, monkeypatch):
+    import ringtune.engine.checkpoint as ckpt
+
+    model = tiny_model(0)
+    optimizer = adamw(model)
+    train(model, optimizer, 0, 1)
+    save_checkpoint(tmp_path / "ck", model=model, optimizer=optimizer, step=1)
+    saved = snapshot(model, optimizer)
+    train(model, optimizer, 1, 2)
+
+    def disk_full(self, plan, planner):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt.FileSystemWriter, "write_data", disk_full)
+    with pytest.raises(
+        RuntimeError, match=r"ck: writing failed \(CheckpointException \(rank 0: OSError: \[Errno 28\] No space left"
+    ):
+        save_checkpoint(tmp_path / "ck", model=model, optimizer=optimizer, step=2)
+    assert len([p for p in tmp_path.iterdir() if p.name.startswith(".ck.")]) == 1  # no .partial left behind
+    monkeypatch.undo()
+    fresh = tiny_model(5)
+    fresh_optimizer = adamw(fresh)
+    assert load_checkpoint(tmp_path / "ck", model=fresh, optimizer=fresh_optimizer) == (1, {})
+    assert_same(snapshot(fresh, fresh_optimizer), saved)
+
+
 # --------------------------------------------------------------------------------------------------- 4. world sizes
 
 

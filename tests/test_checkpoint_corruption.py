@@ -363,6 +363,38 @@ def test_foreign_checkpoints_are_refused(hf_dirs, saved):
     refused(saved["good"], model, adamw, r"optimizer hyper-parameters of .* this optimizer has \[")
 
 
+def test_read_errors_of_any_kind_are_caught_but_interrupts_pass(hf_dirs, saved, monkeypatch):
+    """A BaseException from DCP's reader (not an Exception) is refused like corruption; Ctrl-C is not swallowed
+    (DCP wraps it into a CheckpointException; the load unwraps and re-raises it)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    class Odd(BaseException):
+        pass
+
+    model, optimizer = stepped(hf_dirs["target"], seed=1)
+    for error, match in (
+        (CheckpointException("injected", {0: OSError("disk")}), "could not be read .*CheckpointException"),
+        (Odd("odd"), r"could not be read .*Odd: odd"),
+        (OSError(5, "Input/output error"), r"could not be read .*OSError: \[Errno 5\]"),
+    ):
+
+        def read_data(self, plan, planner, error=error):
+            raise error
+
+        monkeypatch.setattr(FileSystemReader, "read_data", read_data)
+        refused(saved["good"], model, optimizer, match)
+
+    def interrupted(self, plan, planner):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(FileSystemReader, "read_data", interrupted)
+    before = snapshot(model, optimizer)
+    with pytest.raises(KeyboardInterrupt):
+        load_checkpoint(saved["good"], model=model, optimizer=optimizer)
+    assert differences(before, snapshot(model, optimizer)) == []
+
+
 # --------------------------------------------------------------------------------------------------- names
 
 

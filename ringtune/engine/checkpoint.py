@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict
 
 from ringtune.engine.checkpoint_fit import OPTIONS, LoadPlan, optimizer_state_dict, plan_load
@@ -121,8 +122,34 @@ def _quiet_dcp(call: Callable[[], T]) -> T:
         return call()
 
 
+def _cause(exc: BaseException, depth: int = 0) -> str:
+    """One line for ``exc``; a CheckpointException as its per-rank causes (its own str is a traceback dump)."""
+    if isinstance(exc, CheckpointException) and depth < 3:
+        causes = []
+        for rank, failure in sorted(exc.failures.items()):
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            causes.append(f"rank {rank}: {_cause(inner, depth + 1)}")
+        return f"CheckpointException ({'; '.join(causes)})"
+    try:
+        text = str(exc)
+    except Exception:
+        text = "<no message>"
+    return f"{type(exc).__name__}: {text}"
+
+
+def _reraise_interrupt(exc: BaseException, depth: int = 0) -> None:
+    """Raise the KeyboardInterrupt / SystemExit that DCP wrapped into a CheckpointException, if there is one."""
+    if isinstance(exc, CheckpointException) and depth < 3:
+        for failure in exc.failures.values():
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, _NOT_CAUGHT):
+                raise inner
+            _reraise_interrupt(inner, depth + 1)
+
+
 def _describe(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    """``exc`` on one line, cut to a few hundred characters, for an error message."""
+    text = " ".join(_cause(exc).split())
     return text if len(text) <= _MESSAGE_CHARS else text[:_MESSAGE_CHARS] + "..."
 
 
@@ -205,6 +232,7 @@ def save_checkpoint(
         except _NOT_CAUGHT:
             raise
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
+            _reraise_interrupt(exc)
             raise RuntimeError(f"checkpoint {path}: writing failed ({_describe(exc)})") from exc
 
     try:
@@ -280,6 +308,7 @@ def _read_copies(path: Path, real: Path, plan: LoadPlan, optimizer: torch.optim.
     except _NOT_CAUGHT:
         raise
     except BaseException as exc:  # CheckpointException (a BaseException), OSError, unpickling errors, ...
+        _reraise_interrupt(exc)
         raise UserInputError(
             f"checkpoint {path} could not be read (corrupt, missing or foreign data): {_describe(exc)}"
         ) from None
