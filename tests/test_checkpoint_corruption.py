@@ -385,11 +385,19 @@ def test_read_errors_of_any_kind_are_caught_but_interrupts_pass(hf_dirs, saved, 
         monkeypatch.setattr(FileSystemReader, "read_data", read_data)
         refused(saved["good"], model, optimizer, match)
 
+    before = snapshot(model, optimizer)
+
+    def out_of_memory(self, plan, planner):
+        raise MemoryError("injected")
+
+    monkeypatch.setattr(FileSystemReader, "read_data", out_of_memory)  # a server error, not the checkpoint's fault
+    with pytest.raises(RuntimeError, match=r"out of memory while reading \(CheckpointException \(rank 0: MemoryError"):
+        load_checkpoint(saved["good"], model=model, optimizer=optimizer)
+
     def interrupted(self, plan, planner):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(FileSystemReader, "read_data", interrupted)
-    before = snapshot(model, optimizer)
     with pytest.raises(KeyboardInterrupt):
         load_checkpoint(saved["good"], model=model, optimizer=optimizer)
     assert differences(before, snapshot(model, optimizer)) == []

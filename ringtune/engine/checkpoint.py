@@ -1,39 +1,36 @@
 """Training checkpoints (weights + optimizer state + step): verified, atomic to save, all-or-nothing to load.
 
 A checkpoint is a directory of torch.distributed.checkpoint (DCP) files plus ``ringtune.json``, the record
-(step, extra, optimizer kind and class, world size, and a manifest of every file's size and SHA-256; see
-:mod:`ringtune.engine.checkpoint_manifest`), published atomically under its name (see
-:mod:`ringtune.engine.checkpoint_layout`). The server keeps them under a
-:class:`~ringtune.engine.checkpoint_root.CheckpointRoot`.
+with a manifest of every file's size and SHA-256 (:mod:`~ringtune.engine.checkpoint_manifest`), published
+atomically under its name (:mod:`~ringtune.engine.checkpoint_layout`); the server keeps them under a
+:class:`~ringtune.engine.checkpoint_root.CheckpointRoot`. docs/engine.md has the whole picture.
 
-**Save**: check the arguments and the name; one rank prepares the target (a parent that is a file, or a
+**Save**: check the name and arguments; one rank prepares the target (a parent that is a file, or a
 non-checkpoint at the path, is a UserInputError and nothing is written); DCP writes every rank's share into a
-hidden ``.partial`` sibling; the ranks hash the files (split between them); one rank writes the record last
-and publishes. Parameters are replicated: DCP writes one copy of each tensor across the ranks.
+hidden ``.partial`` sibling (replicated tensors once); the ranks hash the files, split between them; one rank
+writes the record last and publishes.
 
 **Load** validates everything before it touches the model or the optimizer, in four agreed phases:
-
 1. record and files: the name, ``ringtune.json`` (every field), the file set and sizes against the manifest,
    then the SHA-256 of this rank's share of the files;
 2. fit: the DCP metadata against the model (keys, shapes, dtypes) and optimizer (class, parameters,
    hyper-parameter and state names, shapes);
-3. read: DCP loads every tensor into *fresh CPU copies* (each rank reads the whole checkpoint, no
-   communication); any DCP error, including its ``CheckpointException`` (a BaseException), is caught;
+3. read: DCP loads every tensor into *fresh CPU copies* (each rank the whole checkpoint, no communication);
+   any error is caught, DCP's ``CheckpointException`` (a BaseException) included, except Ctrl-C/SystemExit
+   (re-raised) and out of memory (a server error);
 4. commit: only if every rank got through 1-3 are the copies written into the live model and optimizer.
-
 After each phase the ranks agree (:func:`ringtune.parallel.control.agreed_call`): a failure on any rank makes
-every rank raise the same :class:`UserInputError` (missing, corrupt, foreign or mismatched checkpoint) with
-the model and the optimizer unchanged. Only an error while copying into live state in phase 4 (out of
-memory) could leave a partial load, and that is a server error, not a UserInputError.
+every rank raise the same :class:`UserInputError` with the model and the optimizer unchanged. Only an error
+while copying into live state in phase 4 (out of memory) could leave a partial load (a server error).
 
-Memory of a load: the CPU copies hold the model state plus, with an optimizer, its state (AdamW: two moments
-and a step per parameter), i.e. about 3x the parameter bytes of host memory per rank for AdamW, 1x for
-weights only, until the load returns; DCP adds one read buffer of the largest tensor.
+Memory of a load: the CPU copies of the model state and, with an optimizer, its state (AdamW: two moments and
+a step per parameter): about 3x the parameter bytes of host memory per rank with AdamW, 1x for weights only,
+until the load returns; DCP adds a read buffer.
 
-Collectives: every function that talks over torch.distributed talks over ``group`` (a gloo control group,
-such as a mesh's ``control_group``) or, when it is None, the default (world) group; every rank of that group
-calls it together (with NCCL as the default group, after ``torch.cuda.set_device``). Without an initialised
-process group they run as a single process. Sharded (FSDP/DTensor) parameters are not supported yet.
+Collectives: over ``group`` (a gloo control group is enough, e.g. a mesh's ``control_group``) or, when it is
+None, the default (world) group; every rank of it calls together (with NCCL as the default group, after
+``torch.cuda.set_device``). Without an initialised process group: one process. Sharded (FSDP/DTensor)
+parameters are not supported yet.
 """
 
 from __future__ import annotations
@@ -137,14 +134,22 @@ def _cause(exc: BaseException, depth: int = 0) -> str:
     return f"{type(exc).__name__}: {text}"
 
 
-def _reraise_interrupt(exc: BaseException, depth: int = 0) -> None:
-    """Raise the KeyboardInterrupt / SystemExit that DCP wrapped into a CheckpointException, if there is one."""
+def _wrapped(exc: BaseException, kinds: tuple[type[BaseException], ...], depth: int = 0) -> BaseException | None:
+    """``exc`` or the first exception DCP wrapped into it (a CheckpointException) that is one of ``kinds``."""
+    if isinstance(exc, kinds):
+        return exc
     if isinstance(exc, CheckpointException) and depth < 3:
         for failure in exc.failures.values():
-            inner = failure[0] if isinstance(failure, tuple) else failure
-            if isinstance(inner, _NOT_CAUGHT):
-                raise inner
-            _reraise_interrupt(inner, depth + 1)
+            found = _wrapped(failure[0] if isinstance(failure, tuple) else failure, kinds, depth + 1)
+            if found is not None:
+                return found
+    return None
+
+
+def _reraise_interrupt(exc: BaseException) -> None:
+    """Raise the KeyboardInterrupt / SystemExit that DCP wrapped into a CheckpointException, if there is one."""
+    if (interrupt := _wrapped(exc, _NOT_CAUGHT)) is not None:
+        raise interrupt
 
 
 def _describe(exc: BaseException) -> str:
@@ -309,6 +314,8 @@ def _read_copies(path: Path, real: Path, plan: LoadPlan, optimizer: torch.optim.
         raise
     except BaseException as exc:  # CheckpointException (a BaseException), OSError, unpickling errors, ...
         _reraise_interrupt(exc)
+        if _wrapped(exc, (MemoryError, torch.OutOfMemoryError)) is not None:  # the server's fault, not the data's
+            raise RuntimeError(f"checkpoint {path}: out of memory while reading ({_describe(exc)})") from exc
         raise UserInputError(
             f"checkpoint {path} could not be read (corrupt, missing or foreign data): {_describe(exc)}"
         ) from None
