@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from ringtune.errors import UserInputError
+from ringtune.ops.cp_modes import ATTENTION_MODES, GATED_DELTA_MODES
+from ringtune.parallel.mesh import DEFAULT_TIMEOUT_S
 from ringtune.probes.attention_parity import AttentionShape
 from ringtune.probes.attention_parity_run import AttentionParityConfig, run_attention_parity
 from ringtune.probes.layer_probe import ProbeSizes
@@ -41,7 +45,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     from ringtune.models.checkpoints.load import EMBEDDED_DEFAULT
 
     d = GatewayConfig(checkpoint_root="")
-    p = sub.add_parser("serve", help="the Tinker API (HTTP gateway) over a local single-process trainer")
+    p = sub.add_parser("serve", help="the Tinker API (HTTP gateway) over DPxCP worker ranks")
     p.add_argument("--model", default=EMBEDDED_DEFAULT, help="HF checkpoint dir, .gguf file, or smollm2-135m")
     p.add_argument("--model-name", default=None, help="base_model name clients pass (default: --model)")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the model dir if it has one)")
@@ -53,7 +57,15 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     budget.add_argument("--max-tokens-per-rank", type=int, default=None, help="per-rank token budget")
     budget.add_argument("--context-length", type=int, default=None, help="longest datum (default 8192)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
-    p.add_argument("--cp", type=int, default=1, choices=[1], help="context parallel size (multi-rank comes later)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size (ranks per packed row)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel size (rows in parallel)")
+    p.add_argument("--attention", default=ATTENTION_MODES[0], choices=ATTENTION_MODES, help="CP attention mode")
+    p.add_argument(
+        "--linear-cp-mode", default=GATED_DELTA_MODES[0], choices=GATED_DELTA_MODES, help="CP GatedDeltaNet mode"
+    )
+    p.add_argument(
+        "--collective-timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds a rank waits for a failed peer"
+    )
     p.add_argument("--max-live-runs", type=int, default=d.max_live_runs)
     p.add_argument("--max-body-mb", type=int, default=d.max_body_bytes // 2**20)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -64,10 +76,16 @@ def _run_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ringtune.gateway.config import GatewayConfig
-    from ringtune.gateway.local import LocalBackend, budget_for_context
+    from ringtune.gateway.local import LocalBackend
     from ringtune.gateway.server import serve
+    from ringtune.layout.budget import rank_token_budget
+    from ringtune.worker.executor import ModelSpec
+    from ringtune.worker.launch import WorkerLayout, join_torchrun_world, start_local_workers
 
-    budget = args.max_tokens_per_rank or budget_for_context(args.context_length or 8192)
+    for name in ("cp", "dp"):
+        if getattr(args, name) < 1:
+            raise UserInputError(f"--{name}={getattr(args, name)} must be >= 1")
+    budget = args.max_tokens_per_rank or rank_token_budget(args.context_length or 8192, args.cp, pad_multiplier=8)
     root = Path(args.checkpoint_root).resolve()
     config = GatewayConfig(
         checkpoint_root=str(root),
@@ -79,17 +97,24 @@ def _run_serve(args: argparse.Namespace) -> int:
         ),
     )
     config.validate()
-    backend = LocalBackend(
-        args.model,
-        max_tokens_per_rank=budget,
-        dtype=args.dtype,
-        model_name=args.model_name,
-        tokenizer_dir=args.tokenizer,
-        tokenizer_cache=root / ".tokenizers",
-    )
+    options = {"attention": args.attention, "gated_delta": args.linear_cp_mode}
+    names = {"model_name": args.model_name, "tokenizer_dir": args.tokenizer, "tokenizer_cache": root / ".tokenizers"}
+    layout = WorkerLayout(dp=args.dp, cp=args.cp, timeout_s=args.collective_timeout)
+    spec = ModelSpec(source=args.model, dtype=args.dtype, max_tokens_per_rank=budget, trainer_options=options)
+    if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: every rank runs this
+        backend = join_torchrun_world(spec, layout, **names)
+        if backend is None:
+            return 0  # a worker rank: served commands until shutdown
+    elif layout.world_size > 1:
+        backend = start_local_workers(spec, layout, **names)
+    else:
+        backend = LocalBackend(
+            args.model, max_tokens_per_rank=budget, dtype=args.dtype, trainer_options=options, **names
+        )
     info = backend.info()
     url = f"http://{args.host}:{args.port}"
     print(f"ringtune gateway: {info.model_name} ({info.arch}, {info.dtype}), context {info.context_length} tokens,")
+    print(f"  DP={info.dp_size} x CP={info.cp_size} ranks ({args.attention} attention, {args.linear_cp_mode} GDN),")
     print(f"  {budget} tokens per rank, checkpoints in {root}, tokenizer {info.tokenizer_dir}")
     print(f"  serving on {url}; point the SDK at it with:")
     print(f"  TINKER_BASE_URL={url} TINKER_API_KEY={args.api_key or 'tml-local'}")

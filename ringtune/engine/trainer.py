@@ -449,9 +449,12 @@ class Trainer:
     # ------------------------------------------------------------------ state
 
     def save_state(self, path: str, *, extra: dict | None = None) -> None:
-        """Weights + AdamW state + step, atomically (torch.distributed.checkpoint); collective over the world."""
+        """Weights + AdamW state + step, atomically (torch.distributed.checkpoint, manifest-checked on load);
+        collective over the mesh's control group."""
         self._check_usable()
-        save_checkpoint(path, model=self.model, optimizer=self.optimizer, step=self.step, extra=extra)
+        save_checkpoint(
+            path, model=self.model, optimizer=self.optimizer, step=self.step, extra=extra, group=self.control_group
+        )
 
     def load_state(self, path: str, *, optimizer: bool = True) -> dict:
         """Restore weights (and AdamW moments unless ``optimizer=False``: fresh moments); returns ``extra``.
@@ -460,7 +463,9 @@ class Trainer:
         Accumulated gradients are dropped by a successful load.
         """
         self._check_usable()
-        step, extra = load_checkpoint(path, model=self.model, optimizer=self.optimizer if optimizer else None)
+        step, extra = load_checkpoint(
+            path, model=self.model, optimizer=self.optimizer if optimizer else None, group=self.control_group
+        )
         if not optimizer:  # only after a successful load: a refused checkpoint changes nothing
             self.optimizer = torch.optim.AdamW(self.params, lr=0.0)
         self.invariant.reset()
@@ -470,4 +475,4 @@ class Trainer:
     def export_hf(self, path: str) -> None:
         """The current weights as an HF checkpoint directory (for sampling); written by global rank 0."""
         self._check_usable()
-        export_hf_weights(self.model, path)
+        export_hf_weights(self.model, path, group=self.control_group)

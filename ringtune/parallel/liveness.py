@@ -12,6 +12,9 @@ goes through the job's key-value store (the c10d TCPStore every rank already sha
 
 A rank that is alive but still computing keeps beating, so an exchange waits for it as long as it needs: no
 timeout has to cover the longest request. A dead rank is found within ``DEAD_AFTER_S`` + one poll.
+
+The same mechanism carries commands (:func:`publish_object` / :func:`receive_object`): an idle worker waits for
+the next command without a timeout, for as long as the source rank is alive.
 """
 
 from __future__ import annotations
@@ -66,27 +69,19 @@ def start_heartbeat() -> None:
         _state.update(thread=thread, stop=stop)
 
 
-def exchange_objects(obj: Any, group: dist.ProcessGroup) -> list[Any]:
-    """Every rank's small picklable ``obj`` in group-rank order, on every rank of ``group``, via the store.
+def wait_for_keys(store: dist.Store, keys: dict[int, str]) -> None:
+    """Block until every ``keys[rank]`` exists in ``store``; RankFailedError if one of those ranks is dead.
 
-    Collective over ``group`` (every member calls it, in the same order as its other exchanges on the group).
-    Raises RankFailedError naming a rank whose heartbeat stopped (dead) while it was waited for.
+    A rank is dead when its heartbeat counter has not moved for :data:`DEAD_AFTER_S` seconds; a rank that is
+    alive is waited for as long as it takes.
     """
     start_heartbeat()
-    store = _store()
-    ranks = dist.get_process_group_ranks(group)
-    me = dist.get_rank()
-    name = group.group_name
-    seq = _state["sequence"].get(name, 0)
-    _state["sequence"][name] = seq + 1
-    prefix = f"ringtune/x/{name}/{seq}/"
-    store.set(prefix + str(me), pickle.dumps(obj))
-    seen = {r: (-1, time.monotonic()) for r in ranks}
-    missing = [r for r in ranks if r != me]
+    seen = {r: (-1, time.monotonic()) for r in keys}
+    missing = dict(keys)
     while missing:
         try:
-            store.wait([prefix + str(r) for r in missing], _POLL)
-            break
+            store.wait(list(missing.values()), _POLL)
+            return
         except Exception:  # not all there yet: who is still alive?
             pass
         now = time.monotonic()
@@ -102,8 +97,54 @@ def exchange_objects(obj: Any, group: dist.ProcessGroup) -> list[Any]:
                     rank=r,
                     error_type="RankDied",
                 )
-        missing = [r for r in missing if not store.check([prefix + str(r)])]
+        missing = {r: k for r, k in missing.items() if not store.check([k])}
+
+
+def next_sequence(name: str) -> int:
+    """The next sequence number of the exchanges named ``name`` in this process (0, 1, 2, ...)."""
+    seq = _state["sequence"].get(name, 0)
+    _state["sequence"][name] = seq + 1
+    return seq
+
+
+def exchange_objects(obj: Any, group: dist.ProcessGroup) -> list[Any]:
+    """Every rank's small picklable ``obj`` in group-rank order, on every rank of ``group``, via the store.
+
+    Collective over ``group`` (every member calls it, in the same order as its other exchanges on the group).
+    Raises RankFailedError naming a rank whose heartbeat stopped (dead) while it was waited for.
+    """
+    store = _store()
+    ranks = dist.get_process_group_ranks(group)
+    me = dist.get_rank()
+    name = group.group_name
+    seq = next_sequence(f"x/{name}")
+    prefix = f"ringtune/x/{name}/{seq}/"
+    store.set(prefix + str(me), pickle.dumps(obj))
+    wait_for_keys(store, {r: prefix + str(r) for r in ranks if r != me})
     values = [pickle.loads(store.get(prefix + str(r))) for r in ranks]
     if seq >= 2:  # every rank has read exchange seq-2 before it wrote seq-1, which this rank has now read
         store.delete_key(f"ringtune/x/{name}/{seq - 2}/{me}")
     return values
+
+
+def publish_object(obj: Any, channel: str) -> int:
+    """Source side of a command channel: store ``obj`` as the channel's next message; its sequence number.
+
+    The caller guarantees that every receiver has finished with message ``seq - 2`` (e.g. each message ends
+    with an :func:`exchange_objects` among all ranks), which is then deleted.
+    """
+    store = _store()
+    seq = next_sequence(f"c/{channel}")
+    store.set(f"ringtune/c/{channel}/{seq}", pickle.dumps(obj))
+    if seq >= 2:
+        store.delete_key(f"ringtune/c/{channel}/{seq - 2}")
+    return seq
+
+
+def receive_object(channel: str, *, src: int) -> Any:
+    """Receiver side: the channel's next message, waiting as long as global rank ``src`` is alive."""
+    store = _store()
+    seq = next_sequence(f"c/{channel}")
+    key = f"ringtune/c/{channel}/{seq}"
+    wait_for_keys(store, {src: key})
+    return pickle.loads(store.get(key))

@@ -1,0 +1,112 @@
+"""DistributedBackend: the gateway's :class:`~ringtune.gateway.backend.Backend` on rank 0 of a DP×CP mesh.
+
+Each verb becomes a :class:`~ringtune.worker.commands.Command` that rank 0 publishes through the job's store
+(:func:`ringtune.parallel.liveness.publish_object`) and then executes itself, together with every worker rank
+(:func:`ringtune.worker.loop.worker_loop`). One transport: torch.distributed (its store and its process
+groups); no second RPC system. The gateway calls the verbs from one thread, so commands are totally ordered.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ringtune.engine.optimizer import AdamParams
+from ringtune.engine.trainer import TrainDatum
+from ringtune.errors import RankFailedError, UserInputError
+from ringtune.gateway.backend import BackendHealth, BackendInfo
+from ringtune.parallel.liveness import publish_object
+from ringtune.worker.commands import Command
+from ringtune.worker.executor import RankExecutor
+from ringtune.worker.loop import CHANNEL
+
+
+class DistributedBackend:
+    """Rank 0's side: publish each verb as a command, execute it here too, return rank 0's result.
+
+    Args:
+        executor: rank 0's :class:`RankExecutor` over the mesh.
+        info: the served model's description (built on rank 0, as the local backend does).
+        workers: the worker processes started by this process (joined at :meth:`close`), or [] under torchrun.
+    """
+
+    def __init__(self, executor: RankExecutor, info: BackendInfo, *, workers: Sequence[Any] = ()) -> None:
+        self.executor, self._info, self.workers = executor, info, list(workers)
+        self._dead: str | None = None
+        self._lock = threading.Lock()
+
+    def info(self) -> BackendInfo:
+        return self._info
+
+    def health(self) -> BackendHealth:
+        dead = self._dead or self.executor.broken
+        gone = [p.pid for p in self.workers if not p.is_alive()]
+        if gone and not dead:
+            dead = f"worker process(es) {gone} exited"
+        extra: dict[str, float | str] = {"live_runs": float(len(self.executor.trainers))}
+        mesh = self.executor.mesh
+        if mesh is not None:
+            extra.update(dp=float(mesh.dp_size), cp=float(mesh.cp_size), mesh_generation=float(mesh.generation))
+        return BackendHealth(ok=dead is None, detail=dead or "", extra=extra)
+
+    def _run(self, command: Command) -> Any:
+        with self._lock:
+            health = self.health()
+            if not health.ok:
+                raise RankFailedError(f"the worker ranks cannot serve: {health.detail}; restart the server")
+            publish_object(command, CHANNEL)
+            try:
+                return self.executor.execute(command)
+            except RankFailedError as exc:
+                if exc.error_type == "RankDied" or self.executor.broken:
+                    self._dead = str(exc)
+                raise
+
+    def create_run(self, run_id: str, base_model: str) -> None:
+        if base_model not in (self._info.model_name, *self._info.aliases):
+            raise UserInputError(f"base_model={base_model!r} is not served here; use {self._info.model_name!r}")
+        self._run(Command("create_run", run_id))
+
+    def free_run(self, run_id: str) -> None:
+        self._run(Command("free_run", run_id))
+
+    def forward_backward(
+        self,
+        run_id: str,
+        data: Sequence[TrainDatum],
+        loss_fn: str,
+        loss_config: Mapping[str, float] | None,
+        forward_only: bool,
+    ) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
+        args = {"data": list(data), "loss_fn": loss_fn, "loss_config": loss_config, "forward_only": forward_only}
+        outputs, metrics = self._run(Command("forward_backward", run_id, args))
+        return outputs, metrics
+
+    def optim_step(self, run_id: str, adam: AdamParams) -> dict[str, float]:
+        return self._run(Command("optim_step", run_id, {"adam": adam}))
+
+    def save_state(self, run_id: str, path: str) -> None:
+        self._run(Command("save_state", run_id, {"path": path}))
+
+    def load_state(self, run_id: str, path: str, optimizer: bool) -> None:
+        self._run(Command("load_state", run_id, {"path": path, "optimizer": optimizer}))
+
+    def export_for_sampler(self, run_id: str, path: str) -> None:
+        self._run(Command("export_hf", run_id, {"path": path}))
+
+    def close(self) -> None:
+        """Tell the workers to exit and join the processes this backend started."""
+        if self._dead is None and not self.executor.broken:
+            try:
+                self._run(Command("shutdown"))
+            except Exception:
+                pass
+        for p in self.workers:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self.executor.trainers.clear()

@@ -1,0 +1,160 @@
+"""Starting the worker ranks of ``ringtune serve``: spawned on this machine, or under torchrun across machines.
+
+- :func:`start_local_workers`: this process becomes rank 0 of a DP×CP world on 127.0.0.1; it spawns the other
+  ``dp·cp - 1`` ranks as processes (gloo on CPU, NCCL on CUDA), builds the mesh and returns rank 0's
+  :class:`~ringtune.worker.backend.DistributedBackend` (the gateway serves HTTP from this process).
+- :func:`join_torchrun_world`: every torchrun process calls it; rank 0 gets the backend (and serves HTTP),
+  every other rank runs :func:`~ringtune.worker.loop.worker_loop` until shutdown and gets None.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ringtune.engine.packing import max_datum_len
+from ringtune.gateway.backend import BackendInfo
+from ringtune.gateway.local import find_tokenizer_dir
+from ringtune.layout.zigzag import stream_pad_multiple
+from ringtune.models.checkpoints.load import load_model
+from ringtune.models.decoder import CausalLM
+from ringtune.parallel.launch import free_port, init_from_env, init_process_group
+from ringtune.parallel.mesh import DEFAULT_TIMEOUT_S, build_mesh
+from ringtune.worker.backend import DistributedBackend
+from ringtune.worker.executor import DTYPES, ModelSpec, RankExecutor
+from ringtune.worker.loop import worker_loop
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerLayout:
+    """The mesh of the worker ranks: ``dp`` × ``cp`` processes, data-group timeout ``timeout_s`` seconds."""
+
+    dp: int = 1
+    cp: int = 1
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.cp
+
+
+def _threads(world: int) -> int:
+    return max(1, (os.cpu_count() or 1) // world)
+
+
+def _backend_kind() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _worker_entry(rank: int, layout: WorkerLayout, spec: ModelSpec, init_method: str) -> None:
+    torch.set_num_threads(_threads(layout.world_size))
+    init_process_group(
+        rank=rank,
+        world_size=layout.world_size,
+        init_method=init_method,
+        backend=_backend_kind(),
+        timeout_s=layout.timeout_s,
+    )
+    if _backend_kind() == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    mesh = build_mesh(dp=layout.dp, cp=layout.cp, timeout_s=layout.timeout_s)
+    code = worker_loop(RankExecutor(spec, mesh))
+    if code == 0:
+        dist.destroy_process_group()
+    sys.exit(code)
+
+
+def describe(
+    spec: ModelSpec,
+    model: CausalLM,
+    layout: WorkerLayout,
+    *,
+    model_name: str | None,
+    tokenizer_dir: str | None,
+    tokenizer_cache: str | Path | None,
+) -> BackendInfo:
+    """The served model as the gateway reports it (context length = the longest datum one rank row holds)."""
+    pad = int(spec.trainer_options.get("pad_multiplier", 8))
+    multiple = stream_pad_multiple(1, pad)
+    name = model_name or spec.source
+    return BackendInfo(
+        model_name=name,
+        aliases=tuple(a for a in (spec.source,) if a != name),
+        arch=model.config.model_type,
+        tokenizer_dir=find_tokenizer_dir(spec.source, tokenizer_dir, tokenizer_cache),
+        context_length=max_datum_len(spec.max_tokens_per_rank, cp_size=layout.cp, multiple=multiple),
+        max_tokens_per_rank=spec.max_tokens_per_rank,
+        dp_size=layout.dp,
+        cp_size=layout.cp,
+        dtype=spec.dtype,
+        vocab_size=model.config.vocab_size,
+    )
+
+
+def start_local_workers(
+    spec: ModelSpec,
+    layout: WorkerLayout,
+    *,
+    model_name: str | None = None,
+    tokenizer_dir: str | None = None,
+    tokenizer_cache: str | Path | None = None,
+) -> DistributedBackend:
+    """Make this process rank 0 of ``layout`` on 127.0.0.1, spawn the other ranks; rank 0's backend.
+
+    The model is loaded here first (a bad source fails before any process starts).
+    """
+    model = load_model(spec.source, dtype=DTYPES[spec.dtype])
+    info = describe(
+        spec, model, layout, model_name=model_name, tokenizer_dir=tokenizer_dir, tokenizer_cache=tokenizer_cache
+    )
+    init_method = f"tcp://127.0.0.1:{free_port()}"
+    ctx = mp.get_context("spawn")
+    workers = [
+        ctx.Process(target=_worker_entry, args=(rank, layout, spec, init_method), name=f"ringtune-rank{rank}")
+        for rank in range(1, layout.world_size)
+    ]
+    for p in workers:
+        p.start()
+    torch.set_num_threads(_threads(layout.world_size))
+    init_process_group(
+        rank=0,
+        world_size=layout.world_size,
+        init_method=init_method,
+        backend=_backend_kind(),
+        timeout_s=layout.timeout_s,
+    )
+    mesh = build_mesh(dp=layout.dp, cp=layout.cp, timeout_s=layout.timeout_s)
+    return DistributedBackend(RankExecutor(spec, mesh, spare=model), info, workers=workers)
+
+
+def join_torchrun_world(
+    spec: ModelSpec,
+    layout: WorkerLayout,
+    *,
+    model_name: str | None = None,
+    tokenizer_dir: str | None = None,
+    tokenizer_cache: str | Path | None = None,
+) -> DistributedBackend | None:
+    """Under torchrun: rank 0 gets the backend; the other ranks serve commands here until shutdown (None)."""
+    rank = init_from_env(timeout_s=layout.timeout_s)
+    if dist.get_world_size() != layout.world_size:
+        raise SystemExit(f"torchrun started {dist.get_world_size()} processes; --dp·--cp = {layout.world_size}")
+    mesh = build_mesh(dp=layout.dp, cp=layout.cp, timeout_s=layout.timeout_s)
+    if rank != 0:
+        code = worker_loop(RankExecutor(spec, mesh))
+        dist.destroy_process_group()
+        raise SystemExit(code)
+    model = load_model(spec.source, dtype=DTYPES[spec.dtype])
+    info = describe(
+        spec, model, layout, model_name=model_name, tokenizer_dir=tokenizer_dir, tokenizer_cache=tokenizer_cache
+    )
+    return DistributedBackend(RankExecutor(spec, mesh, spare=model), info)
