@@ -37,7 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed)
     _add_probe_parser(sub)
     _add_serve_parser(sub)
+    _add_demo_parser(sub)
     return parser
+
+
+def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
+    from ringtune.demo.command import add_demo_parser
+
+    add_demo_parser(sub)
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -121,6 +128,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
         print("  warning: bound beyond loopback without --api-key: anyone who reaches it can train", file=sys.stderr)
     sys.stdout.flush()
+    import logging
+
+    # One line per operation (ringtune.gateway.observe) beside uvicorn's own lines.
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     serve(backend, config, host=args.host, port=args.port, log_level=args.log_level)
     return 0
 
@@ -206,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         except UserInputError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2
+    if args.command == "demo":
+        from ringtune.demo.command import run_demo_command
+
+        return run_demo_command(args)
     return 2
 
 

@@ -7,6 +7,7 @@ SIGKILLed during a forward_backward: the SDK call fails with a server error with
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -51,7 +52,7 @@ def server(tmp_path_factory):
             pass
         assert proc.poll() is None and time.monotonic() < deadline, (tmp / "serve.log").read_text()
         time.sleep(0.2)
-    yield {"url": url, "proc": proc, "model_dir": model_dir}
+    yield {"url": url, "proc": proc, "model_dir": model_dir, "root": tmp / "ckpt", "log": tmp / "serve.log"}
     proc.send_signal(signal.SIGINT)
     try:
         proc.wait(timeout=60)
@@ -108,6 +109,12 @@ def test_cp2_server_equals_a_single_process_trainer(server):
             assert (
                 abs(metrics["grad_norm:mean"] - want_metrics["grad_norm:mean"]) <= 1e-9 * want_metrics["grad_norm:mean"]
             )
+        records = [
+            json.loads(line) for line in (server["root"] / tc.model_id / "metrics.jsonl").read_text().splitlines()
+        ]
+        assert [r["op"] for r in records] == ["forward_backward", "optim_step"] * 2
+        assert records[-1]["step:max"] == 2.0 and records[-1]["grad_norm:mean"] == metrics["grad_norm:mean"]
+        assert f"op=optim_step model={tc.model_id}" in server["log"].read_text()
         state = tc.save_state("two-steps").result().path
         resumed = sc.create_training_client_from_state_with_optimizer(state).result()
         again = resumed.forward(sdk_datums(7), "cross_entropy").result().metrics["loss:sum"]

@@ -27,6 +27,7 @@ from ringtune.gateway import proto, translate
 from ringtune.gateway.backend import Backend
 from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.futures import FutureStore, Outcome
+from ringtune.gateway.observe import ObservedBackend
 from ringtune.gateway.paths import CheckpointPaths, check_name, dir_bytes
 from ringtune.gateway.state import CheckpointRecord, Registry, RunRecord, Session, now_utc
 from ringtune.gateway.wire import (
@@ -56,7 +57,7 @@ class GatewayService:
 
     def __init__(self, backend: Backend, config: GatewayConfig) -> None:
         config.validate()
-        self.backend, self.config = backend, config
+        self.backend, self.config = ObservedBackend(backend, config.checkpoint_root), config
         self.paths = CheckpointPaths(config.checkpoint_root)
         self.registry = Registry(self.paths)
         self.futures = FutureStore(
