@@ -356,9 +356,35 @@ def test_optional_keys_may_differ_between_datums(checkpoint):
     want = trainer.forward(plain, "ppo").outputs
     got = trainer.forward(mixed, "ppo").outputs
     assert all(torch.equal(a["elementwise_loss"], b["elementwise_loss"]) for a, b in zip(got, want, strict=True))
+    trainer.forward_backward(plain, "ppo")  # accumulated gradients, which a forward must not touch
+    grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()}
     lists = [TrainDatum(tokens=d.tokens.tolist(), inputs={k: v.tolist() for k, v in d.inputs.items()}) for d in plain]
     converted = trainer.forward(lists, "ppo").outputs
     assert all(torch.equal(a["logprobs"], b["logprobs"]) for a, b in zip(converted, want, strict=True))
+    assert all(torch.equal(p.grad, grads[n]) for n, p in trainer.model.named_parameters())
+
+
+def test_importance_sampling_takes_k_targets_per_position(checkpoint):
+    """[N, K] targets for importance_sampling: each column's terms equal a [N] request on that column."""
+    trainer = Trainer(load_hf(checkpoint, dtype=torch.float64), None, max_tokens_per_rank=BUDGET)
+    vocab = trainer.model.config.vocab_size
+    gen = torch.Generator().manual_seed(11)
+    data = []
+    for n in (4, 9, 6):
+        inputs = {
+            "target_tokens": torch.randint(0, vocab, (n, 3), generator=gen),
+            "logprobs": -torch.rand(n, 3, generator=gen, dtype=torch.float64),
+            "advantages": torch.randn(n, 3, generator=gen, dtype=torch.float64),
+        }
+        data.append(TrainDatum(tokens=torch.randint(0, vocab, (n,), generator=gen), inputs=inputs))
+    got = trainer.forward(data, "importance_sampling").outputs
+    for k in range(3):
+        column = [TrainDatum(d.tokens, {key: v[:, k] for key, v in d.inputs.items()}) for d in data]
+        want = trainer.forward(column, "importance_sampling").outputs
+        for g, w in zip(got, want, strict=True):
+            assert g["logprobs"].shape[1] == 3
+            assert torch.allclose(g["logprobs"][:, k], w["logprobs"], atol=1e-12)
+            assert torch.allclose(g["elementwise_loss"][:, k], w["elementwise_loss"], atol=1e-12)
 
 
 # --------------------------------------------------------------------------------------------------- faults
