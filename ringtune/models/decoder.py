@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ringtune.models.batch_cache import DecodeBatch, GatedDeltaRows, KVRows, LayerRows
+from ringtune.models.cache import LayerCapture, PrefillCapture
 from ringtune.models.config import DecoderConfig
 from ringtune.models.layers.attention import Attention
 from ringtune.models.layers.gated_deltanet import GatedDeltaNet
@@ -54,10 +56,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centered=zero)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centered=zero)
 
-    def forward(self, x: torch.Tensor, shard: PackedShard) -> torch.Tensor:
-        """x [T_local, hidden] -> [T_local, hidden]; the mixer talks over the shard's CP group."""
+    def forward(self, x: torch.Tensor, shard: PackedShard, cache: LayerCapture | None = None) -> torch.Tensor:
+        """x [T_local, hidden] -> [T_local, hidden]; the mixer talks over the shard's CP group.
+
+        ``cache`` (prefill at CP = 1): the mixer hands it what decoding continues from.
+        """
         mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
-        x = x + mixer(self.input_layernorm(x), shard)
+        x = x + mixer(self.input_layernorm(x), shard, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def decode(self, x: torch.Tensor, positions: torch.Tensor, rows: LayerRows) -> torch.Tensor:
+        """One new token per sequence: x [B, hidden] at ``positions`` [B] -> [B, hidden]; updates ``rows``."""
+        h = self.input_layernorm(x)
+        if self.layer_type == "linear_attention":
+            assert isinstance(rows, GatedDeltaRows)
+            x = x + self.linear_attn.decode(h, rows)
+        else:
+            assert isinstance(rows, KVRows)
+            x = x + self.self_attn.decode(h, positions, rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -93,19 +109,41 @@ class CausalLM(nn.Module):
         """Raise ParallelConfigError if this model's heads do not fit the shard's CP size and modes."""
         self.config.check_parallel(cp_size=shard.cp_size, attention=shard.attention, gated_delta=shard.gated_delta)
 
-    def hidden_states(self, input_ids: torch.Tensor, shard: PackedShard) -> torch.Tensor:
+    def hidden_states(
+        self, input_ids: torch.Tensor, shard: PackedShard, *, capture: PrefillCapture | None = None
+    ) -> torch.Tensor:
         """input_ids int64 [T_local] (this rank's zigzag shard) -> final-normed hidden [T_local, hidden].
 
-        Every rank of the shard's CP group must call it (and its backward) together.
+        Every rank of the shard's CP group must call it (and its backward) together. ``capture`` (a prefill
+        for decoding, CP = 1 only, built on ``shard.plan``) collects every layer's K/V or GDN states; the
+        hidden states of real tokens are those of the plain call.
         """
         if input_ids.shape != (shard.plan.local_len,):
             raise ValueError(
                 f"input_ids must be [local_len={shard.plan.local_len}] (the shard); got {tuple(input_ids.shape)}"
             )
         self.check_parallel(shard)
+        if capture is not None and (capture.plan is not shard.plan or len(capture.layers) != len(self.model.layers)):
+            raise ValueError("capture must be PrefillCapture(shard.plan, num_layers) of this model and shard")
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, shard)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, shard) if capture is None else layer(x, shard, capture.layers[i])
+        return self.model.norm(x)
+
+    def decode_hidden(self, input_ids: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        """One decode step: input_ids int64 [B] (row b's next token) -> final-normed hidden [B, hidden].
+
+        The token of row b sits at position ``batch.lengths[b]``; every layer appends to / updates row b's
+        cache, and ``batch.lengths`` advances by one. Single process, no autograd needed.
+        """
+        if input_ids.shape != (len(batch),):
+            raise ValueError(f"input_ids must be [B={len(batch)}] (one token per row); got {tuple(input_ids.shape)}")
+        batch.reserve(1)
+        positions = batch.lengths.to(input_ids.device)
+        x = self.model.embed_tokens(input_ids)
+        for layer, rows in zip(self.model.layers, batch.layers, strict=True):
+            x = layer.decode(x, positions, rows)
+        batch.advance()
         return self.model.norm(x)
 
     def forward(self, input_ids: torch.Tensor, shard: PackedShard, targets: torch.Tensor) -> torch.Tensor:

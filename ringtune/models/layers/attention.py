@@ -12,10 +12,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ringtune.models.batch_cache import KVRows
+from ringtune.models.cache import LayerCapture
 from ringtune.models.layers.norms import RMSNorm
 from ringtune.models.layers.rotary import RotaryEmbedding, apply_rotary
 from ringtune.models.shard import PackedShard
 from ringtune.ops.attention import check_ulysses_heads, cp_attention_fn
+from ringtune.ops.attention.decode import decode_attention
 
 
 class Attention(nn.Module):
@@ -70,11 +73,10 @@ class Attention(nn.Module):
         if mode == "alltoall":
             check_ulysses_heads(self.num_heads, self.num_kv_heads, cp_size)
 
-    def forward(self, x: torch.Tensor, shard: PackedShard) -> torch.Tensor:
-        """x [T_local, hidden] (this rank's zigzag shard) -> [T_local, hidden].
-
-        Communicates over ``shard.group`` (the CP group) by ``shard.attention``; every CP rank must call it.
-        """
+    def _project(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x [T, hidden], positions int64 [T] -> q [T, Hq, D], k, v [T, Hkv, D] (normed, rotated), gate or None."""
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.num_heads, -1)
         gate = None
@@ -86,11 +88,37 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self._rotary:
-            cos, sin = self._rotary[0](shard.positions, q.dtype)
+            cos, sin = self._rotary[0](positions, q.dtype)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        mode = shard.attention if shard.cp_size > 1 else "ring"  # the ring at size 1 is the local kernel
-        out, _ = cp_attention_fn(mode)(q.contiguous(), k.contiguous(), v, shard.plan, shard.group, scale=self.scale)
-        out = out.reshape(T, self.num_heads * self.head_dim)
+        return q, k, v, gate
+
+    def _output(self, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        """Attention output [T, Hq, D] -> [T, hidden] (output gate, then ``o_proj``)."""
+        out = out.reshape(out.shape[0], self.num_heads * self.head_dim)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
+
+    def forward(self, x: torch.Tensor, shard: PackedShard, cache: LayerCapture | None = None) -> torch.Tensor:
+        """x [T_local, hidden] (this rank's zigzag shard) -> [T_local, hidden].
+
+        Communicates over ``shard.group`` (the CP group) by ``shard.attention``; every CP rank must call it.
+        ``cache`` (prefill at CP = 1 only) receives the keys and values decoding continues from.
+        """
+        q, k, v, gate = self._project(x, shard.positions)
+        mode = shard.attention if shard.cp_size > 1 else "ring"  # the ring at size 1 is the local kernel
+        out, _ = cp_attention_fn(mode)(q.contiguous(), k.contiguous(), v, shard.plan, shard.group, scale=self.scale)
+        if cache is not None:
+            cache.record_attention(k, v)
+        return self._output(out, gate)
+
+    def decode(self, x: torch.Tensor, positions: torch.Tensor, rows: KVRows) -> torch.Tensor:
+        """One new token per sequence: x [B, hidden] at ``positions`` int64 [B] -> [B, hidden].
+
+        Writes the tokens' keys/values into slot ``positions[b]`` of ``rows`` (capacity must exceed it) and
+        attends over slots ``[0, positions[b]]`` of each row. No communication.
+        """
+        q, k, v, gate = self._project(x, positions)
+        rows.write(k, v, positions)
+        out, _ = decode_attention(q, rows.k, rows.v, positions + 1, scale=self.scale)
+        return self._output(out, gate)

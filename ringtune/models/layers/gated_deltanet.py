@@ -12,12 +12,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ringtune.models.batch_cache import GatedDeltaRows
+from ringtune.models.cache import LayerCapture
 from ringtune.models.shard import PackedShard
 from ringtune.ops.gated_delta.core import gated_delta_core
 from ringtune.ops.gated_delta.cp import gdn_cp_fn
 from ringtune.ops.gated_delta.cp_headwise import check_headwise_heads
 from ringtune.ops.gated_delta.gates import gdn_gates
 from ringtune.ops.gated_delta.norm import gated_rms_norm
+from ringtune.ops.gated_delta.prefill import gated_delta_prefill
+from ringtune.ops.gated_delta.recurrent import gated_delta_decode_core
 
 
 class GatedDeltaNet(nn.Module):
@@ -65,25 +69,51 @@ class GatedDeltaNet(nn.Module):
         if mode == "headwise":
             check_headwise_heads(self.num_k_heads, self.num_v_heads, cp_size)
 
-    def forward(self, x: torch.Tensor, shard: PackedShard) -> torch.Tensor:
-        """x [T_local, hidden] (this rank's zigzag shard) -> [T_local, hidden].
-
-        Communicates over ``shard.group`` (the CP group) by ``shard.gated_delta``; every CP rank must call it.
-        """
+    def _project(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> raw q, k [T, Hk, Dk], v [T, Hv, Dv], gates g, beta [T, Hv], conv weight [channels, K]."""
         T = x.shape[0]
         hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         q, k, v = self.in_proj_qkv(x).split([hk * dk, hk * dk, hv * dv], dim=-1)
         q, k, v = q.reshape(T, hk, dk), k.reshape(T, hk, dk), v.reshape(T, hv, dv)
         g, beta = gdn_gates(self.in_proj_a(x), self.in_proj_b(x), self.A_log, self.dt_bias)
-        conv_weight = self.conv1d.weight.squeeze(1)
-        if shard.cp_size > 1:
-            fn = gdn_cp_fn(shard.gated_delta)
-            o = fn(q, k, v, g, beta, conv_weight, shard.plan, shard.group)
-        else:
-            o = gated_delta_core(q, k, v, shard.cu_seqlens, g=g, beta=beta, conv_weight=conv_weight)
+        return q, k, v, g, beta, self.conv1d.weight.squeeze(1)
+
+    def _output(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Core output o [T, Hv, Dv] -> [T, hidden]: gated RMSNorm by ``in_proj_z(x)``, then ``out_proj``."""
+        T, hv, dv = x.shape[0], self.num_v_heads, self.head_v_dim
         z = self.in_proj_z(x).reshape(T, hv, dv)
         o = gated_rms_norm(o, z, self.norm.weight, eps=self.eps)
         return self.out_proj(o.reshape(T, hv * dv))
+
+    def forward(self, x: torch.Tensor, shard: PackedShard, cache: LayerCapture | None = None) -> torch.Tensor:
+        """x [T_local, hidden] (this rank's zigzag shard) -> [T_local, hidden].
+
+        Communicates over ``shard.group`` (the CP group) by ``shard.gated_delta``; every CP rank must call it.
+        ``cache`` (prefill at CP = 1 only) receives the final states and conv windows decoding continues from;
+        the core then runs on ``cache.gdn_cu_seqlens`` (each sequence cut before its tail pad).
+        """
+        q, k, v, g, beta, conv_weight = self._project(x)
+        if shard.cp_size > 1:
+            fn = gdn_cp_fn(shard.gated_delta)
+            o = fn(q, k, v, g, beta, conv_weight, shard.plan, shard.group)
+        elif cache is None:
+            o = gated_delta_core(q, k, v, shard.cu_seqlens, g=g, beta=beta, conv_weight=conv_weight)
+        else:
+            o, final, window = gated_delta_prefill(
+                q, k, v, cache.gdn_cu_seqlens, g=g, beta=beta, conv_weight=conv_weight
+            )
+            cache.record_gated_delta(final, window)
+        return self._output(x, o)
+
+    def decode(self, x: torch.Tensor, rows: GatedDeltaRows) -> torch.Tensor:
+        """One new token per sequence: x [B, hidden] -> [B, hidden]; updates ``rows`` (state, conv) in place."""
+        q, k, v, g, beta, conv_weight = self._project(x)
+        o, rows.conv, rows.state = gated_delta_decode_core(
+            q, k, v, g=g, beta=beta, conv_weight=conv_weight, conv_window=rows.conv, state=rows.state
+        )
+        return self._output(x, o)
 
 
 class _GatedNormWeight(nn.Module):
