@@ -165,18 +165,24 @@ def gated_delta_chunk_scan(
 
     # The scan. Step j advances the sorted prefix that has a j-th chunk (a contiguous block of rows);
     # sequences whose last chunk it was drop out and their states are kept aside.
+    # Each [N, ...] tensor is split ONCE into its per-step row blocks (views): the backward of a split is
+    # one concatenation, whereas indexing the whole tensor at every step would make autograd allocate a
+    # zero [N, ...] gradient per step and sum N/C of them (O(T²/C) memory traffic).
+    steps = layout.active
+    U_s, W_s, k_out_s, gamma_s = U.split(steps), W.split(steps), k_out.split(steps), gamma.split(steps)
+    if q is not None:
+        q_in_s, qk_s = q_in.split(steps), qk.split(steps)
     rank = torch.tensor(layout.order, dtype=torch.int64, device=device)
     S = None if initial_state is None else initial_state.to(dtype)[rank]  # None: zero state
     finished = []  # final states, sorted ranks [a_next, a) per step
-    active = [*layout.active, 0]
+    active = [*steps, 0]
     outs = []
-    for j, a in enumerate(layout.active):
-        rows = slice(layout.offsets[j], layout.offsets[j] + a)
+    for j, a in enumerate(steps):
         S_a = None if S is None else S[:a]
-        v_new = U[rows] if S_a is None else U[rows] - W[rows] @ S_a
+        v_new = U_s[j] if S_a is None else U_s[j] - W_s[j] @ S_a
         if q is not None:
-            outs.append(qk[rows] @ v_new if S_a is None else q_in[rows] @ S_a + qk[rows] @ v_new)
-        S = k_out[rows] @ v_new if S_a is None else gamma[rows] * S_a + k_out[rows] @ v_new
+            outs.append(qk_s[j] @ v_new if S_a is None else q_in_s[j] @ S_a + qk_s[j] @ v_new)
+        S = k_out_s[j] @ v_new if S_a is None else gamma_s[j] * S_a + k_out_s[j] @ v_new
         if output_final_state and active[j + 1] < a:
             finished.append(S[active[j + 1] :])
     o = None

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from ringtune.engine import faults
 from ringtune.errors import ParallelConfigError
 from ringtune.layout.contiguous import contiguous_part, global_segment_bounds, relayout_plan
 from ringtune.layout.zigzag import ZigzagPlan
@@ -85,6 +86,7 @@ def chunkwise_gated_delta(
     Same contract as :func:`~ringtune.ops.gated_delta.cp_headwise.headwise_gated_delta`, any head
     counts. Requires ``local_len >= K-1`` at CP > 1. ``fault`` is for negative controls only.
     """
+    fault = faults.gdn_fault(fault)  # DEBUG-FAULT HOOK (parity negative control; no-op)
     if fault not in FAULTS:
         raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
     size, rank = plan.cp_size, plan.cp_rank
@@ -142,8 +144,9 @@ def chunkwise_gated_delta(
         # Anchored to the gathered summaries even where no summary is used (rank 0): every rank must
         # run the all-gather's backward reduce-scatter, or the others hang in it.
         h_in = torch.zeros(hv, dk, dv, dtype=gathered.dtype, device=q.device) + gathered[:0].sum()
+        summaries = gathered.unbind(0)  # one view per rank; its backward is one stack (not C zero-filled copies)
         for j in range(rank):
-            M_j, h_j = gathered[j, ..., :dk], gathered[j, ..., dk:]
+            M_j, h_j = summaries[j][..., :dk], summaries[j][..., dk:]
             h_out = (M_j @ h_in if _carries(plan.for_rank(j)) else 0) + h_j
             h_in = h_out if contiguous_part(plan.for_rank(j + 1)).continues else torch.zeros_like(h_in)
         if fault == "drop_state":
