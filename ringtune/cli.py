@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+from ringtune.engine.faults import DEBUG_FAULTS
 from ringtune.errors import UserInputError
 from ringtune.ops.cp_modes import ATTENTION_MODES, GATED_DELTA_MODES
 from ringtune.parallel.mesh import DEFAULT_TIMEOUT_S
@@ -38,7 +39,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_probe_parser(sub)
     _add_serve_parser(sub)
     _add_demo_parser(sub)
+    _add_parity_parser(sub)  # parity client (issue 11)
     return parser
+
+
+def _add_parity_parser(sub: argparse._SubParsersAction) -> None:
+    from ringtune.parity.command import add_parity_parser
+
+    add_parity_parser(sub)
 
 
 def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
@@ -76,6 +84,8 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-live-runs", type=int, default=d.max_live_runs)
     p.add_argument("--max-body-mb", type=int, default=d.max_body_bytes // 2**20)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    # Parity negative controls only (ringtune.engine.faults): hidden from --help, never for real training.
+    p.add_argument("--debug-fault", default=None, choices=DEBUG_FAULTS, help=argparse.SUPPRESS)
 
 
 def _run_serve(args: argparse.Namespace) -> int:
@@ -105,6 +115,8 @@ def _run_serve(args: argparse.Namespace) -> int:
     )
     config.validate()
     options = {"attention": args.attention, "gated_delta": args.linear_cp_mode}
+    if args.debug_fault is not None:  # parity negative control (hidden flag)
+        options["debug_fault"] = args.debug_fault
     names = {"model_name": args.model_name, "tokenizer_dir": args.tokenizer, "tokenizer_cache": root / ".tokenizers"}
     layout = WorkerLayout(dp=args.dp, cp=args.cp, timeout_s=args.collective_timeout)
     spec = ModelSpec(source=args.model, dtype=args.dtype, max_tokens_per_rank=budget, trainer_options=options)
@@ -221,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         from ringtune.demo.command import run_demo_command
 
         return run_demo_command(args)
+    if args.command == "parity":
+        from ringtune.parity.command import run_parity_command
+
+        return run_parity_command(args)
     return 2
 
 

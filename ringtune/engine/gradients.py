@@ -14,6 +14,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from ringtune.engine import faults
+
 FAULTS = (None, "average_over_group", "scale_by_microbatches", "fsdp_default_divide")
 """Fault injection for negative controls only (the last one acts in :mod:`ringtune.engine.sharding`)."""
 
@@ -93,6 +95,7 @@ class GradientInvariant:
                 f"gradient invariant violated: the canary summed to {got}, expected {want} (= microbatches x "
                 f"DP·CP ranks); a reduction averaged over the group or the loss was scaled by the microbatch count"
             )
+        faults.scale_reduced_gradients(grads, self.group_size)  # DEBUG-FAULT HOOK (parity negative control; no-op)
 
     def startup_check(self) -> None:
         """Run two canary-only microbatches through backward and the reduction; raises if it is not a SUM."""

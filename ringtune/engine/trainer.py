@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringtune.engine import sharding
+from ringtune.engine import faults, sharding
 from ringtune.engine.batch import MAX_TARGET_K, Batch, TrainDatum, build_batch
 from ringtune.engine.checkpoint import export_hf_weights, load_checkpoint, save_checkpoint
 from ringtune.engine.gather import gather_row
@@ -103,6 +103,8 @@ class Trainer:
         pad_multiplier: the per-rank stream is padded to a multiple of this.
         max_target_k: cap on K of ``[N, K]`` targets.
         fault: negative controls only (see :mod:`ringtune.engine.gradients`).
+        debug_fault: a parity negative control from :data:`ringtune.engine.faults.DEBUG_FAULTS` (``ringtune serve
+            --debug-fault``, hidden); None in normal use.
         shard_params: FSDP2 over DP, replicated over CP (:mod:`ringtune.engine.sharding`): parameters, gradients
             and AdamW state are DTensors sharded over the DP group, gradients are SUMMED by FSDP during
             backward (start-up probe checked); same numbers as the replicated engine.
@@ -124,8 +126,10 @@ class Trainer:
         max_target_k: int = MAX_TARGET_K,
         fault: str | None = None,
         shard_params: bool = False,
+        debug_fault: str | None = None,
     ) -> None:
         self.model = model
+        self.debug_fault = faults.check_fault(debug_fault)
         self.mesh = mesh
         self.dp_size, self.dp_rank = (mesh.dp_size, mesh.dp_rank) if mesh else (1, 0)
         self.cp_size, self.cp_rank = (mesh.cp_size, mesh.cp_rank) if mesh else (1, 0)
@@ -301,11 +305,13 @@ class Trainer:
         local_datum = zigzag_slice(datum_index, plan, pad_value=-1).to(device)
         bad_loss: set[int] = set()
         bad_grad: set[int] = set()
-        with torch.set_grad_enabled(backward):
+        injected = faults.injecting(self.debug_fault, cp_size=self.cp_size, cp_rank=self.cp_rank, plan=plan)
+        with torch.set_grad_enabled(backward), injected:  # DEBUG-FAULT HOOK: a no-op without --debug-fault
             lp = self.model(local_ids, shard, local_targets)
             elementwise = local_token_losses(
                 batch.loss, lp, local_inputs, datum_index=local_datum, num_datums=len(row), group=self.cp_group
             )
+            elementwise = faults.flip_loss_sign(elementwise)  # DEBUG-FAULT HOOK (parity negative control; no-op)
             if backward:
                 loss = elementwise.sum().to(torch.float64) + self.invariant.loss_term()
                 self.invariant.scale_loss(loss, batch.plan.microbatches_per_rank).backward()
@@ -411,7 +417,8 @@ class Trainer:
                 sharding.reshard_all(self.fsdp_units)
                 norm = sharding.sharded_grad_norm(self.params, self.mesh.dp_group)
             else:
-                self.invariant.reduce_and_check([p.grad for p in self.params])
+                with faults.injecting(self.debug_fault, cp_size=self.cp_size, cp_rank=self.cp_rank):  # DEBUG-FAULT HOOK
+                    self.invariant.reduce_and_check([p.grad for p in self.params])
                 norm = global_grad_norm(self.params)
             bad_weights = [self.names[id(p)] for p in self.params if not bool(torch.isfinite(p.detach()).all())]
         except _NOT_CAUGHT:

@@ -37,6 +37,8 @@ class BackendInfo:
         dp_size, cp_size: the data- and context-parallel layout (1, 1 for the local backend).
         dtype: the parameter dtype name.
         vocab_size: the model's vocabulary (embedding rows).
+        modes: the engine options that shape the numbers (``attention``, ``gated_delta``, ``pad_multiplier``,
+            ``debug_fault``), reported for the parity client (``ringtune parity run`` records them).
     """
 
     model_name: str
@@ -49,6 +51,7 @@ class BackendInfo:
     cp_size: int = 1
     dtype: str
     vocab_size: int
+    modes: Mapping[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

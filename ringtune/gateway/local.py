@@ -56,6 +56,18 @@ def find_tokenizer_dir(source: str, explicit: str | None, cache_dir: str | Path 
     return None
 
 
+def engine_modes(options: Mapping[str, object]) -> dict[str, object]:
+    """The :class:`Trainer` options that shape the numbers, with their defaults (``BackendInfo.modes``)."""
+    from ringtune.ops.cp_modes import DEFAULT_ATTENTION, DEFAULT_GATED_DELTA
+
+    return {
+        "attention": options.get("attention", DEFAULT_ATTENTION),
+        "gated_delta": options.get("gated_delta", DEFAULT_GATED_DELTA),
+        "pad_multiplier": int(options.get("pad_multiplier", PAD_MULTIPLIER)),  # type: ignore[arg-type]
+        "debug_fault": options.get("debug_fault"),
+    }
+
+
 class LocalBackend:
     """The :class:`~ringtune.gateway.backend.Backend` of one process: a ``Trainer(model, None, ...)`` per run.
 
@@ -100,6 +112,7 @@ class LocalBackend:
             max_tokens_per_rank=max_tokens_per_rank,
             dtype=dtype,
             vocab_size=config.vocab_size,
+            modes=engine_modes(self.options),
         )
         self.trainers: dict[str, Trainer] = {}
 

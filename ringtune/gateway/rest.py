@@ -93,13 +93,28 @@ def weights_info(service: GatewayService, tinker_path: str) -> dict[str, Any]:
 
 
 def server_capabilities(service: GatewayService) -> dict[str, Any]:
-    """``GetServerCapabilitiesResponse``: the one served model (trainable; sampling comes later)."""
+    """``GetServerCapabilitiesResponse``: the one served model (trainable; sampling comes later).
+
+    The extra ``ringtune`` key (ignored by the SDK, which drops unknown fields) describes the layout for
+    ``ringtune parity run``: DP, CP, dtype, per-rank token budget, context length, vocabulary and CP modes.
+    """
     info = service.backend.info()
+    layout = {
+        "arch": info.arch,
+        "dp_size": info.dp_size,
+        "cp_size": info.cp_size,
+        "dtype": info.dtype,
+        "max_tokens_per_rank": info.max_tokens_per_rank,
+        "context_length": info.context_length,
+        "vocab_size": info.vocab_size,
+        **dict(info.modes),
+    }
     return {
         "supported_models": [
             {"model_name": name, "max_context_length": info.context_length, "trainable": True, "sampleable": False}
             for name in (info.model_name, *info.aliases)
-        ]
+        ],
+        "ringtune": layout,
     }
 
 

@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 
 from ringtune.engine.packing import max_datum_len
 from ringtune.gateway.backend import BackendInfo
-from ringtune.gateway.local import find_tokenizer_dir
+from ringtune.gateway.local import engine_modes, find_tokenizer_dir
 from ringtune.layout.zigzag import stream_pad_multiple
 from ringtune.models.checkpoints.load import load_model
 from ringtune.models.decoder import CausalLM
@@ -97,6 +97,7 @@ def describe(
         cp_size=layout.cp,
         dtype=spec.dtype,
         vocab_size=model.config.vocab_size,
+        modes=engine_modes(spec.trainer_options),
     )
 
 

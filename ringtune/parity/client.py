@@ -1,0 +1,175 @@
+"""``ringtune parity run``: send the fixed parity requests to a running server through the real ``tinker`` SDK and
+write what came back to a JSON dump that ``ringtune parity compare`` reads.
+
+Requests, in order, on one fresh training run (LoRA rank 0 = full fine-tuning):
+
+1. ``forward.main`` / ``forward.lone`` / ``forward.long``: cross-entropy forwards of the main set (short + text
+   rows), of the lone 7-token datum, and of the two long datums (the weights at start).
+2. ``cross_entropy`` then ``optim_step``; ``importance_sampling`` then ``optim_step``; ``cispo`` then
+   ``optim_step`` (main set). IS and CISPO take sampler log-probs ``q`` = this server's ``forward.main`` log-probs
+   plus seeded noise (sd 0.05) and seeded N(0, 1) advantages, so ``exp(lp - q)`` stays near 1 on any model; the
+   difference of ``q`` between two servers is their forward deviation, as for a real sampler.
+3. ``long_step.lone`` and ``long_step.long`` (loss on the second half) then ``optim_step``.
+4. ``after.main`` / ``after.long``: forwards after the four steps.
+
+Each record keeps per-datum log-probs and summed losses; ``grad_norms`` the four steps' ``grad_norm:mean``.
+The server's layout (CP, DP, dtype, per-rank budget, CP modes, debug fault) comes from the ``ringtune`` key of
+``GET /api/v1/get_server_capabilities``. KL(sampler ‖ trainer) needs a sampling server: skipped and recorded so
+while ringtune does not sample.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import tinker
+
+from ringtune.parity.datums import DatumSet, ParityDatum, build_datum_set, text_token_stream
+
+FORMAT = "ringtune-parity/1"
+ADAM = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
+"""One small AdamW step per loss: lr 1e-4 moves weights by ~1e-4 (sign-like first steps), enough for the
+post-step log-probs to show a wrong update, small enough that both layouts stay in the same basin."""
+TOKENIZER_MIN_VOCAB = 1000
+"""Below this vocabulary the served tokenizer is a test one (no English words): text rows use bytes mod vocab."""
+
+
+def server_layout(url: str, api_key: str | None) -> dict[str, Any]:
+    """The ``ringtune`` layout block and the first supported model of the server's capabilities."""
+    headers = {"X-API-Key": api_key} if api_key else {}
+    response = httpx.get(f"{url.rstrip('/')}/api/v1/get_server_capabilities", headers=headers, timeout=30)
+    response.raise_for_status()
+    body = response.json()
+    if "ringtune" not in body:
+        raise ValueError(f"{url} is not a ringtune server (no 'ringtune' layout in its capabilities)")
+    return {"layout": body["ringtune"], "model": body["supported_models"][0]}
+
+
+def _to_tinker(d: ParityDatum, extra: dict[str, list[float]] | None = None) -> tinker.Datum:
+    inputs: dict[str, Any] = {"target_tokens": list(d.targets)}
+    inputs.update(extra if extra is not None else {"weights": list(d.weights)})
+    return tinker.Datum(model_input=tinker.ModelInput.from_ints(list(d.tokens)), loss_fn_inputs=inputs)
+
+
+def _record(result: Any, datums: Sequence[ParityDatum]) -> dict[str, Any]:
+    outputs = result.loss_fn_outputs
+    return {
+        "datums": [d.name for d in datums],
+        "kinds": [d.kind for d in datums],
+        "lengths": [len(d.tokens) for d in datums],
+        "logprobs": [[float(x) for x in o["logprobs"].to_torch().double().tolist()] for o in outputs],
+        "losses": [float(o["elementwise_loss"].to_torch().double().sum()) for o in outputs],
+        "loss_sum": float(result.metrics["loss:sum"]),
+    }
+
+
+def _policy_inputs(datums: Sequence[ParityDatum], q: Sequence[Sequence[float]], rng: np.random.Generator):
+    out = []
+    for d, lp in zip(datums, q, strict=True):
+        n = len(d.tokens)
+        sampler = (np.asarray(lp) + rng.normal(0.0, 0.05, n)).tolist()
+        out.append(_to_tinker(d, {"logprobs": sampler, "advantages": rng.normal(0.0, 1.0, n).tolist()}))
+    return out
+
+
+def run_parity(
+    url: str,
+    out: str | Path,
+    *,
+    api_key: str | None = None,
+    seed: int = 0,
+    long_context: int | None = None,
+    label: str | None = None,
+) -> dict[str, Any]:
+    """Run the parity requests against ``url`` and write the dump to ``out`` (JSON); returns the dump.
+
+    ``long_context`` caps the longest datums below the server's context (small machines); both runs compared
+    must use the same value (the data digest differs otherwise and compare refuses).
+    """
+    started = time.time()
+    described = server_layout(url, api_key)
+    layout, model = described["layout"], described["model"]
+    context = int(model["max_context_length"])
+    vocab = int(layout["vocab_size"])
+    with tinker.ServiceClient(base_url=url, api_key=api_key or "tml-local") as sc:
+        tc = sc.create_lora_training_client(model["model_name"], rank=0).result()
+        encode = None
+        if vocab >= TOKENIZER_MIN_VOCAB:
+            tokenizer = tc.get_tokenizer()
+            encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+        stream = text_token_stream(vocab, encode)
+        data: DatumSet = build_datum_set(
+            seed=seed, vocab_size=vocab, context_length=context, stream=stream, long_context=long_context
+        )
+        rng = np.random.default_rng(seed + 1)
+        adam = tinker.AdamParams(**ADAM)
+        records: dict[str, Any] = {}
+        grad_norms: dict[str, float] = {}
+
+        def forward(name: str, datums: Sequence[ParityDatum]) -> None:
+            records[name] = _record(tc.forward([_to_tinker(d) for d in datums], "cross_entropy").result(), datums)
+
+        def step(name: str) -> None:
+            grad_norms[name] = float(tc.optim_step(adam).result().metrics["grad_norm:mean"])
+
+        main, long = list(data.main), list(data.long)
+        forward("forward.main", main)
+        forward("forward.lone", [data.lone])
+        forward("forward.long", long)
+        q = records["forward.main"]["logprobs"]
+        result = tc.forward_backward([_to_tinker(d) for d in main], "cross_entropy").result()
+        records["cross_entropy"] = _record(result, main)
+        step("cross_entropy")
+        for loss_fn in ("importance_sampling", "cispo"):
+            result = tc.forward_backward(_policy_inputs(main, q, rng), loss_fn).result()
+            records[loss_fn] = _record(result, main)
+            step(loss_fn)
+        result = tc.forward_backward([_to_tinker(data.lone)], "cross_entropy").result()
+        records["long_step.lone"] = _record(result, [data.lone])
+        result = tc.forward_backward([_to_tinker(d) for d in long], "cross_entropy").result()
+        records["long_step.long"] = _record(result, long)
+        step("long_step")
+        forward("after.main", main)
+        forward("after.long", long)
+    sampler_kl = {
+        "status": "skipped",
+        "reason": "the server does not sample (get_server_capabilities: sampleable="
+        f"{model.get('sampleable')}); KL(sampler || trainer) needs a sampling server",
+    }
+    dump = {
+        "format": FORMAT,
+        "label": label or url,
+        "url": url,
+        "model_name": model["model_name"],
+        "layout": layout,
+        "context_length": context,
+        "settings": {
+            "seed": seed,
+            "long_context": long_context,
+            "adam": ADAM,
+            "text": "tokenizer" if encode else "bytes",
+        },
+        "data_digest": data.digest(),
+        "records": records,
+        "grad_norms": grad_norms,
+        "sampler_kl": sampler_kl,
+        "seconds": round(time.time() - started, 2),
+    }
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dump))
+    return dump
+
+
+def load_dump(path: str | Path) -> dict[str, Any]:
+    """A dump written by :func:`run_parity` (ValueError if it is not one)."""
+    dump = json.loads(Path(path).read_text())
+    if dump.get("format") != FORMAT:
+        raise ValueError(f"{path}: not a parity dump (format {dump.get('format')!r}, want {FORMAT!r})")
+    return dump

@@ -1,0 +1,111 @@
+"""``ringtune parity run | compare | matrix``: the command line of the parity client (docs/parity.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ringtune.engine.faults import DEBUG_FAULTS
+
+
+def add_parity_parser(sub: argparse._SubParsersAction) -> None:
+    """Register ``parity`` and its three subcommands on the ``ringtune`` parser."""
+    p = sub.add_parser("parity", help="prove through the Tinker API that a CP layout changes nothing but memory")
+    verbs = p.add_subparsers(dest="parity_command", required=True)
+    r = verbs.add_parser("run", help="send the fixed parity requests to a server, dump what came back (JSON)")
+    r.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    r.add_argument("--out", required=True, help="dump file to write")
+    r.add_argument("--api-key", default=None, help="X-API-Key (default: $TINKER_API_KEY or tml-local)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--long-context", type=int, default=None, help="cap the long datums below the context length")
+    r.add_argument("--label", default=None, help="name of this run in reports (default: the URL)")
+    c = verbs.add_parser("compare", help="compare dump B (candidate) with dump A (reference); exit 1 on a failure")
+    c.add_argument("reference")
+    c.add_argument("candidate")
+    c.add_argument("--noise", default=None, help="dump of another correct layout: widens each limit to its deviation")
+    c.add_argument("--png", default=None, help="write the per-position delta plot here")
+    c.add_argument("--json", default=None, help="write every figure here")
+    c.add_argument("--verbose", action="store_true", help="print every figure, not only the summary and failures")
+    m = verbs.add_parser("matrix", help="serve layouts one after another, compare each with CP=1, write the report")
+    m.add_argument(
+        "--full",
+        action="store_true",
+        help="CP 1/2/4 x both GDN modes x float32/bfloat16/float64, SmolLM2-135M at CP 1/2, and every debug fault",
+    )
+    m.add_argument("--cp", type=int, nargs="+", default=None, help="CP sizes (default 1 2)")
+    m.add_argument("--modes", nargs="+", default=None, choices=["headwise", "chunkwise"])
+    m.add_argument("--dtypes", nargs="+", default=None, choices=["float32", "bfloat16", "float64"])
+    m.add_argument("--faults", nargs="*", default=None, choices=DEBUG_FAULTS, help="debug faults to serve at CP=2")
+    m.add_argument("--row-tokens", type=int, default=1024, help="tokens per packed row (= context length)")
+    m.add_argument("--embedded-cp", type=int, nargs="*", default=None, help="CP sizes for SmolLM2-135M")
+    m.add_argument("--long-context", type=int, default=None)
+    m.add_argument("--workdir", default="parity-work", help="dumps, server logs, the tiny model")
+    m.add_argument("--doc", default="docs/validation.md")
+    m.add_argument("--png-dir", default="docs/validation")
+    m.add_argument("--reuse", action="store_true", help="re-compare dumps already in --workdir instead of serving")
+
+
+def run_parity_command(args: argparse.Namespace) -> int:
+    """Exit status: 0 pass, 1 a figure failed (compare) or a layout misbehaved (matrix), 2 refused input."""
+    if args.parity_command == "run":
+        import os
+
+        from ringtune.parity.client import run_parity
+
+        key = args.api_key or os.environ.get("TINKER_API_KEY")
+        dump = run_parity(
+            args.url, args.out, api_key=key, seed=args.seed, long_context=args.long_context, label=args.label
+        )
+        layout = dump["layout"]
+        print(
+            f"parity run: {len(dump['records'])} requests, grad norms {dump['grad_norms']} against "
+            f"CP={layout['cp_size']} DP={layout['dp_size']} {layout['dtype']} ({dump['seconds']} s) -> {args.out}"
+        )
+        return 0
+    if args.parity_command == "compare":
+        from ringtune.parity.client import load_dump
+        from ringtune.parity.compare import ComparisonRefusedError, compare_dumps, format_report
+        from ringtune.parity.plot import plot_deltas
+
+        try:
+            a, b = load_dump(args.reference), load_dump(args.candidate)
+            noise = load_dump(args.noise) if args.noise else None
+            result = compare_dumps(a, b, noise)
+        except (ComparisonRefusedError, ValueError, FileNotFoundError) as exc:
+            print(f"error: compare refused: {exc}", file=sys.stderr)
+            return 2
+        print(format_report(result, verbose=args.verbose))
+        if args.png:
+            plot_deltas(result, args.png)
+        if args.json:
+            figures = [
+                {"name": f.name, "value": f.value, "limit": f.limit, "ok": f.ok, "kind": f.kind, "note": f.note}
+                for f in result.figures
+            ]
+            Path(args.json).write_text(json.dumps(figures, indent=1))
+        return 1 if result.failures else 0
+    from ringtune.parity.matrix import MatrixConfig, run_matrix
+
+    full = args.full
+    config = MatrixConfig(
+        workdir=Path(args.workdir).resolve(),
+        doc=Path(args.doc).resolve(),
+        png_dir=Path(args.png_dir).resolve(),
+        cps=tuple(args.cp or ((1, 2, 4) if full else (1, 2))),
+        modes=tuple(args.modes or ("headwise", "chunkwise")),
+        dtypes=tuple(args.dtypes or (("float32", "bfloat16", "float64") if full else ("float32",))),
+        row_tokens=args.row_tokens,
+        embedded_cps=tuple(args.embedded_cp if args.embedded_cp is not None else ((1, 2) if full else ())),
+        faults=tuple(args.faults if args.faults is not None else (DEBUG_FAULTS if full else ())),
+        long_context=args.long_context,
+        reuse=args.reuse,
+    )
+    report = run_matrix(config)
+    bad = [r for r in report.rows if not r.ok]
+    for r in bad:
+        what = "was not caught" if r.expect_fail else f"failed: {', '.join(f.name for f in r.result.failures[:6])}"
+        print(f"parity matrix: {r.model} {r.spec.name} {what}", file=sys.stderr)
+    print(f"parity matrix: {len(report.rows) - len(bad)}/{len(report.rows)} as expected; report {config.doc}")
+    return 0 if not bad else 1

@@ -1,0 +1,220 @@
+"""``ringtune parity matrix``: serve several layouts one after another, run the parity client against each,
+compare every CP > 1 layout with CP=1 at the same row budget, and write the validation report (Markdown table
+plus one PNG per comparison). With ``faults``, each debug fault is also served at CP=2 and must FAIL compare.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ringtune.engine.faults import DEBUG_FAULTS
+from ringtune.parity.client import load_dump, run_parity
+from ringtune.parity.compare import Comparison, compare_dumps
+from ringtune.parity.plot import plot_deltas
+from ringtune.parity.servers import API_KEY, ServeSpec, row_budget_specs, running_server, tiny_qwen35_dir
+
+FAULT_MODES = {"gdn_state_dropped": "chunkwise"}
+"""The GDN mode each fault is served with (the state hand-off exists only in chunkwise); others: headwise."""
+EMBEDDED = "smollm2-135m"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MatrixConfig:
+    """What the matrix serves.
+
+    Attributes:
+        workdir: dumps, server logs and the tiny model go here.
+        doc, png_dir: the Markdown report and its PNGs (PNG links in ``doc`` are relative to its folder).
+        cps, modes, dtypes: the tiny-Qwen3.5 layouts (CP=1 is the reference of each dtype).
+        row_tokens: tokens one packed row holds (``max_tokens_per_rank · CP``): the servers' context length.
+        embedded_cps: CP sizes for the embedded SmolLM2-135M (float32, ring attention); empty = skip it.
+        embedded_row_tokens: its row budget (smaller: 135M parameters on a CPU).
+        faults: debug faults to serve at CP=2 (float32); each must fail compare against the CP=1 reference.
+        long_context: cap of the long datums (None: the servers' context length).
+        reuse: take a layout's dump from ``workdir`` when it is there already (re-compare without serving).
+    """
+
+    workdir: Path
+    doc: Path
+    png_dir: Path
+    cps: tuple[int, ...] = (1, 2)
+    modes: tuple[str, ...] = ("headwise", "chunkwise")
+    dtypes: tuple[str, ...] = ("float32",)
+    row_tokens: int = 1024
+    embedded_cps: tuple[int, ...] = ()
+    embedded_row_tokens: int = 512
+    faults: tuple[str, ...] = ()
+    long_context: int | None = None
+    seed: int = 0
+    reuse: bool = False
+
+
+@dataclass
+class MatrixRow:
+    """One compared layout (or one fault run) of the report."""
+
+    model: str
+    spec: ServeSpec
+    result: Comparison
+    png: Path
+    seconds: float
+    expect_fail: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.result.failures) if self.expect_fail else not self.result.failures
+
+
+@dataclass
+class MatrixReport:
+    rows: list[MatrixRow] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.rows)
+
+
+def _run(spec: ServeSpec, config: MatrixConfig, tag: str) -> tuple[dict[str, Any], float]:
+    start = time.monotonic()
+    path = config.workdir / f"{tag}-{spec.name}.json"
+    if config.reuse and path.is_file():
+        dump = load_dump(path)
+        return dump, float(dump.get("seconds", 0.0))
+    with running_server(spec, config.workdir) as url:
+        dump = run_parity(
+            url,
+            path,
+            api_key=API_KEY,
+            seed=config.seed,
+            long_context=config.long_context,
+            label=f"{tag} {spec.name}",
+        )
+    return dump, time.monotonic() - start
+
+
+def _compare(
+    report: MatrixReport,
+    config: MatrixConfig,
+    tag: str,
+    spec: ServeSpec,
+    reference: dict[str, Any],
+    *,
+    expect_fail: bool = False,
+) -> MatrixRow:
+    dump, seconds = _run(spec, config, tag)
+    result = compare_dumps(reference, dump)
+    png = plot_deltas(result, config.png_dir / f"{tag}-{spec.name}.png")
+    row = MatrixRow(tag, spec, result, png, seconds, expect_fail)
+    report.rows.append(row)
+    verdict = "FAIL" if result.failures else "pass"
+    names = ", ".join(f.name for f in result.failures[:4])
+    print(f"  {tag} {spec.name}: {verdict} {names} ({seconds:.0f} s)", flush=True)
+    return row
+
+
+def run_matrix(config: MatrixConfig) -> MatrixReport:
+    """Serve, run and compare every layout of ``config``; write ``config.doc``; returns the report."""
+    report = MatrixReport()
+    tiny = str(tiny_qwen35_dir(config.workdir / "tiny-qwen3.5"))
+    groups: list[tuple[str, str, Sequence[int], Sequence[str], str, int]] = [
+        ("tiny-qwen3.5", tiny, config.cps, config.modes, dtype, config.row_tokens) for dtype in config.dtypes
+    ]
+    if config.embedded_cps:
+        groups.append(
+            ("smollm2-135m", EMBEDDED, config.embedded_cps, ("headwise",), "float32", config.embedded_row_tokens)
+        )
+    for tag, model, cps, modes, dtype, row_tokens in groups:
+        specs = row_budget_specs(model, cps=cps, modes=modes, dtype=dtype, row_tokens=row_tokens)
+        print(f"parity matrix: {tag} {dtype}: reference {specs[0].name}", flush=True)
+        reference, _ = _run(specs[0], config, tag)
+        for spec in specs[1:]:
+            _compare(report, config, tag, spec, reference)
+        if tag == "tiny-qwen3.5" and dtype == "float32" and config.faults:
+            for fault in config.faults:
+                spec = ServeSpec(
+                    model=model,
+                    cp=2,
+                    dtype=dtype,
+                    linear_cp_mode=FAULT_MODES.get(fault, "headwise"),
+                    max_tokens_per_rank=row_tokens // 2,
+                    debug_fault=fault,
+                )
+                _compare(report, config, tag, spec, reference, expect_fail=True)
+    write_report(report, config)
+    return report
+
+
+def _fmt(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def write_report(report: MatrixReport, config: MatrixConfig) -> None:
+    """The Markdown validation report at ``config.doc`` (PNG links relative to it)."""
+    doc = config.doc
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    lines = [
+        "# Validation: CP layouts against CP=1 through the Tinker API",
+        "",
+        "Written by `ringtune parity matrix` (docs/parity.md). Each layout is a `ringtune serve` subprocess driven by",
+        "the real `tinker` SDK (`ringtune parity run`) and compared with the CP=1 server of the same model and dtype",
+        "at the same packed-row budget (`max_tokens_per_rank · CP` = "
+        f"{config.row_tokens} tokens on the tiny model) by `ringtune parity compare` (limits in",
+        "`ringtune/parity/compare.py`, with their reasoning). `|Δlp|`: the starting-weight forwards;",
+        "worst window: the largest window/interior ratio over zigzag chunks, chunk boundaries and GDN split rows;",
+        "grad norm: `gn_CP / gn_CP1` of the first optimizer step (cross_entropy), and the largest",
+        "`|gn_CP / gn_CP1 - 1|` of all four steps.",
+        "",
+        "| model | dtype | layout | result | mean \\|Δlp\\| | p99 \\|Δlp\\| | worst window | step-1 grad norm ratio "
+        "| max \\|ratio-1\\| (4 steps) | plot | s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    faults = []
+    for row in report.rows:
+        if row.expect_fail:
+            faults.append(row)
+            continue
+        r = row.result
+        window = max((f for f in r.figures if f.kind == "ratio"), key=lambda f: f.value)
+        gn = r.figure("grad_norm.cross_entropy")
+        worst_gn = max(f.value for f in r.figures if f.name.startswith("grad_norm."))
+        ratio = gn.note.split(" / ")
+        gn_ratio = float(ratio[0]) / float(ratio[1])
+        png = row.png.relative_to(doc.parent) if row.png.is_relative_to(doc.parent) else row.png
+        verdict = "pass" if row.ok else "**FAIL** " + ", ".join(f.name for f in r.failures[:3])
+        lines.append(
+            f"| {row.model} | {row.spec.dtype} | CP{row.spec.cp} {row.spec.linear_cp_mode} | {verdict} "
+            f"| {_fmt(r.figure('lp.mean').value)} | {_fmt(r.figure('lp.p99').value)} "
+            f"| {window.name} {window.value:.2f}x | {gn_ratio:.12f} | {_fmt(worst_gn)} | [png]({png}) "
+            f"| {row.seconds:.0f} |"
+        )
+    if faults:
+        lines += [
+            "",
+            "## Negative controls (`ringtune serve --debug-fault NAME`, CP=2, float32)",
+            "",
+            "Each fault must FAIL compare against the clean CP=1 reference (exit 1, the failing figures named).",
+            "",
+            "| fault | layout | compare | failing figures (first 6) | plot |",
+            "|---|---|---|---|---|",
+        ]
+        for row in faults:
+            r = row.result
+            names = ", ".join(f"`{f.name}` ({f.value:.3g} > {f.limit:.3g})" for f in r.failures[:6])
+            png = row.png.relative_to(doc.parent) if row.png.is_relative_to(doc.parent) else row.png
+            verdict = f"exit 1, {len(r.failures)} figures" if r.failures else "**passed (not caught)**"
+            lines.append(
+                f"| `{row.spec.debug_fault}` | CP2 {row.spec.linear_cp_mode} | {verdict} | {names} | [png]({png}) |"
+            )
+    lines += [
+        "",
+        "KL(sampler ‖ trainer): skipped in every run (the server does not sample yet; recorded in each dump).",
+        "",
+    ]
+    doc.write_text("\n".join(lines))
+
+
+ALL_FAULTS = DEBUG_FAULTS

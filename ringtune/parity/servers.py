@@ -1,0 +1,124 @@
+"""Start ``ringtune serve`` as a subprocess on a free loopback port (the parity matrix and its tests), and build
+the tiny random Qwen3.5 checkpoint the CPU matrix serves."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from ringtune.gateway.server import free_port
+
+API_KEY = "tml-parity"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeSpec:
+    """One server of the matrix: the ``ringtune serve`` flags that matter for parity."""
+
+    model: str
+    cp: int = 1
+    dp: int = 1
+    dtype: str = "float32"
+    linear_cp_mode: str = "headwise"
+    attention: str = "ring"
+    max_tokens_per_rank: int = 512
+    debug_fault: str | None = None
+
+    @property
+    def name(self) -> str:
+        fault = f"-fault-{self.debug_fault}" if self.debug_fault else ""
+        mode = f"-{self.linear_cp_mode}" if self.cp > 1 else ""
+        return f"cp{self.cp}{mode}-dp{self.dp}-{self.dtype}{fault}"
+
+    def arguments(self) -> list[str]:
+        args = ["--model", self.model, "--cp", str(self.cp), "--dp", str(self.dp), "--dtype", self.dtype]
+        args += ["--linear-cp-mode", self.linear_cp_mode, "--attention", self.attention]
+        args += ["--max-tokens-per-rank", str(self.max_tokens_per_rank)]
+        if self.debug_fault:
+            args += ["--debug-fault", self.debug_fault]
+        return args
+
+
+@contextmanager
+def running_server(spec: ServeSpec, workdir: Path, *, timeout_s: float = 300.0) -> Iterator[str]:
+    """``ringtune serve`` with ``spec`` on 127.0.0.1 (log in ``workdir/serve-<name>.log``); yields its URL.
+
+    Waits for ``/api/v1/healthz``; stops the server with SIGINT (then SIGKILL after 60 s) on exit. Raises
+    RuntimeError with the log's tail if the server exits or does not come up within ``timeout_s``.
+    """
+    workdir.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    command = [sys.executable, "-m", "ringtune.cli", "serve", *spec.arguments(), "--port", str(port)]
+    command += ["--api-key", API_KEY, "--checkpoint-root", str(workdir / f"ckpt-{spec.name}")]
+    command += ["--collective-timeout", "60", "--log-level", "warning"]
+    env = os.environ | {"PYTHONUNBUFFERED": "1", "TINKER_TELEMETRY": "0"}
+    log_path = workdir / f"serve-{spec.name}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout_s
+        try:
+            while True:
+                try:
+                    if httpx.get(f"{url}/api/v1/healthz", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    tail = log_path.read_text()[-3000:]
+                    raise RuntimeError(f"ringtune serve {' '.join(spec.arguments())} did not come up:\n{tail}")
+                time.sleep(0.3)
+            yield url
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def tiny_qwen35_dir(dest: Path, *, seed: int = 0) -> Path:
+    """A random tiny Qwen3.5 (``ringtune.testing.tiny_models.hf_model``) saved to ``dest`` with a 96-word
+    word-level tokenizer (``w0`` .. ``w95``); reused when ``dest`` already holds one."""
+    if (dest / "config.json").is_file() and (dest / "tokenizer.json").is_file():
+        return dest
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from ringtune.testing.tiny_models import hf_model
+
+    hf_model("qwen3_5", seed=seed).save_pretrained(dest)
+    tokenizer = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(96)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(dest / "tokenizer.json"))
+    config = {"tokenizer_class": "TokenizersBackend", "eos_token": "w95", "pad_token": "w94", "unk_token": "w0"}
+    (dest / "tokenizer_config.json").write_text(json.dumps(config))
+    return dest
+
+
+def row_budget_specs(
+    model: str, *, cps: Sequence[int], modes: Sequence[str], dtype: str, row_tokens: int
+) -> list[ServeSpec]:
+    """CP=1 first, then every CP > 1 × GDN mode, all with ``row_tokens / CP`` tokens per rank: the same packed
+    row budget (``max_tokens_per_rank · CP``, what ``compare`` requires of a reference and its candidate)."""
+    specs = [ServeSpec(model=model, cp=1, dtype=dtype, max_tokens_per_rank=row_tokens)]
+    for cp in cps:
+        if cp == 1:
+            continue
+        if row_tokens % (cp * 8):
+            raise ValueError(f"row_tokens={row_tokens} must be a multiple of 8·CP={8 * cp}")
+        for mode in modes:
+            specs.append(
+                ServeSpec(model=model, cp=cp, dtype=dtype, linear_cp_mode=mode, max_tokens_per_rank=row_tokens // cp)
+            )
+    return specs
