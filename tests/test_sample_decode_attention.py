@@ -12,6 +12,9 @@ import torch
 
 from ringtune.ops.attention import reference_varlen_attention
 from ringtune.ops.attention.decode import decode_attention, reference_decode_attention
+from tests.sample_fixtures import single_thread  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 F64 = torch.float64
 LENS = (1, 2, 9, 33)

@@ -18,6 +18,9 @@ from ringtune.ops.gated_delta import gdn_gates, naive_causal_conv1d, naive_gated
 from ringtune.ops.gated_delta.core import gated_delta_core, pack_qkv, unpack_qkv
 from ringtune.ops.gated_delta.prefill import gated_delta_prefill, last_inputs
 from ringtune.ops.gated_delta.recurrent import causal_conv1d_step, gated_delta_decode_core, gated_delta_step
+from tests.sample_fixtures import single_thread  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 F64 = torch.float64
 LENS = (1, 3, 7, 70)  # one token, shorter than the conv window, and longer than a 64-token chunk

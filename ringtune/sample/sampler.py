@@ -1,0 +1,284 @@
+"""``generate``: prefill + batched token-by-token decoding of many sequences, with log-probs and stop rules.
+
+The loop keeps a :class:`DecodeBatch` of running sequences (rows). While there is room (``max_batch``
+rows), waiting prompts are prefilled together as one packed row (:func:`ringtune.sample.prefill.prefill`,
+the training forward at CP = 1), each prompt's ``num_samples`` sequences take their first token from the
+prompt's last logits and join the batch; then every step feeds each row's newest token through
+:meth:`CausalLM.decode_hidden` (KV cache for attention layers, recurrent state and conv window for
+GatedDeltaNet layers), chooses the next tokens, and rows that stopped leave the batch.
+
+Log-probs: every sampled token comes with the model's own **untempered** log-prob,
+``log_softmax(logits)[token]`` of the raw logits (float32, float64 for a float64 model), whatever the
+temperature, top_k or top_p: the quantity the trainer's ``forward`` returns for that token, so an RL
+importance ratio ``exp(trainer − sampler)`` is 1 up to numerics when the weights agree.
+
+Randomness: sample j of a prompt draws one uniform per token from its own generator seeded by
+``(seed, j)`` (``seed`` from the request, or fresh entropy per call and prompt): the same seed, prompt and
+parameters give the same tokens whatever else is in the batch.
+
+Arguments and results are plain Python values and dataclasses (picklable), so a gateway can send the call to
+a worker: prompts as token lists, a :class:`SamplingParams`, results as :class:`PromptSamples`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ringtune.errors import UserInputError
+from ringtune.models.batch_cache import DecodeBatch
+from ringtune.models.cache import SequenceCache
+from ringtune.models.decoder import CausalLM
+from ringtune.sample.choose import choose_tokens
+from ringtune.sample.params import DEFAULT_MAX_TOKENS, SamplingParams
+from ringtune.sample.prefill import output_logits, prefill
+from ringtune.sample.stopping import Decode, StopCondition, stop_condition, stop_reason
+
+MAX_NUM_SAMPLES = 128
+"""Most samples per prompt."""
+
+MAX_TOPK_PROMPT_LOGPROBS = 100
+"""Largest ``topk_prompt_logprobs``."""
+
+DEFAULT_MAX_BATCH = 64
+"""Rows decoded together by default."""
+
+RESERVE_TOKENS = 512
+"""KV slots reserved per row up front (beyond the longest prompt); the cache grows past it when needed."""
+
+DEFAULT_PREFILL_TOKENS = 16384
+"""Prompt tokens packed into one prefill row by default (a longer prompt gets a row of its own)."""
+
+
+@dataclass(frozen=True)
+class SampledSequence:
+    """One generated sequence: ``tokens`` (the stop token last, once, if it stopped on one), the untempered
+    log-prob of each, and ``stop_reason`` "stop" or "length"."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str
+
+
+@dataclass(frozen=True)
+class PromptSamples:
+    """The result for one prompt: its ``num_samples`` sequences (in sample order) and, if asked, the prompt's
+    log-probs (entry 0 None) and top-k log-probs (entry 0 None; else ``[(token, logprob)] * k``, best first)."""
+
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None = None
+    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+
+@dataclass
+class _Row:
+    prompt: int
+    sample: int
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+def config_eos_token_ids(model: CausalLM) -> tuple[int, ...]:
+    """The model config's ``eos_token_id`` (an int or a list; the text config's for a VL config), or ()."""
+    hf = model.config.hf_config
+    value = (hf.get("text_config") or {}).get("eos_token_id", hf.get("eos_token_id"))
+    if value is None:
+        return ()
+    return tuple(value) if isinstance(value, list | tuple) else (int(value),)
+
+
+def sample_generator(seed: int, sample: int) -> torch.Generator:
+    """The CPU generator of sample ``sample`` of a request seeded ``seed`` (a hash of both, 63 bits)."""
+    digest = hashlib.sha256(f"ringtune-sample:{seed}:{sample}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def _check_request(
+    prompts: Sequence[Sequence[int]], vocab: int, num_samples: int, topk_prompt_logprobs: int, max_batch: int
+) -> list[list[int]]:
+    if not isinstance(num_samples, int) or isinstance(num_samples, bool) or not 1 <= num_samples <= MAX_NUM_SAMPLES:
+        raise UserInputError(f"num_samples={num_samples!r} must be an int in [1, {MAX_NUM_SAMPLES}]")
+    limit = min(MAX_TOPK_PROMPT_LOGPROBS, vocab)
+    k = topk_prompt_logprobs
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= limit:
+        raise UserInputError(f"topk_prompt_logprobs={k!r} must be an int in [0, {limit}]")
+    if not isinstance(max_batch, int) or max_batch < 1:
+        raise UserInputError(f"max_batch={max_batch!r} must be an int >= 1")
+    out = []
+    for i, prompt in enumerate(prompts):
+        tokens = list(prompt)
+        if not tokens:
+            raise UserInputError(f"prompts[{i}] is empty; a prompt needs at least 1 token")
+        for j, t in enumerate(tokens):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise UserInputError(f"prompts[{i}][{j}]={t!r} must be a token id in [0, vocab_size={vocab})")
+        out.append(tokens)
+    return out
+
+
+class _Sampler:
+    """One ``generate`` call's state: the waiting prompts, the running rows and their batch, the results."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        stop: StopCondition,
+        *,
+        num_samples: int,
+        prompt_logprobs: bool,
+        topk: int,
+        max_batch: int,
+        prefill_tokens: int,
+    ) -> None:
+        self.model, self.prompts, self.params, self.stop = model, prompts, params, stop
+        self.num_samples, self.want_lp, self.topk = num_samples, prompt_logprobs, topk
+        self.max_batch, self.prefill_tokens = max_batch, prefill_tokens
+        self.max_tokens: int = params.max_tokens or DEFAULT_MAX_TOKENS  # never None after validation
+        weight = model.output_weight
+        self.weight = weight if weight.dtype in (torch.float32, torch.float64) else weight.float()
+        self.seeds = [params.seed if params.seed is not None else secrets.randbits(63) for _ in prompts]
+        self.waiting = deque(range(len(prompts)))
+        self.rows: list[_Row] = []
+        self.batch: DecodeBatch | None = None
+        self.done: list[list[SampledSequence | None]] = [[None] * num_samples for _ in prompts]
+        self.prompt_lp: list[list[float | None] | None] = [None] * len(prompts)
+        self.prompt_topk: list[list[list[tuple[int, float]] | None] | None] = [None] * len(prompts)
+
+    def run(self) -> list[PromptSamples]:
+        while self.waiting or self.rows:
+            self._admit()
+            if self.rows:
+                self._step()
+        return [
+            PromptSamples(
+                sequences=[s for s in self.done[i] if s is not None],
+                prompt_logprobs=self.prompt_lp[i],
+                topk_prompt_logprobs=self.prompt_topk[i],
+            )
+            for i in range(len(self.prompts))
+        ]
+
+    def _admit(self) -> None:
+        """Prefill waiting prompts whose samples fit the free rows (at least one prompt if none run)."""
+        group: list[int] = []
+        tokens = 0
+        while self.waiting:
+            i = self.waiting[0]
+            fits_rows = len(self.rows) + (len(group) + 1) * self.num_samples <= self.max_batch
+            fits_tokens = tokens + len(self.prompts[i]) <= self.prefill_tokens
+            if group and not (fits_rows and fits_tokens):
+                break
+            if not group and not fits_rows and self.rows:
+                break
+            group.append(self.waiting.popleft())
+            tokens += len(self.prompts[i])
+        if not group:
+            return
+        result = prefill(self.model, [self.prompts[i] for i in group], prompt_logprobs=self.want_lp, topk=self.topk)
+        rows, caches, logits = [], [], []
+        for g, i in enumerate(group):
+            if result.prompt_logprobs is not None:
+                self.prompt_lp[i] = result.prompt_logprobs[g]
+            if result.topk_prompt_logprobs is not None:
+                self.prompt_topk[i] = result.topk_prompt_logprobs[g]
+            for j in range(self.num_samples):
+                rows.append(_Row(prompt=i, sample=j, generator=sample_generator(self.seeds[i], j)))
+                caches.append(result.caches[g])
+                logits.append(result.last_logits[g])
+        alive = self._take(rows, torch.stack(logits))
+        joining: list[SequenceCache] = [caches[r] for r in alive]
+        self.rows.extend(rows[r] for r in alive)
+        if not joining:
+            return
+        if self.batch is None:
+            self.batch = DecodeBatch.of(joining, reserve=min(self.max_tokens, RESERVE_TOKENS))
+        else:
+            self.batch.join(joining)
+
+    def _take(self, rows: list[_Row], logits: torch.Tensor) -> list[int]:
+        """Choose each row's next token from ``logits`` [B, V]; finish the rows that stop; return the others."""
+        uniforms = None
+        if not self.params.greedy:
+            uniforms = torch.stack([torch.rand((), generator=r.generator, dtype=torch.float64) for r in rows])
+        chosen = choose_tokens(logits, self.params, uniforms)
+        lps = (logits.gather(1, chosen[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)).tolist()
+        alive = []
+        for b, (row, token, lp) in enumerate(zip(rows, chosen.tolist(), lps, strict=True)):
+            row.tokens.append(token)
+            row.logprobs.append(lp)
+            stopped = self.stop.check(row.tokens)
+            if stopped or len(row.tokens) >= self.max_tokens:
+                self.done[row.prompt][row.sample] = SampledSequence(row.tokens, row.logprobs, stop_reason(stopped))
+            else:
+                alive.append(b)
+        return alive
+
+    def _step(self) -> None:
+        assert self.batch is not None
+        device = self.weight.device
+        ids = torch.tensor([r.tokens[-1] for r in self.rows], dtype=torch.int64, device=device)
+        logits = output_logits(self.model.decode_hidden(ids, self.batch), self.weight)
+        alive = self._take(self.rows, logits)
+        if len(alive) < len(self.rows):
+            self.rows = [self.rows[b] for b in alive]
+            if alive:
+                self.batch.keep(alive)
+            else:
+                self.batch = None
+
+
+def generate(
+    model: CausalLM,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    *,
+    num_samples: int = 1,
+    prompt_logprobs: bool = False,
+    topk_prompt_logprobs: int = 0,
+    eos_token_ids: Sequence[int] | None = None,
+    decode: Decode | None = None,
+    max_batch: int = DEFAULT_MAX_BATCH,
+    prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
+) -> list[PromptSamples]:
+    """Sample ``num_samples`` continuations of every prompt (see the module docstring).
+
+    Args:
+        model: a :class:`CausalLM` (single process, not FSDP-sharded); put in eval mode by the caller or not,
+            it has no dropout. Runs under ``torch.inference_mode``.
+        prompts: token id lists, each non-empty, ids in ``[0, vocab_size)``.
+        params: :class:`SamplingParams` (validated when built).
+        num_samples: sequences per prompt, in [1, MAX_NUM_SAMPLES].
+        prompt_logprobs: also return ``log p(prompt[i] | prompt[:i])`` (entry 0 None), by the training head.
+        topk_prompt_logprobs: also return the k most likely tokens and log-probs per prompt position (0: off).
+        eos_token_ids: what ``stop=None`` stops at (and a non-empty stop list too); default the config's EOS.
+        decode: token ids -> text (a tokenizer's ``decode``), required when ``params.stop`` holds strings.
+        max_batch: rows decoded together; a prompt's samples join together (one prompt may exceed it alone).
+        prefill_tokens: prompt tokens packed into one prefill row.
+    Returns:
+        One :class:`PromptSamples` per prompt, in order. Raises UserInputError naming a bad field.
+    """
+    vocab = model.config.vocab_size
+    checked = _check_request(prompts, vocab, num_samples, topk_prompt_logprobs, max_batch)
+    eos = eos_token_ids if eos_token_ids is not None else config_eos_token_ids(model)
+    stop = stop_condition(params, eos_token_ids=eos, vocab_size=vocab, decode=decode)
+    sampler = _Sampler(
+        model,
+        checked,
+        params,
+        stop,
+        num_samples=num_samples,
+        prompt_logprobs=prompt_logprobs,
+        topk=topk_prompt_logprobs,
+        max_batch=max_batch,
+        prefill_tokens=prefill_tokens,
+    )
+    with torch.inference_mode():
+        return sampler.run()
