@@ -78,6 +78,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--linear-cp-mode", default=GATED_DELTA_MODES[0], choices=GATED_DELTA_MODES, help="CP GatedDeltaNet mode"
     )
+    from ringtune.models.recompute import RECOMPUTE_MODES
+
+    p.add_argument(
+        "--recompute", default=RECOMPUTE_MODES[0], choices=RECOMPUTE_MODES, help="activation recomputation per layer"
+    )
     p.add_argument(
         "--collective-timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds a rank waits for a failed peer"
     )
@@ -114,7 +119,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         ),
     )
     config.validate()
-    options = {"attention": args.attention, "gated_delta": args.linear_cp_mode}
+    options = {"attention": args.attention, "gated_delta": args.linear_cp_mode, "recompute": args.recompute}
     if args.debug_fault is not None:  # parity negative control (hidden flag)
         options["debug_fault"] = args.debug_fault
     names = {"model_name": args.model_name, "tokenizer_dir": args.tokenizer, "tokenizer_cache": root / ".tokenizers"}

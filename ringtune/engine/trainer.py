@@ -42,6 +42,7 @@ from ringtune.errors import NonFiniteError, ParallelConfigError
 from ringtune.layout.zigzag import ZigzagPlan, zigzag_plan, zigzag_slice
 from ringtune.losses import PER_TARGET_KEYS, local_token_losses
 from ringtune.models.decoder import CausalLM
+from ringtune.models.recompute import DEFAULT_RECOMPUTE, check_recompute_mode, set_recompute
 from ringtune.models.shard import PackedShard
 from ringtune.ops.cp_modes import DEFAULT_ATTENTION, DEFAULT_GATED_DELTA
 from ringtune.parallel.control import (
@@ -108,6 +109,8 @@ class Trainer:
         shard_params: FSDP2 over DP, replicated over CP (:mod:`ringtune.engine.sharding`): parameters, gradients
             and AdamW state are DTensors sharded over the DP group, gradients are SUMMED by FSDP during
             backward (start-up probe checked); same numbers as the replicated engine.
+        recompute: activation recomputation per decoder layer, ``none`` / ``full`` / ``selective``
+            (:mod:`ringtune.models.recompute`); same gradients, less activation memory, more compute.
 
     Attributes:
         microbatch_hook: a test/debug seam, ``hook(microbatch_index)`` called on this rank before each
@@ -127,7 +130,10 @@ class Trainer:
         fault: str | None = None,
         shard_params: bool = False,
         debug_fault: str | None = None,
+        recompute: str = DEFAULT_RECOMPUTE,
     ) -> None:
+        set_recompute(model, check_recompute_mode(recompute))
+        self.recompute = recompute
         self.model = model
         self.debug_fault = faults.check_fault(debug_fault)
         self.mesh = mesh

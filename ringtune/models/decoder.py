@@ -20,6 +20,7 @@ from ringtune.models.layers.mlp import SwiGLU
 from ringtune.models.layers.norms import RMSNorm
 from ringtune.models.layers.rotary import RotaryEmbedding
 from ringtune.models.logprob_head import label_logprobs
+from ringtune.models.recompute import DEFAULT_RECOMPUTE, run_decoder_layer
 from ringtune.models.shard import PackedShard
 
 
@@ -55,8 +56,15 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centered=zero)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centered=zero)
+        self.recompute = DEFAULT_RECOMPUTE  # activation recomputation mode (ringtune.models.recompute)
 
     def forward(self, x: torch.Tensor, shard: PackedShard, cache: LayerCapture | None = None) -> torch.Tensor:
+        """:meth:`layer_forward` under this layer's recomputation mode ``self.recompute`` (plain with a ``cache``)."""
+        if cache is not None:
+            return self.layer_forward(x, shard, cache)
+        return run_decoder_layer(self, x, shard, self.recompute)
+
+    def layer_forward(self, x: torch.Tensor, shard: PackedShard, cache: LayerCapture | None = None) -> torch.Tensor:
         """x [T_local, hidden] -> [T_local, hidden]; the mixer talks over the shard's CP group.
 
         ``cache`` (prefill at CP = 1): the mixer hands it what decoding continues from.
