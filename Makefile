@@ -15,8 +15,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The main job: `ringtune serve --cp 2` with the embedded SmolLM2-135M, fine-tuned through the tinker SDK.
 demo: $(STAMP)
-	$(VENV)/bin/ringtune attention-parity --cp 2
+	$(VENV)/bin/ringtune demo --cp 2 --out runs/demo
 
 # ruff walks the whole tree (minus .gitignore'd paths); the count check proves it saw every tracked Python file.
 lint: $(STAMP)

@@ -162,6 +162,7 @@ def plot_losses(result: DemoResult, path: str | Path, title: str) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     steps = list(range(1, len(result.train_nll) + 1))
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
@@ -169,6 +170,7 @@ def plot_losses(result: DemoResult, path: str | Path, title: str) -> Path:
     ax.plot(steps, _running_mean(result.train_nll, 5), color="tab:blue", label="train NLL, mean of 5 steps")
     held_steps, held_nll = zip(*result.held_out_curve, strict=True)
     ax.plot(held_steps, held_nll, "s-", color="tab:red", label="held-out NLL")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
     ax.set_ylabel("NLL per token (nats)")
     ax.set_title(title)
