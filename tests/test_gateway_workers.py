@@ -125,6 +125,19 @@ def test_cp2_server_equals_a_single_process_trainer(server):
         with pytest.raises(tinker.RequestFailedError):
             tc.forward_backward(bad, "cross_entropy").result()  # user error on every rank; the server goes on
         assert tc.forward(sdk_datums(9), "cross_entropy").result().metrics["num_tokens:sum"] == 90.0
+        # Sampling at DP×CP = 1×2: requests are spread over both ranks; each samples on its own snapshot.
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        params = tinker.SamplingParams(max_tokens=5, temperature=0.0, stop=[])
+        futures = [sampler.sample(tinker.ModelInput.from_ints([1, 2, 3 + i]), 1, params) for i in range(6)]
+        samples = [f.result(timeout=120).sequences[0] for f in futures]
+        for i, seq in enumerate(samples):
+            full = [1, 2, 3 + i, *seq.tokens]
+            datum = tinker.Datum(
+                model_input=tinker.ModelInput.from_ints(full[:-1]),
+                loss_fn_inputs={"target_tokens": full[1:], "weights": [0.0] * (len(full) - 1)},
+            )
+            lp = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
+            assert torch.allclose(torch.tensor(seq.logprobs), lp[2:].float(), atol=1e-5), (i, seq.logprobs, lp)
 
 
 def _worker_pids(pid: int) -> list[int]:

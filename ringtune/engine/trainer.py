@@ -157,6 +157,7 @@ class Trainer:
         self.invariant = GradientInvariant(lambda: self.dp_cp_group, fault=fault)
         self.invariant.startup_check()
         self.step = 0
+        self.weights_version = 0  # bumped whenever the weights change (a sampler snapshot of them is then stale)
         self.microbatch_hook: Callable[[int], None] | None = None
         self.broken: str | None = None
 
@@ -450,6 +451,7 @@ class Trainer:
             raise
         norm = adamw_step(self.optimizer, self.params, adam, norm=norm)
         self.step += 1
+        self.weights_version += 1
         peak = torch.tensor([float(peak_memory_bytes())], dtype=torch.float64)
         peaks = all_gather_objects(float(peak), self.control_group)
         return {
@@ -483,6 +485,7 @@ class Trainer:
             self.optimizer = torch.optim.AdamW(self.params, lr=0.0)
         self.invariant.reset()
         self.step = step
+        self.weights_version += 1
         return extra
 
     def export_hf(self, path: str) -> None:

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ringtune.errors import UserInputError
 from ringtune.gateway import rest
+from ringtune.gateway.sampling import CreateSamplingSessionBody, SampleBody
 from ringtune.gateway.service import GatewayService, RefusedError
 from ringtune.gateway.wire import (
     CreateModelBody,
@@ -220,6 +221,14 @@ def create_app(service: GatewayService) -> Guard:
     @app.post(f"{PREFIX}/save_weights_for_sampler")
     async def save_weights_for_sampler(body: SaveWeightsForSamplerBody) -> dict[str, Any]:
         return service.save_weights_for_sampler(body)
+
+    @app.post(f"{PREFIX}/create_sampling_session")
+    async def create_sampling_session(body: CreateSamplingSessionBody) -> dict[str, Any]:
+        return await service.create_sampling_session(body)
+
+    @app.post(f"{PREFIX}/asample")
+    async def asample(body: SampleBody) -> dict[str, Any]:
+        return service.sampling.asample(body)
 
     @app.post(f"{PREFIX}/retrieve_future")
     async def retrieve_future(body: RetrieveFutureBody) -> Response:

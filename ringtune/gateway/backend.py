@@ -21,6 +21,8 @@ import torch
 
 from ringtune.engine.optimizer import AdamParams
 from ringtune.engine.trainer import TrainDatum
+from ringtune.sample.pool import SampleRequest, SamplerSource
+from ringtune.sample.sampler import PromptSamples
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,6 +113,19 @@ class Backend(Protocol):
 
     def export_for_sampler(self, run_id: str, path: str) -> None:
         """Write the run's current weights as an HF checkpoint directory ``path`` (atomically)."""
+        ...
+
+    def create_sampler(self, sampler_id: str, source: SamplerSource) -> None:
+        """A sampling session on ``source`` (base model, an HF export directory, or a live run's current
+        weights, snapshotted now); see :mod:`ringtune.sample.pool`."""
+        ...
+
+    def free_sampler(self, sampler_id: str) -> None:
+        """Forget a sampling session; unknown ids are ignored."""
+        ...
+
+    def sample(self, sampler_id: str, requests: Sequence[SampleRequest]) -> list[PromptSamples]:
+        """Generate for every request (validated by the gateway) on the session's snapshot; one result each."""
         ...
 
     def close(self) -> None:

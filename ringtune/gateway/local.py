@@ -23,6 +23,8 @@ from ringtune.gateway.backend import BackendHealth, BackendInfo
 from ringtune.layout.budget import rank_token_budget
 from ringtune.models.checkpoints.load import EMBEDDED_DEFAULT, load_model
 from ringtune.models.decoder import CausalLM
+from ringtune.sample.pool import SampleRequest, SamplerPool, SamplerSource, tokenizer_decoder
+from ringtune.sample.sampler import PromptSamples
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +117,10 @@ class LocalBackend:
             modes=engine_modes(self.options),
         )
         self.trainers: dict[str, Trainer] = {}
+        self.samplers = SamplerPool(
+            lambda path: load_model(path or self.source, dtype=self.dtype),
+            decode=tokenizer_decoder(self._info.tokenizer_dir),
+        )
 
     def info(self) -> BackendInfo:
         return self._info
@@ -169,7 +175,17 @@ class LocalBackend:
     def export_for_sampler(self, run_id: str, path: str) -> None:
         self._trainer(run_id).export_hf(path)
 
+    def create_sampler(self, sampler_id: str, source: SamplerSource) -> None:
+        self.samplers.create(sampler_id, source, self.trainers)
+
+    def free_sampler(self, sampler_id: str) -> None:
+        self.samplers.free(sampler_id)
+
+    def sample(self, sampler_id: str, requests: Sequence[SampleRequest]) -> list[PromptSamples]:
+        return self.samplers.sample(sampler_id, requests)
+
     def close(self) -> None:
         self.trainers.clear()
+        self.samplers.snapshots.clear()
         self._spare = None
         gc.collect()

@@ -21,6 +21,8 @@ import torch
 from ringtune.engine.optimizer import AdamParams
 from ringtune.engine.trainer import TrainDatum
 from ringtune.gateway.backend import Backend, BackendHealth, BackendInfo
+from ringtune.sample.pool import SampleRequest, SamplerSource
+from ringtune.sample.sampler import PromptSamples
 
 log = logging.getLogger("ringtune.ops")
 
@@ -109,6 +111,21 @@ class ObservedBackend:
 
     def export_for_sampler(self, run_id: str, path: str) -> None:
         self._observe("export_for_sampler", run_id, lambda: self.backend.export_for_sampler(run_id, path), path=path)
+
+    def create_sampler(self, sampler_id: str, source: SamplerSource) -> None:
+        self._observe("create_sampler", source.run_id, lambda: self.backend.create_sampler(sampler_id, source))
+
+    def free_sampler(self, sampler_id: str) -> None:
+        self._observe("free_sampler", None, lambda: self.backend.free_sampler(sampler_id))
+
+    def sample(self, sampler_id: str, requests: Sequence[SampleRequest]) -> list[PromptSamples]:
+        return self._observe(
+            "sample",
+            sampler_id,
+            lambda: self.backend.sample(sampler_id, requests),
+            requests=len(requests),
+            sequences=sum(r.num_samples for r in requests),
+        )
 
     def close(self) -> None:
         self.backend.close()

@@ -93,7 +93,7 @@ def weights_info(service: GatewayService, tinker_path: str) -> dict[str, Any]:
 
 
 def server_capabilities(service: GatewayService) -> dict[str, Any]:
-    """``GetServerCapabilitiesResponse``: the one served model (trainable; sampling comes later).
+    """``GetServerCapabilitiesResponse``: the one served model (trainable and sampleable).
 
     The extra ``ringtune`` key (ignored by the SDK, which drops unknown fields) describes the layout for
     ``ringtune parity run``: DP, CP, dtype, per-rank token budget, context length, vocabulary and CP modes.
@@ -111,7 +111,7 @@ def server_capabilities(service: GatewayService) -> dict[str, Any]:
     }
     return {
         "supported_models": [
-            {"model_name": name, "max_context_length": info.context_length, "trainable": True, "sampleable": False}
+            {"model_name": name, "max_context_length": info.context_length, "trainable": True, "sampleable": True}
             for name in (info.model_name, *info.aliases)
         ],
         "ringtune": layout,
@@ -119,8 +119,9 @@ def server_capabilities(service: GatewayService) -> dict[str, Any]:
 
 
 def get_sampler(service: GatewayService, sampler_id: str) -> dict[str, Any]:
-    """``GetSamplerResponse`` of a sampling session made by an unnamed ``save_weights_for_sampler``."""
-    entry = service.sampling_sessions.get(sampler_id)
+    """``GetSamplerResponse`` of a sampling session (``create_sampling_session`` or an unnamed
+    ``save_weights_for_sampler``)."""
+    entry = service.sampling.sessions.get(sampler_id)
     if entry is None:
         raise RefusedError(404, f"sampler_id={sampler_id!r}: no such sampling session")
-    return {"sampler_id": sampler_id, "base_model": entry["base_model"], "model_path": None}
+    return {"sampler_id": sampler_id, "base_model": entry.base_model, "model_path": entry.model_path}

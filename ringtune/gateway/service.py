@@ -29,6 +29,7 @@ from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.futures import FutureStore, Outcome
 from ringtune.gateway.observe import ObservedBackend
 from ringtune.gateway.paths import CheckpointPaths, check_name, dir_bytes
+from ringtune.gateway.sampling import CreateSamplingSessionBody, SamplingService, new_sampler_id
 from ringtune.gateway.state import CheckpointRecord, Registry, RunRecord, Session, now_utc
 from ringtune.gateway.wire import (
     CreateModelBody,
@@ -37,6 +38,7 @@ from ringtune.gateway.wire import (
     SaveWeightsBody,
     SaveWeightsForSamplerBody,
 )
+from ringtune.sample.pool import SamplerSource
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +68,13 @@ class GatewayService:
             retrieved_keep_s=config.retrieved_keep_s,
         )
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringtune-backend")
-        self.sampling_sessions: dict[str, dict[str, Any]] = {}
+        self.sampling = SamplingService(
+            self.backend,
+            self.futures,
+            submit=lambda fn: self.executor.submit(fn),
+            call_on_loop=self._loop_call,
+            max_prompt_tokens=backend.info().context_length,
+        )
         self._creates: dict[str, str] = {}  # run_id -> request_id of its create_model / create-via-load
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -351,14 +359,10 @@ class GatewayService:
                     raise UserInputError(
                         f"sampling_session_seq_id={seq!r}: an unnamed save_weights_for_sampler needs an integer >= 0"
                     )
-                path = self.paths.checkpoint(run_id, "ephemeral", f"sampling-{seq}")
-                self.backend.export_for_sampler(run_id, str(path))
-                sampler_id = f"{record.session_id}:sample:{seq}:{run_id.rsplit(':', 1)[-1]}"
-
-                def commit() -> None:
-                    self.sampling_sessions[sampler_id] = {"base_model": record.base_model, "model_path": str(path)}
-
-                return Outcome("json", {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}), commit
+                # An in-memory snapshot of the run's current weights (shared while they do not change).
+                sampler_id = new_sampler_id(record.session_id, seq)
+                self.sampling.register(sampler_id, record.base_model, None, SamplerSource(run_id=run_id))
+                return Outcome("json", {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}), None
             name = check_name("path", body.path)
             ttl = translate.check_ttl(body.ttl_seconds)
             metadata = translate.metadata_strings("user_metadata", body.user_metadata)
@@ -439,6 +443,30 @@ class GatewayService:
         return {"request_id": request_id, "model_id": run_id}
 
     # ------------------------------------------------------------------ futures
+
+    async def create_sampling_session(self, body: CreateSamplingSessionBody) -> dict[str, Any]:
+        """A sampling session on the base model or a ``tinker://<run>/sampler_weights/<name>`` export."""
+        session = self._session(body.session_id)
+        if (body.model_path is None) == (body.base_model is None):
+            raise RefusedError(400, "create_sampling_session needs exactly one of model_path and base_model")
+        if body.model_path is not None:
+            try:
+                source = translate.parse_tinker_path("model_path", body.model_path, kinds=("sampler_weights",))
+            except UserInputError as exc:
+                raise RefusedError(400, str(exc)) from None
+            run_id, name = source.run_id, source.name
+            origin = self._run(run_id, live=False)
+            path = self.paths.checkpoint(run_id, "sampler_weights", name)
+            if not (path / "config.json").is_file():
+                raise RefusedError(404, f"model_path={body.model_path!r}: no such sampler checkpoint")
+            base_model, where = origin.base_model, SamplerSource(path=str(path))
+        else:
+            self._check_base_model(body.base_model)
+            base_model, where = body.base_model, SamplerSource()
+        sampler_id = new_sampler_id(session.session_id, body.sampling_session_seq_id)
+        register = lambda: self.sampling.register(sampler_id, base_model, body.model_path, where)  # noqa: E731
+        await asyncio.get_running_loop().run_in_executor(self.executor, register)
+        return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
 
     async def retrieve(self, request_id: str) -> Outcome:
         """The outcome, or a ``try_again`` after the long-poll; RefusedError 404 for an unknown request_id."""

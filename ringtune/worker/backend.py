@@ -19,6 +19,8 @@ from ringtune.engine.trainer import TrainDatum
 from ringtune.errors import RankFailedError, UserInputError
 from ringtune.gateway.backend import BackendHealth, BackendInfo
 from ringtune.parallel.liveness import publish_object
+from ringtune.sample.pool import SampleRequest, SamplerSource
+from ringtune.sample.sampler import PromptSamples
 from ringtune.worker.commands import Command
 from ringtune.worker.executor import RankExecutor
 from ringtune.worker.loop import CHANNEL
@@ -96,6 +98,15 @@ class DistributedBackend:
 
     def export_for_sampler(self, run_id: str, path: str) -> None:
         self._run(Command("export_hf", run_id, {"path": path}))
+
+    def create_sampler(self, sampler_id: str, source: SamplerSource) -> None:
+        self._run(Command("create_sampler", None, {"sampler_id": sampler_id, "source": source}))
+
+    def free_sampler(self, sampler_id: str) -> None:
+        self._run(Command("free_sampler", None, {"sampler_id": sampler_id}))
+
+    def sample(self, sampler_id: str, requests: Sequence[SampleRequest]) -> list[PromptSamples]:
+        return self._run(Command("sample", None, {"sampler_id": sampler_id, "requests": list(requests)}))
 
     def close(self) -> None:
         """Tell the workers to exit and join the processes this backend started."""

@@ -13,6 +13,9 @@ OPS = (
     "save_state",
     "load_state",
     "export_hf",
+    "create_sampler",
+    "free_sampler",
+    "sample",
     "ping",
     "shutdown",
 )

@@ -14,13 +14,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ringtune.engine.trainer import Trainer
 from ringtune.errors import UserInputError
 from ringtune.models.checkpoints.load import load_model
 from ringtune.models.decoder import CausalLM
-from ringtune.parallel.control import agreed_call
+from ringtune.parallel.control import agreed_call, gather_object_to
 from ringtune.parallel.mesh import ParallelMesh
+from ringtune.sample.pool import SamplerPool, tokenizer_decoder
+from ringtune.sample.sampler import PromptSamples
 from ringtune.worker.commands import Command
 
 
@@ -33,12 +36,14 @@ class ModelSpec:
         dtype: parameter dtype name (``float32``, ``bfloat16``, ``float64``).
         max_tokens_per_rank: the engine's per-rank token budget.
         trainer_options: keyword arguments of :class:`Trainer` (``attention``, ``gated_delta``, ...).
+        tokenizer_dir: the served tokenizer (stop strings are matched on decoded text), or None.
     """
 
     source: str
     dtype: str
     max_tokens_per_rank: int
     trainer_options: Mapping[str, Any] = field(default_factory=dict)
+    tokenizer_dir: str | None = None
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -47,12 +52,22 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch
 class RankExecutor:
     """This rank's live runs and how it executes each :class:`Command` (collective over the mesh)."""
 
-    def __init__(self, spec: ModelSpec, mesh: ParallelMesh | None, *, spare: CausalLM | None = None) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        mesh: ParallelMesh | None,
+        *,
+        spare: CausalLM | None = None,
+    ) -> None:
         if spec.dtype not in DTYPES:
             raise UserInputError(f"dtype={spec.dtype!r} must be one of {list(DTYPES)}")
         self.spec, self.mesh = spec, mesh
         self.trainers: dict[str, Trainer] = {}
         self._spare = spare
+        self.samplers = SamplerPool(
+            lambda path: load_model(path or spec.source, dtype=DTYPES[spec.dtype]),
+            decode=tokenizer_decoder(spec.tokenizer_dir),
+        )
         self.handlers: dict[str, Callable[[Command], Any]] = {
             "create_run": self._create_run,
             "free_run": self._free_run,
@@ -61,6 +76,9 @@ class RankExecutor:
             "save_state": lambda c: self._trainer(c).save_state(c.args["path"]),
             "load_state": lambda c: self._trainer(c).load_state(c.args["path"], optimizer=c.args["optimizer"]),
             "export_hf": lambda c: self._trainer(c).export_hf(c.args["path"]),
+            "create_sampler": lambda c: self.samplers.create(c.args["sampler_id"], c.args["source"], self.trainers),
+            "free_sampler": lambda c: self.samplers.free(c.args["sampler_id"]),
+            "sample": self._sample,
             "ping": lambda c: None,
             "shutdown": lambda c: None,
         }
@@ -98,6 +116,31 @@ class RankExecutor:
     def _free_run(self, command: Command) -> None:
         if self.trainers.pop(command.run_id or "", None) is not None:
             gc.collect()
+
+    def _sample(self, command: Command) -> list[PromptSamples] | None:
+        """Requests spread round-robin over the ranks (each samples its share on its own snapshot replica);
+        results gathered on the result rank in request order (None elsewhere)."""
+        group = self.mesh.control_group if self.mesh else None
+        size = dist.get_world_size(group) if group is not None else 1
+        rank = dist.get_rank(group) if group is not None else 0
+        requests = command.args["requests"]
+        mine = [i for i in range(len(requests)) if i % size == rank]
+        try:
+            results = self.samplers.sample(command.args["sampler_id"], [requests[i] for i in mine])
+            payload: tuple = (True, list(zip(mine, results, strict=True)))
+        except Exception as exc:  # every rank still joins the gather below
+            payload = (False, exc if isinstance(exc, UserInputError) else RuntimeError(f"{type(exc).__name__}: {exc}"))
+        parts = gather_object_to(payload, group, dst=0)
+        if parts is None:
+            return None
+        failed = [error for ok, error in parts if not ok]
+        if failed:
+            raise failed[0]
+        out: list[PromptSamples | None] = [None] * len(requests)
+        for _, pairs in parts:
+            for i, result in pairs:
+                out[i] = result
+        return out  # type: ignore[return-value]
 
     def _forward_backward(self, command: Command):
         a = command.args

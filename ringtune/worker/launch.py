@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -25,6 +25,7 @@ from ringtune.gateway.local import engine_modes, find_tokenizer_dir
 from ringtune.layout.zigzag import stream_pad_multiple
 from ringtune.models.checkpoints.load import load_model
 from ringtune.models.decoder import CausalLM
+from ringtune.parallel.control import broadcast_object
 from ringtune.parallel.launch import free_port, init_from_env, init_process_group
 from ringtune.parallel.mesh import DEFAULT_TIMEOUT_S, build_mesh
 from ringtune.worker.backend import DistributedBackend
@@ -117,6 +118,7 @@ def start_local_workers(
     info = describe(
         spec, model, layout, model_name=model_name, tokenizer_dir=tokenizer_dir, tokenizer_cache=tokenizer_cache
     )
+    spec = replace(spec, tokenizer_dir=info.tokenizer_dir)
     init_method = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
     workers = [
@@ -150,12 +152,15 @@ def join_torchrun_world(
     if dist.get_world_size() != layout.world_size:
         raise SystemExit(f"torchrun started {dist.get_world_size()} processes; --dp·--cp = {layout.world_size}")
     mesh = build_mesh(dp=layout.dp, cp=layout.cp, timeout_s=layout.timeout_s)
+    model = info = None
+    if rank == 0:
+        model = load_model(spec.source, dtype=DTYPES[spec.dtype])
+        info = describe(
+            spec, model, layout, model_name=model_name, tokenizer_dir=tokenizer_dir, tokenizer_cache=tokenizer_cache
+        )
+    spec = replace(spec, tokenizer_dir=broadcast_object(info.tokenizer_dir if info else None, mesh.control_group))
     if rank != 0:
         code = worker_loop(RankExecutor(spec, mesh))
         dist.destroy_process_group()
         raise SystemExit(code)
-    model = load_model(spec.source, dtype=DTYPES[spec.dtype])
-    info = describe(
-        spec, model, layout, model_name=model_name, tokenizer_dir=tokenizer_dir, tokenizer_cache=tokenizer_cache
-    )
     return DistributedBackend(RankExecutor(spec, mesh, spare=model), info)

@@ -1,0 +1,239 @@
+"""Sampling sessions and ``asample`` over the backend: validation, batching of concurrent requests, results.
+
+- ``create_sampling_session`` (from the base model or a ``tinker://<run>/sampler_weights/<name>`` path) and the
+  ephemeral session of an unnamed ``save_weights_for_sampler`` (a snapshot of the run's current weights)
+  register a session on the backend (:mod:`ringtune.sample.pool`).
+- ``asample`` validates the request on the event loop (a bad field is a JSON 400 naming it), answers at once
+  with a ``request_id`` and one ``sample_sequence_ids`` entry per sample, and queues the request. One drain job
+  on the backend thread takes every queued request, groups them by session and runs each group as one
+  ``backend.sample`` call (the backend spreads them over its ranks and batches equal settings together), then
+  resolves each future with a protobuf ``SampleResponse``. Concurrent requests therefore share decode steps.
+- Resubmits of a ``(sampling_session_id, seq_id)`` get the original ``request_id``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import struct
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from tinker.proto import tinker_public_pb2 as pb
+
+from ringtune.errors import UserInputError
+from ringtune.gateway.futures import FutureStore, Outcome
+from ringtune.sample.params import SamplingParams
+from ringtune.sample.pool import SampleRequest, SamplerSource
+from ringtune.sample.sampler import MAX_NUM_SAMPLES, MAX_TOPK_PROMPT_LOGPROBS, PromptSamples
+
+log = logging.getLogger(__name__)
+
+
+class CreateSamplingSessionBody(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    session_id: str
+    sampling_session_seq_id: int = 0
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+class SampleBody(BaseModel):
+    """``asample`` as SDK 0.38 sends it (protocol section 6.7); values are checked by :func:`sample_request`."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    num_samples: Any = 1
+    prompt: dict[str, Any]
+    sampling_params: dict[str, Any] = {}
+    prompt_logprobs: Any = False
+    topk_prompt_logprobs: Any = 0
+    topk_sample_logprobs: Any = 0
+    prompt_alt_tokens_k: Any = 0
+    target_prompt_logprobs: Any = None
+    prompt_logprobs_last_n: Any = None
+
+
+def _int(value: Any, field: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise UserInputError(f"{field}={value!r} must be an int in [{low}, {high}]")
+    return value
+
+
+def prompt_tokens(prompt: dict[str, Any], vocab_size: int) -> list[int]:
+    """The token ids of a JSON ``ModelInput`` (encoded_text chunks only); UserInputError naming the chunk."""
+    chunks = prompt.get("chunks")
+    if not isinstance(chunks, list) or not chunks:
+        raise UserInputError("prompt.chunks: expected a non-empty list of chunks")
+    tokens: list[int] = []
+    for i, chunk in enumerate(chunks):
+        kind = chunk.get("type") if isinstance(chunk, dict) else None
+        if kind != "encoded_text":
+            raise UserInputError(f"prompt.chunks[{i}].type={kind!r}: only encoded_text chunks are supported")
+        ids = chunk.get("tokens")
+        if not isinstance(ids, list):
+            raise UserInputError(f"prompt.chunks[{i}].tokens: expected a list of token ids")
+        for j, t in enumerate(ids):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise UserInputError(
+                    f"prompt.chunks[{i}].tokens[{j}]={t!r} is outside the vocabulary [0, {vocab_size})"
+                )
+        tokens.extend(ids)
+    if not tokens:
+        raise UserInputError("prompt: 0 tokens; a prompt needs at least 1")
+    return tokens
+
+
+def sample_request(body: SampleBody, vocab_size: int, max_prompt_tokens: int) -> SampleRequest:
+    """A validated :class:`SampleRequest`; UserInputError naming the field, the value and the limit."""
+    for field, value in (
+        ("topk_sample_logprobs", body.topk_sample_logprobs),
+        ("prompt_alt_tokens_k", body.prompt_alt_tokens_k),
+    ):
+        if value not in (0, None):
+            raise UserInputError(f"{field}={value!r} is not supported (use 0)")
+    if body.target_prompt_logprobs is not None or body.prompt_logprobs_last_n is not None:
+        raise UserInputError("target_prompt_logprobs / prompt_logprobs_last_n are not supported")
+    if not isinstance(body.prompt_logprobs, bool):
+        raise UserInputError(f"prompt_logprobs={body.prompt_logprobs!r} must be true or false")
+    prompt = prompt_tokens(body.prompt, vocab_size)
+    if len(prompt) > max_prompt_tokens:
+        raise UserInputError(f"prompt: {len(prompt)} tokens, over the limit of {max_prompt_tokens}")
+    params = body.sampling_params
+    if not isinstance(params, dict):
+        raise UserInputError("sampling_params: expected an object")
+    known = {"max_tokens", "temperature", "top_k", "top_p", "seed", "stop"}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise UserInputError(f"sampling_params: unknown field(s) {unknown}; known: {sorted(known)}")
+    return SampleRequest(
+        prompt=prompt,
+        params=SamplingParams(**{k: v for k, v in params.items() if v is not None or k in ("seed", "stop")}),
+        num_samples=_int(body.num_samples, "num_samples", 1, MAX_NUM_SAMPLES),
+        prompt_logprobs=body.prompt_logprobs,
+        topk_prompt_logprobs=_int(body.topk_prompt_logprobs or 0, "topk_prompt_logprobs", 0, MAX_TOPK_PROMPT_LOGPROBS),
+    )
+
+
+def encode_sample_response(result: PromptSamples) -> bytes:
+    """The protobuf ``SampleResponse`` of one request (tokens int32, log-probs float32, NaN where absent)."""
+    out = pb.SampleResponse()
+    for seq in result.sequences:
+        s = out.sequences.add()
+        s.stop_reason = pb.STOP_REASON_STOP if seq.stop_reason == "stop" else pb.STOP_REASON_LENGTH
+        s.tokens = struct.pack(f"<{len(seq.tokens)}i", *seq.tokens)
+        s.logprobs = struct.pack(f"<{len(seq.logprobs)}f", *seq.logprobs)
+    if result.prompt_logprobs is not None:
+        values = [math.nan if v is None else v for v in result.prompt_logprobs]
+        out.prompt_logprobs = struct.pack(f"<{len(values)}f", *values)
+    if result.topk_prompt_logprobs is not None:
+        rows = result.topk_prompt_logprobs
+        k = max((len(r) for r in rows if r), default=0)
+        ids, lps = [], []
+        for row in rows:
+            row = list(row or [])
+            row += [(0, -99999.0)] * (k - len(row))
+            ids += [t for t, _ in row]
+            lps += [lp for _, lp in row]
+        out.topk_prompt_logprobs.token_ids = struct.pack(f"<{len(ids)}i", *ids)
+        out.topk_prompt_logprobs.logprobs = struct.pack(f"<{len(lps)}f", *lps)
+        out.topk_prompt_logprobs.k = k
+        out.topk_prompt_logprobs.length = len(rows)
+    return out.SerializeToString()
+
+
+@dataclass
+class SamplerSession:
+    """A sampling session the gateway knows: its base model and, for a saved export, its tinker path."""
+
+    sampler_id: str
+    base_model: str
+    model_path: str | None
+
+
+class SamplingService:
+    """The sampling half of the gateway (see the module docstring).
+
+    Args:
+        backend: the (observed) backend; called only from ``submit`` (the gateway's one backend thread).
+        futures: the gateway's future store; ``call_on_loop`` runs a function on the event loop thread.
+    """
+
+    def __init__(
+        self,
+        backend: Any,
+        futures: FutureStore,
+        submit: Callable[[Callable[[], None]], None],
+        call_on_loop: Callable[[Callable[[], None]], None],
+        *,
+        max_prompt_tokens: int,
+    ) -> None:
+        self.backend, self.futures, self.submit, self.call_on_loop = backend, futures, submit, call_on_loop
+        self.max_prompt_tokens = max_prompt_tokens
+        self.sessions: dict[str, SamplerSession] = {}
+        self._seen: dict[tuple[str, int], dict[str, Any]] = {}
+        self._pending: list[tuple[str, SampleRequest, str]] = []
+        self._lock = threading.Lock()
+        self._drain_queued = False
+
+    def register(self, sampler_id: str, base_model: str, model_path: str | None, source: SamplerSource) -> None:
+        """Backend thread: create the session's snapshot, then (on the loop) make the session known."""
+        self.backend.create_sampler(sampler_id, source)
+        session = SamplerSession(sampler_id, base_model, model_path)
+        self.call_on_loop(lambda: self.sessions.__setitem__(sampler_id, session))
+
+    def asample(self, body: SampleBody) -> dict[str, Any]:
+        """Validate and queue one request; ``{"request_id", "sample_sequence_ids"}`` at once."""
+        sampler_id = body.sampling_session_id
+        if sampler_id is None or sampler_id not in self.sessions:
+            raise UserInputError(
+                f"sampling_session_id={sampler_id!r}: no such sampling session",
+            )
+        key = (sampler_id, body.seq_id) if isinstance(body.seq_id, int) else None
+        if key is not None and key in self._seen:
+            return self._seen[key]
+        request = sample_request(body, self.backend.info().vocab_size, self.max_prompt_tokens)
+        request_id = self.futures.create("sample")
+        answer = {
+            "request_id": request_id,
+            "sample_sequence_ids": [f"{request_id}:{i}" for i in range(request.num_samples)],
+        }
+        if key is not None:
+            self._seen[key] = answer
+        with self._lock:
+            self._pending.append((sampler_id, request, request_id))
+            queue = not self._drain_queued
+            self._drain_queued = True
+        if queue:
+            self.submit(self._drain)
+        return answer
+
+    def _drain(self) -> None:
+        """Backend thread: run every queued request, one backend call per session; resolve the futures."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self._drain_queued = False
+        by_session: dict[str, list[tuple[SampleRequest, str]]] = {}
+        for sampler_id, request, request_id in pending:
+            by_session.setdefault(sampler_id, []).append((request, request_id))
+        for sampler_id, items in by_session.items():
+            try:
+                results = self.backend.sample(sampler_id, [r for r, _ in items])
+                outcomes = [Outcome("proto", encode_sample_response(res)) for res in results]
+            except UserInputError as exc:
+                outcomes = [Outcome.error(str(exc), "user")] * len(items)
+            except Exception as exc:
+                log.exception("sampling on %s failed", sampler_id)
+                outcomes = [Outcome.error(f"internal error: {type(exc).__name__}: {exc}", "server")] * len(items)
+            for (_, request_id), outcome in zip(items, outcomes, strict=True):
+                self.call_on_loop(lambda rid=request_id, out=outcome: self.futures.resolve(rid, out))
+
+
+def new_sampler_id(session_id: str, seq: int) -> str:
+    """A sampling session id: unique, and readable (``<session>:sample:<seq>:<random>``)."""
+    return f"{session_id}:sample:{seq}:{uuid.uuid4().hex[:8]}"

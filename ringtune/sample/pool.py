@@ -1,0 +1,159 @@
+"""Sampler snapshots on one rank: which weights each sampling session samples from, within a memory limit.
+
+A sampling session samples from one of three sources (:class:`SamplerSource`): the served base model, an HF
+checkpoint directory (a named ``save_weights_for_sampler`` export), or the current weights of a live training
+run (an ephemeral ``save_weights_and_get_sampling_client``). A **snapshot** is an inference copy of those
+weights in memory. Snapshots are shared: two sessions on the same source share one, and a run's weights are
+copied again only when they changed since its last snapshot (``Trainer.weights_version``). At most
+``max_snapshots`` snapshots are held; the least recently used one that no newer session needs is evicted
+first. A session whose snapshot was evicted reloads it if its source is on disk (base model, HF directory);
+an evicted run snapshot is gone (the run moved on): sampling it is a user error asking for a new session.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from ringtune.errors import UserInputError
+from ringtune.models.decoder import CausalLM
+from ringtune.sample.params import SamplingParams
+from ringtune.sample.sampler import PromptSamples, generate
+
+DEFAULT_MAX_SNAPSHOTS = 4
+"""Snapshots (weight copies) held per rank by default."""
+
+
+@dataclass(frozen=True)
+class SamplerSource:
+    """Where a sampling session's weights come from: ``path`` (an HF directory), ``run_id`` (a live run's
+    current weights), or neither (the served base model)."""
+
+    path: str | None = None
+    run_id: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class SampleRequest:
+    """One ``asample`` call: a prompt, how to sample, how many, and which prompt log-probs to return."""
+
+    prompt: list[int]
+    params: SamplingParams
+    num_samples: int = 1
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+
+
+def snapshot_of(model: CausalLM) -> CausalLM:
+    """An inference copy of ``model`` (same config, dtype and device; no gradients)."""
+    copy = CausalLM(model.config).to(dtype=model.output_weight.dtype, device=model.output_weight.device)
+    copy.load_state_dict(model.state_dict())
+    copy.requires_grad_(False)
+    return copy.eval()
+
+
+class SamplerPool:
+    """This rank's snapshots and sampling sessions (the same on every rank: commands are replicated).
+
+    Args:
+        load: loads a model from a source path (``None`` = the base model), e.g. ``load_model``.
+        decode: token ids -> text, for stop strings (the served tokenizer), or None.
+        max_snapshots: snapshots held at once.
+    """
+
+    def __init__(
+        self,
+        load: Callable[[str | None], CausalLM],
+        *,
+        decode: Callable[[list[int]], str] | None = None,
+        max_snapshots: int = DEFAULT_MAX_SNAPSHOTS,
+    ) -> None:
+        if max_snapshots < 1:
+            raise UserInputError(f"max_snapshots={max_snapshots} must be >= 1")
+        self.load, self.decode, self.max_snapshots = load, decode, max_snapshots
+        self.snapshots: OrderedDict[tuple, CausalLM] = OrderedDict()  # key -> model, least recently used first
+        self.sessions: dict[str, tuple[tuple, SamplerSource]] = {}
+
+    def _key(self, source: SamplerSource, trainers: Mapping[str, object]) -> tuple:
+        if source.run_id is not None:
+            trainer = trainers.get(source.run_id)
+            if trainer is None:
+                raise UserInputError(f"run {source.run_id!r} is not live; save sampler weights by name instead")
+            return ("run", source.run_id, trainer.weights_version)  # type: ignore[attr-defined]
+        return ("path", source.path)
+
+    def _hold(self, key: tuple, make: Callable[[], CausalLM]) -> CausalLM:
+        if key in self.snapshots:
+            self.snapshots.move_to_end(key)
+            return self.snapshots[key]
+        while len(self.snapshots) >= self.max_snapshots:
+            self.snapshots.popitem(last=False)
+        model = make()
+        self.snapshots[key] = model
+        return model
+
+    def create(self, sampler_id: str, source: SamplerSource, trainers: Mapping[str, object]) -> None:
+        """Register session ``sampler_id`` on ``source`` and hold its snapshot (copied or loaded once)."""
+        key = self._key(source, trainers)
+        if source.run_id is not None:
+            self._hold(key, lambda: snapshot_of(trainers[source.run_id].model))  # type: ignore[attr-defined]
+        else:
+            self._hold(key, lambda: self.load(source.path))
+        self.sessions[sampler_id] = (key, source)
+
+    def free(self, sampler_id: str) -> None:
+        """Forget a session (its snapshot stays until evicted: another session may share it)."""
+        self.sessions.pop(sampler_id, None)
+
+    def model(self, sampler_id: str) -> CausalLM:
+        """The snapshot of session ``sampler_id``, reloaded from disk if it was evicted and can be."""
+        entry = self.sessions.get(sampler_id)
+        if entry is None:
+            raise UserInputError(f"sampling_session_id={sampler_id!r}: no such sampling session")
+        key, source = entry
+        if key not in self.snapshots and source.run_id is not None:
+            raise UserInputError(
+                f"sampling_session_id={sampler_id!r}: its snapshot of run {source.run_id!r} was evicted (at most "
+                f"{self.max_snapshots} are held); save the weights for a new sampling client"
+            )
+        return self._hold(key, lambda: self.load(source.path))
+
+    def sample(self, sampler_id: str, requests: Sequence[SampleRequest]) -> list[PromptSamples]:
+        """Run ``requests`` on the session's snapshot; one :class:`PromptSamples` per request, in order.
+
+        Requests with equal sampling settings are generated together (one batch of sequences).
+        """
+        model = self.model(sampler_id)
+        out: list[PromptSamples | None] = [None] * len(requests)
+        groups: dict[tuple, list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault((r.params, r.num_samples, r.prompt_logprobs, r.topk_prompt_logprobs), []).append(i)
+        for (params, num_samples, prompt_lp, topk), members in groups.items():
+            results = generate(
+                model,
+                [requests[i].prompt for i in members],
+                params,
+                num_samples=num_samples,
+                prompt_logprobs=prompt_lp,
+                topk_prompt_logprobs=topk,
+                decode=self.decode,
+            )
+            for i, result in zip(members, results, strict=True):
+                out[i] = result
+        return [o for o in out if o is not None]
+
+
+def tokenizer_decoder(tokenizer_dir: str | None) -> Callable[[list[int]], str] | None:
+    """``decode(ids) -> text`` from ``<tokenizer_dir>/tokenizer.json`` (the tokenizers library), or None."""
+    if tokenizer_dir is None:
+        return None
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    path = Path(tokenizer_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    tokenizer = Tokenizer.from_file(str(path))
+    return lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)

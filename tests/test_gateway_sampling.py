@@ -1,0 +1,193 @@
+"""Sampling through the gateway with the real SDK: sessions from the base model, a named export and the
+current weights; log-probs on-policy with the trainer; compute_logprobs; seeds; concurrency; bad parameters.
+
+One gateway (a LocalBackend over a tiny random Qwen3.5, float32) serves the module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import tinker
+import torch
+from gateway_fixtures import API_KEY, MODEL_NAME, start_gateway, tiny_model_dir
+
+PROMPT = [3, 17, 42, 8, 5]
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory) -> Iterator[dict]:
+    root = tmp_path_factory.mktemp("gateway-sampling")
+    model_dir = tiny_model_dir(root / "models" / "tiny")
+    server = start_gateway(root / "checkpoints", model_dir, max_live_runs=8)
+    yield {"url": server.url, "model_dir": model_dir}
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def clients(gateway):
+    with tinker.ServiceClient(base_url=gateway["url"], api_key=API_KEY) as sc:
+        tc = sc.create_lora_training_client(MODEL_NAME, rank=0).result()
+        yield sc, tc
+
+
+def train_one_step(tc, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    data = [
+        tinker.Datum(
+            model_input=tinker.ModelInput.from_ints(torch.randint(0, 90, (9,), generator=gen).tolist()),
+            loss_fn_inputs={"target_tokens": torch.randint(0, 90, (9,), generator=gen).tolist(), "weights": [1.0] * 9},
+        )
+    ]
+    tc.forward_backward(data, "cross_entropy").result()
+    tc.optim_step(tinker.AdamParams(learning_rate=5e-2)).result()
+
+
+def test_on_policy_sampler_and_trainer_agree(clients):
+    """Sample from the current weights, then forward the samples on the trainer: the same log-probs."""
+    _, tc = clients
+    train_one_step(tc, 0)
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    params = tinker.SamplingParams(max_tokens=12, temperature=1.0, seed=5, stop=[])
+    result = sampler.sample(tinker.ModelInput.from_ints(PROMPT), num_samples=3, sampling_params=params).result()
+    assert len(result.sequences) == 3
+    kl_terms = []
+    for seq in result.sequences:
+        assert len(seq.tokens) == 12 and len(seq.logprobs) == 12 and seq.stop_reason == "length"
+        full = PROMPT + seq.tokens
+        datum = tinker.Datum(
+            model_input=tinker.ModelInput.from_ints(full[:-1]),
+            loss_fn_inputs={"target_tokens": full[1:], "weights": [0.0] * (len(full) - 1)},
+        )
+        trainer_lp = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
+        sampler_lp = torch.tensor(seq.logprobs)
+        kl_terms.append(sampler_lp - trainer_lp[len(PROMPT) - 1 :])
+    # KL(sampler || trainer) estimated on the sampled tokens: both sides run the float32 model on the same
+    # weights (decode with caches vs the packed forward), so only summation order differs.
+    kl = torch.cat(kl_terms).mean().abs().item()
+    assert kl <= 1e-6, kl
+    assert torch.cat(kl_terms).abs().max().item() <= 1e-4
+
+
+def test_compute_logprobs_equals_the_trainer_forward(clients):
+    _, tc = clients
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    got = sampler.compute_logprobs(tinker.ModelInput.from_ints(PROMPT)).result()
+    datum = tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(PROMPT[:-1]),
+        loss_fn_inputs={"target_tokens": PROMPT[1:], "weights": [0.0] * (len(PROMPT) - 1)},
+    )
+    want = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
+    assert got[0] is None and len(got) == len(PROMPT)
+    assert torch.allclose(torch.tensor(got[1:]), want, atol=1e-5)
+
+
+def test_named_export_base_model_seeds_and_rest(gateway, clients):
+    sc, tc = clients
+    path = tc.save_weights_for_sampler("after-step").result().path
+    named = sc.create_sampling_client(model_path=path).result()
+    ephemeral = tc.save_weights_and_get_sampling_client().result()
+    greedy = tinker.SamplingParams(max_tokens=8, temperature=0.0, stop=[])
+    a = named.sample(tinker.ModelInput.from_ints(PROMPT), 1, greedy).result().sequences[0].tokens
+    b = ephemeral.sample(tinker.ModelInput.from_ints(PROMPT), 1, greedy).result().sequences[0].tokens
+    assert a == b  # the export and the in-memory snapshot hold the same weights
+    base = sc.create_sampling_client(base_model=MODEL_NAME).result()
+    seeded = tinker.SamplingParams(max_tokens=8, temperature=1.0, seed=123, stop=[])
+    one = base.sample(tinker.ModelInput.from_ints(PROMPT), 2, seeded).result()
+    two = base.sample(tinker.ModelInput.from_ints(PROMPT), 2, seeded).result()
+    assert [s.tokens for s in one.sequences] == [s.tokens for s in two.sequences]
+    made = _raw_sampler(gateway, model_path=path)
+    response = httpx.get(f"{gateway['url']}/api/v1/samplers/{made}", headers={"X-API-Key": API_KEY})
+    assert response.status_code == 200 and response.json()["model_path"] == path, response.text
+    assert response.json()["base_model"] == MODEL_NAME
+
+
+def test_concurrent_requests_all_complete(clients):
+    _, tc = clients
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    params = tinker.SamplingParams(max_tokens=6, temperature=0.7, stop=[])
+    futures = [sampler.sample(tinker.ModelInput.from_ints(PROMPT[: 1 + i % 5]), 1, params) for i in range(24)]
+    results = [f.result(timeout=120) for f in futures]
+    assert all(len(r.sequences[0].tokens) == 6 for r in results)
+
+
+BAD_SAMPLING = {
+    "temperature_negative": ({"sampling_params": {"max_tokens": 4, "temperature": -1.0}}, "temperature"),
+    "temperature_nan": ({"sampling_params": {"max_tokens": 4, "temperature": "nan"}}, "temperature"),
+    "top_p_zero": ({"sampling_params": {"max_tokens": 4, "top_p": 0.0}}, "top_p"),
+    "top_k_zero": ({"sampling_params": {"max_tokens": 4, "top_k": 0}}, "top_k"),
+    "max_tokens_zero": ({"sampling_params": {"max_tokens": 0}}, "max_tokens"),
+    "max_tokens_huge": ({"sampling_params": {"max_tokens": 10**9}}, "max_tokens"),
+    "seed_string": ({"sampling_params": {"max_tokens": 4, "seed": "x"}}, "seed"),
+    "stop_mixed": ({"sampling_params": {"max_tokens": 4, "stop": ["a", 3]}}, "stop"),
+    "unknown_param": ({"sampling_params": {"max_tokens": 4, "beam": 2}}, "beam"),
+    "num_samples_zero": ({"num_samples": 0}, "num_samples"),
+    "num_samples_bool": ({"num_samples": True}, "num_samples"),
+    "prompt_out_of_vocab": ({"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 10**6]}]}}, "tokens[1]"),
+    "prompt_empty": ({"prompt": {"chunks": []}}, "prompt.chunks"),
+    "prompt_image": ({"prompt": {"chunks": [{"type": "image", "data": "", "format": "png"}]}}, "image"),
+    "topk_sample_logprobs": ({"topk_sample_logprobs": 3}, "topk_sample_logprobs"),
+    "topk_prompt_too_many": ({"topk_prompt_logprobs": 10**6}, "topk_prompt_logprobs"),
+    "unknown_session": ({"sampling_session_id": "nope"}, "sampling_session_id"),
+}
+
+
+def _raw_sampler(gateway, **source: str) -> str:
+    """A sampling session made over raw HTTP (create_session, then create_sampling_session)."""
+    headers = {"X-API-Key": API_KEY}
+    session = httpx.post(f"{gateway['url']}/api/v1/create_session", json={"tags": []}, headers=headers).json()
+    body = {"session_id": session["session_id"], "sampling_session_seq_id": 0, **source}
+    response = httpx.post(f"{gateway['url']}/api/v1/create_sampling_session", json=body, headers=headers, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()["sampling_session_id"]
+
+
+@pytest.fixture(scope="module")
+def raw_sampler(gateway) -> str:
+    return _raw_sampler(gateway, base_model=MODEL_NAME)
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SAMPLING))
+def test_bad_sampling_parameters_are_user_errors(gateway, raw_sampler, case):
+    body = {
+        "num_samples": 1,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
+        "sampling_params": {"max_tokens": 4},
+        "sampling_session_id": raw_sampler,
+        "seq_id": 10_000 + sorted(BAD_SAMPLING).index(case),
+        "type": "sample",
+    }
+    patch, needle = BAD_SAMPLING[case]
+    body.update(patch)
+    response = httpx.post(f"{gateway['url']}/api/v1/asample", json=body, headers={"X-API-Key": API_KEY})
+    assert 400 <= response.status_code < 500 and response.status_code not in (402, 409), response.text
+    assert needle in response.json()["error"], response.text
+    assert httpx.get(f"{gateway['url']}/api/v1/healthz").status_code == 200
+
+
+def test_raw_sample_and_bad_session_sources(gateway, raw_sampler):
+    headers = {"X-API-Key": API_KEY}
+    body = {
+        "num_samples": 2,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
+        "sampling_params": {"max_tokens": 3, "temperature": 0.0, "stop": []},
+        "sampling_session_id": raw_sampler,
+        "seq_id": 1,
+        "type": "sample",
+    }
+    first = httpx.post(f"{gateway['url']}/api/v1/asample", json=body, headers=headers).json()
+    again = httpx.post(f"{gateway['url']}/api/v1/asample", json=body, headers=headers).json()
+    assert first == again and len(first["sample_sequence_ids"]) == 2  # a resubmit gets the same future
+    session = httpx.post(f"{gateway['url']}/api/v1/create_session", json={}, headers=headers).json()["session_id"]
+    for source, needle in (
+        ({"model_path": "tinker://nope/sampler_weights/x"}, "nope"),
+        ({"model_path": "/etc/passwd"}, "tinker path"),
+        ({"base_model": "other/model"}, "other/model"),
+        ({}, "exactly one"),
+    ):
+        body = {"session_id": session, "sampling_session_seq_id": 1, **source}
+        response = httpx.post(f"{gateway['url']}/api/v1/create_sampling_session", json=body, headers=headers)
+        assert 400 <= response.status_code < 500, response.text
+        assert needle in response.json()["error"], response.text
