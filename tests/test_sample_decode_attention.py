@@ -47,20 +47,19 @@ def test_decode_equals_last_row_of_causal_attention(heads):
     Hq, Hkv = heads
     q, k, v, lengths, parts = cache_of(LENS, Hq=Hq, Hkv=Hkv)
     want_out, want_lse = last_rows_of_reference(*parts)
-    for fn in (decode_attention, reference_decode_attention):
-        out, lse = fn(q, k, v, lengths)
-        assert not out.isnan().any()
-        assert (out - want_out).abs().max() < 1e-12, fn.__name__
-        assert (lse - want_lse).abs().max() < 1e-12, fn.__name__
+    ref_out, ref_lse = reference_decode_attention(q, k, v, lengths)
+    assert (ref_out - want_out).abs().max() < 1e-12 and (ref_lse - want_lse).abs().max() < 1e-12
+    out = decode_attention(q, k, v, lengths)
+    assert not out.isnan().any() and (out - want_out).abs().max() < 1e-12
 
 
 def test_float32_close_to_float64():
     q, k, v, lengths, _ = cache_of(LENS, dtype=torch.float32)
-    out, lse = decode_attention(q, k, v, lengths)
-    want, want_lse = reference_decode_attention(q.double(), k.double(), v.double(), lengths)
+    out = decode_attention(q, k, v, lengths)
+    want, _ = reference_decode_attention(q.double(), k.double(), v.double(), lengths)
     assert out.dtype == torch.float32
     # unit-variance inputs, softmax over <= 33 keys: a few float32 roundings of O(1) values
-    assert (out.double() - want).abs().max() < 1e-5 and (lse.double() - want_lse).abs().max() < 1e-5
+    assert (out.double() - want).abs().max() < 1e-5
 
 
 def test_negative_control_length_matters():
@@ -69,7 +68,7 @@ def test_negative_control_length_matters():
     for b, n in enumerate(LENS):
         k[b, :, n:], v[b, :, n:] = 0.5, 0.5
     want, _ = last_rows_of_reference(*parts)
-    out, _ = decode_attention(q, k, v, lengths + 1)  # one stale slot read
+    out = decode_attention(q, k, v, lengths + 1)  # one stale slot read
     assert (out - want).abs().max() > 1e-3
 
 

@@ -120,5 +120,5 @@ class Attention(nn.Module):
         """
         q, k, v, gate = self._project(x, positions)
         rows.write(k, v, positions)
-        out, _ = decode_attention(q, rows.k, rows.v, positions + 1, scale=self.scale)
+        out = decode_attention(q, rows.k, rows.v, positions + 1, scale=self.scale)
         return self._output(out, gate)

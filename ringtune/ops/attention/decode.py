@@ -4,8 +4,9 @@ Row ``b`` of the batch holds a sequence whose first ``lengths[b]`` cached keys/v
 token's own K/V already appended, so it attends to itself, as the last row of causal attention does).
 The cache is a padded buffer ``[B, Hkv, capacity, D]``; slots at or beyond ``lengths[b]`` are ignored
 whatever finite values they hold (:class:`ringtune.models.batch_cache.KVRows` keeps zeros or stale keys there;
-a NaN would leak through ``0 · NaN``). :func:`decode_attention` is batched; :func:`reference_decode_attention` is the plain
-per-row oracle beside it. Both equal the last row of :func:`reference_varlen_attention` over the sequence.
+a NaN would leak through ``0 · NaN``). :func:`decode_attention` is batched (torch's fused SDPA with a length
+mask); :func:`reference_decode_attention` is the plain per-row oracle beside it (it also returns the
+log-sum-exp). Both equal the last row of :func:`reference_varlen_attention` over the sequence.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor) -> None:
@@ -37,31 +39,29 @@ def decode_attention(
     lengths: torch.Tensor,
     *,
     scale: float | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one query per sequence over its cached keys.
+) -> torch.Tensor:
+    """Attention of one query per sequence over its cached keys (torch's fused SDPA with a length mask).
 
     Args:
         q: [B, Hq, D]; k, v: [B, Hkv, capacity, D] (GQA: query head h reads kv head ``h // (Hq/Hkv)``).
         lengths: int64 [B], the valid keys of each row (1 ≤ lengths ≤ capacity).
         scale: softmax scale, default ``1/sqrt(D)``.
     Returns:
-        ``(out [B, Hq, D] in q.dtype, lse [B, Hq])``, computed in float32 (float64 for float64 inputs);
-        only the first ``max(lengths)`` slots are read.
+        out [B, Hq, D] in q.dtype (float32 accumulation; float64 math for float64 inputs); only the first
+        ``max(lengths)`` slots are read. The log-sum-exp is not needed when decoding and not returned (the
+        oracle :func:`reference_decode_attention` returns it, for the tests).
     """
     _check(q, k, v, lengths)
-    B, Hq, D = q.shape
-    Hkv = k.shape[1]
+    B, _, D = q.shape
+    if B == 0:
+        return q.clone()
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    S = int(lengths.max()) if B else 0
-    ks, vs = k[:, :, :S].to(acc), v[:, :, :S].to(acc)
-    qg = q.to(acc).reshape(B, Hkv, Hq // Hkv, D)
-    scores = (qg @ ks.transpose(-1, -2)) * scale  # [B, Hkv, G, S]
-    pad = torch.arange(S, device=q.device)[None, :] >= lengths[:, None]  # [B, S]
-    scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.exp(scores - lse.unsqueeze(-1)) @ vs
-    return out.reshape(B, Hq, D).to(q.dtype), lse.reshape(B, Hq)
+    S = int(lengths.max())
+    valid = torch.arange(S, device=q.device)[None, :] < lengths[:, None]  # [B, S]
+    out = F.scaled_dot_product_attention(
+        q[:, :, None], k[:, :, :S], v[:, :, :S], attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+    )
+    return out[:, :, 0]
 
 
 def reference_decode_attention(
