@@ -84,24 +84,26 @@ LIMITS: dict[str, Limits] = {
         post_loss_per_token=4e-6,
     ),
     # float32: each CP layout sums attention blocks, GDN chunks and gradient partials in another order. Measured
-    # on the tiny Qwen3.5 at CP 2 (docs/validation.md): mean |Δlp| 5e-8, p99 4.8e-7 (1 ulp at |lp| ~ 4.6), step-1
-    # grad norm 3e-9 relative. Limits: mean 2e-6 (40x), p99 4e-6 (~8 ulps), the brief's 1e-5 on the step-1 grad
-    # norm; the smallest fault (an off-by-one position on one chunk) moves the mean by 5e-4. After a step, AdamW's
-    # sign-like update can turn a noise-level gradient flip into a full ±lr change of that weight (not seen on the
-    # tiny model, expected on large ones), so post-step limits are 5x looser and later grad norms 1e-4.
+    # (docs/validation.md): the tiny Qwen3.5 at CP 2/4 moves log-probs by mean 5e-8, p99 4.8e-7 (1 ulp at
+    # |lp| ~ 4.6); SmolLM2-135M at CP 2 (30 layers, 49K vocabulary, |lp| up to ~20 where 1 ulp is 1.9e-6) by mean
+    # 2.1e-6, p99 9.5e-6, short-row max 1.7e-5, per-token loss 4.9e-5 (importance sampling, whose ratio
+    # exp(lp - q) amplifies both servers' q noise). Limits ~3-5x above the real model; the smallest fault (an
+    # off-by-one position on one chunk) moves the mean by 4.6e-4. Windows skip their ratio test only below 2e-6
+    # (float32 rounding of a log-prob), so a state drop that lifts a split window 100x over a quiet interior
+    # still fails there. Step-1 grad norm: the brief's 1e-5 (measured 8e-9); later steps 1e-4 (measured 9e-7).
     "float32": Limits(
-        lp_mean=2e-6,
-        lp_p99=4e-6,
-        kl=1e-11,
-        short_max=4e-6,
+        lp_mean=1e-5,
+        lp_p99=5e-5,
+        kl=1e-10,
+        short_max=5e-5,
         window_ratio=4.0,
         window_floor=2e-6,
-        loss_per_token=4e-6,
+        loss_per_token=2e-5,
         grad_norm=1e-5,
         grad_norm_later=1e-4,
-        post_mean=1e-5,
-        post_p99=2e-5,
-        post_loss_per_token=4e-5,
+        post_mean=2e-5,
+        post_p99=1e-4,
+        post_loss_per_token=2e-4,
     ),
     # bfloat16 keeps 8 significant bits (relative rounding 2^-9 ≈ 2e-3 per op): a different reduction order moves
     # hidden states and log-probs. Measured on the tiny Qwen3.5 at CP 2 and 4 (docs/validation.md): mean |Δlp|

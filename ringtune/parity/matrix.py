@@ -93,7 +93,8 @@ def _run(spec: ServeSpec, config: MatrixConfig, tag: str) -> tuple[dict[str, Any
             long_context=config.long_context,
             label=f"{tag} {spec.name}",
         )
-    return dump, time.monotonic() - start
+    print(f"  {tag} {spec.name}: served, ran and stopped in {time.monotonic() - start:.0f} s", flush=True)
+    return dump, float(dump["seconds"])
 
 
 def _compare(
@@ -166,7 +167,7 @@ def write_report(report: MatrixReport, config: MatrixConfig) -> None:
         "`ringtune/parity/compare.py`, with their reasoning). `|Δlp|`: the starting-weight forwards;",
         "worst window: the largest window/interior ratio over zigzag chunks, chunk boundaries and GDN split rows;",
         "grad norm: `gn_CP / gn_CP1` of the first optimizer step (cross_entropy), and the largest",
-        "`|gn_CP / gn_CP1 - 1|` of all four steps.",
+        "`|gn_CP / gn_CP1 - 1|` of all four steps; s: seconds of the client run (server start-up excluded).",
         "",
         "| model | dtype | layout | result | mean \\|Δlp\\| | p99 \\|Δlp\\| | worst window | step-1 grad norm ratio "
         "| max \\|ratio-1\\| (4 steps) | plot | s |",
