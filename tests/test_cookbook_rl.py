@@ -1,0 +1,243 @@
+"""The unmodified cookbook RL trainer (``tinker_cookbook.rl.train.main``) against a live ``ringtune serve``
+child (a tiny random Llama with SmolLM2's real tokenizer, so the cookbook's ``role_colon`` renderer, its stop
+string ``"\\n\\nUser:"`` and ``parse_response`` work as for a real model), offline.
+
+- ``test_rl_train_letters``: a single-turn environment written here (reward = the fraction of ASCII letters in
+  the reply, which varies within a group, so the advantages and the gradient are not zero), 3 steps of
+  ``importance_sampling`` with full fine-tuning (``lora_rank=0``), a KL penalty against the base model
+  (``create_sampling_client(base_model=...)`` + ``compute_logprobs``), ``compute_post_kl`` (``compute_logprobs``
+  on the new weights), the test-set evaluator every 2 steps, a checkpoint at step 2 and the final one.
+- ``test_rl_train_guess_number``: the cookbook's own multi-turn recipe environment
+  (``recipes/multiplayer_rl/guess_number``), unmodified, for 1 step: 10 turns per episode, one ``asample`` per
+  turn.
+
+What shows that sampler and trainer agree on-policy: ``optim/kl_sample_train_v1`` (mean of sampled log-prob minus
+the trainer's log-prob of the same tokens in the ``forward_backward`` pass) and ``kl_policy_base`` at step 0
+(sampled log-probs against ``compute_logprobs`` of the base model, which the first policy still is) are at float32
+rounding, not at the ~1e-2 a mismatched sampler would give.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import chz
+import pytest
+import tinker
+from smollm_fixtures import tiny_smollm_dir
+from tinker_cookbook.completers import StopCondition
+from tinker_cookbook.recipes.multiplayer_rl.guess_number.env import GuessNumberDatasetBuilder
+from tinker_cookbook.renderers import Renderer, get_renderer, get_text_content
+from tinker_cookbook.rl import train
+from tinker_cookbook.rl.types import Action, ActionExtra, Env, EnvGroupBuilder, RLDataset, RLDatasetBuilder, StepResult
+from tinker_cookbook.tokenizer_utils import get_tokenizer
+
+from ringtune.demo.serve_process import ServeProcess
+
+API_KEY = "tml-cookbook-rl"
+RENDERER = "role_colon"  # the cookbook's model registry knows no tiny model; SmolLM2's tokenizer renders it
+PROMPTS = ["Name a fruit.", "Say hello.", "Count to three.", "Pick a colour.", "Spell cat.", "Greet me."]
+
+
+def letter_fraction(text: str) -> float:
+    """The rule-based reward: the fraction of the reply's characters that are ASCII letters (0 if empty)."""
+    return sum(c.isascii() and c.isalpha() for c in text) / len(text) if text else 0.0
+
+
+class LettersEnv(Env):
+    """One user turn, one sampled reply, reward :func:`letter_fraction` of the parsed reply."""
+
+    def __init__(self, prompt: str, renderer: Renderer) -> None:
+        self.prompt, self.renderer = prompt, renderer
+
+    @property
+    def stop_condition(self) -> StopCondition:
+        return self.renderer.get_stop_sequences()
+
+    async def initial_observation(self) -> tuple[tinker.ModelInput, StopCondition]:
+        return self.renderer.build_generation_prompt([{"role": "user", "content": self.prompt}]), self.stop_condition
+
+    async def step(self, action: Action, *, extra: ActionExtra | None = None) -> StepResult:
+        message, _ = self.renderer.parse_response(action)
+        reward = letter_fraction(get_text_content(message))
+        return StepResult(
+            reward=reward,
+            episode_done=True,
+            next_observation=tinker.ModelInput.empty(),
+            next_stop_condition=self.stop_condition,
+            metrics={"letter_fraction": reward},
+        )
+
+
+@dataclass(frozen=True)
+class LettersGroupBuilder(EnvGroupBuilder):
+    prompt: str
+    renderer: Renderer
+    group_size: int
+
+    async def make_envs(self) -> Sequence[Env]:
+        return [LettersEnv(self.prompt, self.renderer) for _ in range(self.group_size)]
+
+    def logging_tags(self) -> list[str]:
+        return ["letters"]
+
+
+@dataclass(frozen=True)
+class LettersDataset(RLDataset):
+    prompts: Sequence[str]
+    renderer: Renderer
+    batch_size: int
+    group_size: int
+
+    def get_batch(self, index: int) -> Sequence[EnvGroupBuilder]:
+        chosen = self.prompts[index * self.batch_size : (index + 1) * self.batch_size]
+        return [LettersGroupBuilder(p, self.renderer, self.group_size) for p in chosen]
+
+    def __len__(self) -> int:
+        return len(self.prompts) // self.batch_size
+
+
+@chz.chz
+class LettersDatasetBuilder(RLDatasetBuilder):
+    model_name: str
+    renderer_name: str
+    batch_size: int
+    group_size: int
+
+    async def __call__(self) -> tuple[RLDataset, RLDataset]:
+        renderer = get_renderer(self.renderer_name, get_tokenizer(self.model_name))
+        train_ds = LettersDataset(PROMPTS, renderer, self.batch_size, self.group_size)
+        test_ds = LettersDataset(["Tell me a word.", "Say yes."], renderer, batch_size=2, group_size=2)
+        return train_ds, test_ds
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cookbook-rl")
+    model_dir = tiny_smollm_dir(root / "models" / "tiny-smollm")
+    saved = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TINKER_API_KEY")}
+    os.environ.update(HF_HUB_OFFLINE="1", TINKER_API_KEY=API_KEY)
+    proc = ServeProcess(
+        str(model_dir),
+        checkpoint_root=root / "checkpoints",
+        log_path=root / "server.log",
+        api_key=API_KEY,
+        extra_args=["--context-length", "1024"],
+    )
+    proc.start()
+    yield {"url": proc.url, "model_dir": model_dir, "root": root, "proc": proc}
+    proc.stop()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def rl_config(server, log_path: Path, dataset_builder: RLDatasetBuilder, **overrides: object) -> train.Config:
+    model = str(server["model_dir"])  # a local dir: the cookbook's get_tokenizer loads it offline
+    settings: dict[str, object] = {
+        "log_path": str(log_path),
+        "model_name": model,
+        "recipe_name": "ringtune_cookbook_rl_test",
+        "renderer_name": RENDERER,
+        "dataset_builder": dataset_builder,
+        "learning_rate": 1e-2,
+        "max_tokens": 6,
+        "loss_fn": "importance_sampling",
+        "lora_rank": 0,
+        "base_url": server["url"],
+        "eval_every": 0,
+        "save_every": 0,
+    }
+    return train.Config(**(settings | overrides))  # type: ignore[arg-type]
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_id_of(tinker_path: str) -> str:
+    return tinker_path.removeprefix("tinker://").split("/")[0]
+
+
+def assert_on_policy(row: dict) -> None:
+    """Sampler and trainer log-probs of the sampled tokens agree (float32 rounding), and every metric is finite."""
+    for key, value in row.items():
+        if isinstance(value, float):
+            assert math.isfinite(value), (key, value)
+    assert abs(row["optim/kl_sample_train_v1"]) < 1e-4, row
+    assert 0.0 <= row["optim/kl_sample_train_v2"] < 1e-7, row
+
+
+def test_rl_train_letters(server, tmp_path):
+    model = str(server["model_dir"])
+    log_path = tmp_path / "rl-letters"
+    builder = LettersDatasetBuilder(model_name=model, renderer_name=RENDERER, batch_size=2, group_size=4)
+    config = rl_config(
+        server,
+        log_path,
+        builder,
+        max_steps=3,
+        save_every=2,
+        eval_every=2,
+        kl_penalty_coef=0.01,
+        kl_reference_config=train.KLReferenceConfig(base_model=model),
+        compute_post_kl=True,
+    )
+    asyncio.run(train.main(config))
+
+    rows = read_jsonl(log_path / "metrics.jsonl")
+    steps = [r for r in rows if "optim/kl_sample_train_v1" in r]
+    assert [r["step"] for r in steps] == [0, 1, 2], [r["step"] for r in rows]
+    for row in steps:
+        assert_on_policy(row)
+        assert row["env/all/total_episodes"] == 8 and row["env/all/turns_per_episode"] == 1
+        assert 0.0 <= row["env/all/reward/total"] <= 1.0
+        assert row["grad_norm:mean"] > 0  # rewards differ within a group: non-zero advantages, a real update
+        assert row["learning_rate:mean"] == pytest.approx(1e-2)
+    # step 0 samples from the base weights: the policy and the KL reference (the base model) are the same model
+    assert abs(steps[0]["kl_policy_base"]) < 1e-4, steps[0]
+    # each update moved the weights, and the sampler made after it serves the new ones: compute_logprobs on it
+    # differs from the pre-update sampled log-probs (measured kl_pre_post_v2 0.02-0.04 at lr 1e-2)
+    assert all(r["kl_pre_post_v2"] > 1e-6 for r in steps), [r["kl_pre_post_v2"] for r in steps]
+    # the test-set evaluator ran at steps 0 and 2 (eval_every=2) and on the final weights (step 3)
+    evals = [r for r in rows if "test/env/all/reward/total" in r]
+    assert [r["step"] for r in evals] == [0, 2, 3], evals
+    assert all(0.0 <= r["test/env/all/reward/total"] <= 1.0 for r in evals), evals
+
+    records = read_jsonl(log_path / "checkpoints.jsonl")
+    assert [(c["name"], c["batch"]) for c in records] == [("000002", 2), ("final", 3)], records
+    run = run_id_of(records[-1]["state_path"])
+    assert all(run_id_of(c["sampler_path"]) == run for c in records)
+    ckpt = server["root"] / "checkpoints" / run
+    assert (ckpt / "sampler_weights" / "final" / "config.json").is_file()
+    assert (ckpt / "weights" / "000002").is_dir() and (ckpt / "weights" / "final").is_dir()
+    rest = tinker.RestClient(base_url=server["url"], api_key=API_KEY)
+    listed = {c.checkpoint_id for c in rest.list_checkpoints(run).result().checkpoints}
+    assert {"weights/000002", "sampler_weights/000002", "weights/final", "sampler_weights/final"} <= listed
+    assert server["proc"].proc.poll() is None, server["proc"].log_tail()
+
+
+def test_rl_train_guess_number(server, tmp_path):
+    model = str(server["model_dir"])
+    log_path = tmp_path / "rl-guess"
+    builder = GuessNumberDatasetBuilder(batch_size=1, renderer_name=RENDERER, train_group_size=2, model_name=model)
+    asyncio.run(train.main(rl_config(server, log_path, builder, max_steps=1, max_tokens=4)))
+
+    rows = read_jsonl(log_path / "metrics.jsonl")
+    (row,) = [r for r in rows if "optim/kl_sample_train_v1" in r]
+    assert_on_policy(row)
+    # a random model never answers "Guess: <n>": every turn is a format failure (-1), all 10 turns are played
+    assert row["env/all/total_episodes"] == 2 and row["env/all/turns_per_episode"] == 10
+    assert row["env/all/reward/total"] == -10.0
+    assert row["grad_norm:mean"] == 0.0  # equal rewards in the group: zero advantages, zero gradient
+    records = read_jsonl(log_path / "checkpoints.jsonl")
+    assert [(c["name"], c["batch"]) for c in records] == [("final", 1)], records
+    assert server["proc"].proc.poll() is None, server["proc"].log_tail()
