@@ -149,7 +149,10 @@ def _run_serve(args: argparse.Namespace) -> int:
 
     # One line per operation (ringtune.gateway.observe) beside uvicorn's own lines.
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(backend, config, host=args.host, port=args.port, log_level=args.log_level)
+    try:
+        serve(backend, config, host=args.host, port=args.port, log_level=args.log_level)
+    except KeyboardInterrupt:  # uvicorn already shut down gracefully (the backend and workers are closed)
+        pass
     return 0
 
 
