@@ -23,7 +23,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def uvicorn_config(backend: Backend, config: GatewayConfig, host: str, port: int, log_level: str) -> uvicorn.Config:
     """The uvicorn config of a gateway over ``backend``: HTTP/1.1 (h11), no access log below ``info``."""
-    app = create_app(GatewayService(backend, config))
+    return service_uvicorn_config(GatewayService(backend, config), host, port, log_level)
+
+
+def service_uvicorn_config(service: GatewayService, host: str, port: int, log_level: str) -> uvicorn.Config:
+    """The uvicorn config serving ``service`` (see :func:`uvicorn_config`)."""
+    app = create_app(service)
     return uvicorn.Config(
         app,
         host=host,
@@ -55,7 +60,9 @@ class ServerThread:
         log_level: str = "warning",
     ) -> None:
         self.host, self.port, self.backend = host, port or free_port(host), backend
-        self.server = uvicorn.Server(uvicorn_config(backend, config, self.host, self.port, log_level))
+        self.service = GatewayService(backend, config)
+        """The service behind the routes (tools may run work on its backend thread: ``service.executor``)."""
+        self.server = uvicorn.Server(service_uvicorn_config(self.service, self.host, self.port, log_level))
         self.thread = threading.Thread(target=self.server.run, name="ringtune-gateway", daemon=True)
 
     @property
