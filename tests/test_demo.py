@@ -75,6 +75,9 @@ def test_demo_trains_plots_and_stops_the_server(model_dir, tmp_path):
     assert all(math.isfinite(x) for x in [*metrics["train_nll"], metrics["held_out_nll_before"]])
     assert math.isfinite(metrics["held_out_nll_after"])
     assert [step for step, _ in metrics["held_out_curve"]] == [0, 3]
+    assert set(metrics["samples"]) == {"before", "after"}  # greedy replies through the sampler, both printed
+    assert any(line.startswith("sample before fine-tuning:") for line in lines)
+    assert any(line.startswith("sample after fine-tuning:") for line in lines)
     # a random model starts near ln(49152) = 10.8; three AdamW steps at 1e-3 already move the held-out NLL
     assert 9.0 < result.held_out_nll_before < 12.0 and result.improved, metrics
     pid = int(next(line for line in lines if "server ready" in line).split("pid ")[1].rstrip(")"))

@@ -25,6 +25,7 @@ class DemoConfig:
         eval_every: held-out NLL (a ``forward``) every this many steps too (0: only before and after).
         data_path: a conversation JSONL instead of the packaged ``chat.jsonl``.
         seed: batch order.
+        sample_tokens: most tokens of the greedy sample shown before and after fine-tuning.
     """
 
     steps: int = 20
@@ -40,6 +41,7 @@ class DemoConfig:
     eval_every: int = 5
     data_path: str | None = None
     seed: int = 0
+    sample_tokens: int = 32
 
     def validate(self) -> None:
         """UserInputError naming the field, its value and the limit."""
@@ -48,6 +50,7 @@ class DemoConfig:
             ("cp", self.cp, self.cp >= 1, ">= 1"),
             ("port", self.port, 0 <= self.port <= 65535, "in [0, 65535] (0 = any free port)"),
             ("batch_size", self.batch_size, self.batch_size >= 1, ">= 1"),
+            ("sample_tokens", self.sample_tokens, 1 <= self.sample_tokens <= 512, "in [1, 512]"),
             ("learning_rate", self.learning_rate, 0 < self.learning_rate < 1, "in (0, 1)"),
             ("grad_clip_norm", self.grad_clip_norm, self.grad_clip_norm >= 0, ">= 0 (0 = no clipping)"),
             ("context_length", self.context_length, self.context_length >= 64, ">= 64"),

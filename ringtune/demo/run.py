@@ -43,6 +43,8 @@ class DemoResult:
     train_nll: list[float] = field(default_factory=list)
     """Per step: the batch's NLL in its forward_backward (weights before that step's update)."""
     held_out_curve: list[tuple[int, float]] = field(default_factory=list)
+    samples: dict[str, str] = field(default_factory=dict)
+    """A greedy reply to the first held-out prompt, ``before`` and ``after`` fine-tuning (through the sampler)."""
     """``(steps done, held-out NLL)``: before training, every ``eval_every`` steps, and after the last step."""
     seconds: float = 0.0
     plot_path: str | None = None
@@ -100,12 +102,28 @@ def train_demo(
             f"(longest {longest} tokens), {config.batch_size} per step"
         )
 
+        prompt_text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in held_conv[0][:-1])
+        prompt = tinker.ModelInput.from_ints(
+            list(tokenizer.encode(prompt_text + "<|im_start|>assistant\n", add_special_tokens=False))
+        )
+
+        def sample_reply(when: str) -> str:
+            """Greedy reply to the first held-out prompt from the current weights (an ephemeral sampler)."""
+            sampler = client.save_weights_and_get_sampling_client().result()
+            params = tinker.SamplingParams(max_tokens=config.sample_tokens, temperature=0.0, stop=["<|im_end|>"])
+            tokens = sampler.sample(prompt, 1, params).result().sequences[0].tokens
+            text = tokenizer.decode(tokens).replace("<|im_end|>", "").strip()
+            log(f"sample {when} fine-tuning: {text!r}")
+            return text
+
         def held_out_nll() -> float:
             return mean_nll(client.forward(held_out, "cross_entropy").result().loss_fn_outputs, held_out)
 
         before = held_out_nll()
         log(f"held-out NLL per token before: {before:.4f}")
         result = DemoResult(base_model, len(train), len(held_out), before, math.nan, held_out_curve=[(0, before)])
+        log(f"held-out prompt: {held_conv[0][-2]['content']!r} (reference reply: {held_conv[0][-1]['content']!r})")
+        result.samples["before"] = sample_reply("before")
         batches = _batches(len(train), config.batch_size, config.steps, config.seed)
         bar = _progress(config.steps, enabled=progress)
         try:
@@ -128,6 +146,7 @@ def train_demo(
             if bar is not None:
                 bar.close()
         result.held_out_nll_after = result.held_out_curve[-1][1]
+        result.samples["after"] = sample_reply("after")
     result.seconds = time.monotonic() - start
     first, last = result.train_nll[0], _tail_mean(result.train_nll)
     log(f"train NLL per token: step 1 {first:.4f}, mean of the last steps {last:.4f}")
