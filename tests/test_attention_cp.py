@@ -117,5 +117,5 @@ def test_alltoall_rejects_heads_not_divisible(pool4):
 
 
 def test_unknown_mode_is_a_clear_error():
-    with pytest.raises(ValueError, match="unknown CP attention mode 'zigzag'"):
+    with pytest.raises(ValueError, match="attention='zigzag': choose one of ring, allgather, alltoall"):
         cp_attention_fn("zigzag")
