@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import tinker
 
-from ringtune.gateway.server import free_port
+from ringtune.gateway.serve_process import ServeProcess
 
 API_KEY = "tml-bench"
 
@@ -50,40 +47,22 @@ def random_model(dest: Path) -> Path:
 
 def measure(model: Path, dp: int, requests: int, new_tokens: int, log_dir: Path) -> float:
     """Generated tokens per second of ``requests`` concurrent samples on a DP=``dp`` server."""
-    port = free_port()
-    command = [sys.executable, "-m", "ringtune.cli", "serve", "--model", str(model), "--port", str(port)]
-    command += ["--dp", str(dp), "--api-key", API_KEY, "--checkpoint-root", str(log_dir / f"ckpt-{dp}")]
-    with open(log_dir / f"serve-{dp}.log", "w") as log:
-        proc = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=os.environ | {"TINKER_TELEMETRY": "0"}
-        )
-        url = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 300
-            while True:
-                try:
-                    if httpx.get(f"{url}/api/v1/healthz").status_code == 200:
-                        break
-                except httpx.ConnectError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"server DP={dp} did not start; see {log.name}")
-                time.sleep(0.2)
-            with tinker.ServiceClient(base_url=url, api_key=API_KEY) as sc:
-                sampler = sc.create_sampling_client(base_model=str(model)).result()
-                params = tinker.SamplingParams(max_tokens=new_tokens, temperature=1.0, stop=[], seed=0)
-                prompts = [tinker.ModelInput.from_ints([1 + i, 2 + i, 3 + i, 4 + i]) for i in range(requests)]
-                sampler.sample(prompts[0], 1, params).result()  # warm-up
-                start = time.perf_counter()
-                futures = [sampler.sample(p, 1, params) for p in prompts]
-                tokens = sum(len(f.result(timeout=600).sequences[0].tokens) for f in futures)
-                return tokens / (time.perf_counter() - start)
-        finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+    server = ServeProcess(
+        str(model),
+        checkpoint_root=log_dir / f"ckpt-{dp}",
+        log_path=log_dir / f"serve-{dp}.log",
+        api_key=API_KEY,
+        extra_args=["--dp", str(dp)],
+    )
+    with server, tinker.ServiceClient(base_url=server.url, api_key=API_KEY) as sc:
+        sampler = sc.create_sampling_client(base_model=str(model)).result()
+        params = tinker.SamplingParams(max_tokens=new_tokens, temperature=1.0, stop=[], seed=0)
+        prompts = [tinker.ModelInput.from_ints([1 + i, 2 + i, 3 + i, 4 + i]) for i in range(requests)]
+        sampler.sample(prompts[0], 1, params).result()  # warm-up
+        start = time.perf_counter()
+        futures = [sampler.sample(p, 1, params) for p in prompts]
+        tokens = sum(len(f.result(timeout=600).sequences[0].tokens) for f in futures)
+        return tokens / (time.perf_counter() - start)
 
 
 def main() -> int:

@@ -6,10 +6,14 @@ step costs milliseconds: 4 layers of hidden size 32 (about 3.2 M parameters, alm
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 
+from ringtune.gateway.serve_process import ServeProcess
 from ringtune.models.checkpoints.tokenizers import SMOLLM2_VOCAB, smollm2_tokenizer_dir
 from ringtune.testing.tiny_models import hf_config
 
@@ -26,3 +30,22 @@ def tiny_smollm_dir(dest: Path, *, seed: int = 0) -> Path:
     transformers.LlamaForCausalLM(config).save_pretrained(dest)
     smollm2_tokenizer_dir(dest)
     return dest
+
+
+@contextmanager
+def cookbook_server(root: Path, *, api_key: str, context_length: int) -> Iterator[dict]:
+    """``ringtune serve`` over :func:`tiny_smollm_dir` in ``root``, with the environment the cookbook reads
+    (``HF_HUB_OFFLINE=1``, ``TINKER_API_KEY``) set for the duration; yields url, model_dir, root and the process."""
+    model_dir = tiny_smollm_dir(root / "models" / "tiny-smollm")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HF_HUB_OFFLINE", "1")
+        env.setenv("TINKER_API_KEY", api_key)
+        proc = ServeProcess(
+            str(model_dir),
+            checkpoint_root=root / "checkpoints",
+            log_path=root / "server.log",
+            api_key=api_key,
+            extra_args=["--context-length", str(context_length)],
+        )
+        with proc:
+            yield {"url": proc.url, "model_dir": model_dir, "root": root, "proc": proc}

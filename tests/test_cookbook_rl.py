@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,15 +29,13 @@ from pathlib import Path
 import chz
 import pytest
 import tinker
-from smollm_fixtures import tiny_smollm_dir
+from smollm_fixtures import cookbook_server
 from tinker_cookbook.completers import StopCondition
 from tinker_cookbook.recipes.multiplayer_rl.guess_number.env import GuessNumberDatasetBuilder
 from tinker_cookbook.renderers import Renderer, get_renderer, get_text_content
 from tinker_cookbook.rl import train
 from tinker_cookbook.rl.types import Action, ActionExtra, Env, EnvGroupBuilder, RLDataset, RLDatasetBuilder, StepResult
 from tinker_cookbook.tokenizer_utils import get_tokenizer
-
-from ringtune.demo.serve_process import ServeProcess
 
 API_KEY = "tml-cookbook-rl"
 RENDERER = "role_colon"  # the cookbook's model registry knows no tiny model; SmolLM2's tokenizer renders it
@@ -119,25 +116,8 @@ class LettersDatasetBuilder(RLDatasetBuilder):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cookbook-rl")
-    model_dir = tiny_smollm_dir(root / "models" / "tiny-smollm")
-    saved = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TINKER_API_KEY")}
-    os.environ.update(HF_HUB_OFFLINE="1", TINKER_API_KEY=API_KEY)
-    proc = ServeProcess(
-        str(model_dir),
-        checkpoint_root=root / "checkpoints",
-        log_path=root / "server.log",
-        api_key=API_KEY,
-        extra_args=["--context-length", "1024"],
-    )
-    proc.start()
-    yield {"url": proc.url, "model_dir": model_dir, "root": root, "proc": proc}
-    proc.stop()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with cookbook_server(tmp_path_factory.mktemp("cookbook-rl"), api_key=API_KEY, context_length=1024) as served:
+        yield served
 
 
 def rl_config(server, log_path: Path, dataset_builder: RLDatasetBuilder, **overrides: object) -> train.Config:

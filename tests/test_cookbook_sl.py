@@ -15,19 +15,16 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 from importlib import resources
 from pathlib import Path
 
 import chz
 import pytest
 import tinker
-from smollm_fixtures import tiny_smollm_dir
+from smollm_fixtures import cookbook_server
 from tinker_cookbook.supervised import train
 from tinker_cookbook.supervised.data import FromConversationFileBuilder
 from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig, SupervisedDataset
-
-from ringtune.demo.serve_process import ServeProcess
 
 API_KEY = "tml-cookbook"
 RENDERER = "role_colon"  # generic "User: ... Assistant: ..." format; the cookbook's model registry knows no tiny model
@@ -72,25 +69,8 @@ class CrashingConversationBuilder(FromConversationFileBuilder):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cookbook-sl")
-    model_dir = tiny_smollm_dir(root / "models" / "tiny-smollm")
-    saved = {k: os.environ.get(k) for k in ("HF_HUB_OFFLINE", "TINKER_API_KEY")}
-    os.environ.update(HF_HUB_OFFLINE="1", TINKER_API_KEY=API_KEY)
-    proc = ServeProcess(
-        str(model_dir),
-        checkpoint_root=root / "checkpoints",
-        log_path=root / "server.log",
-        api_key=API_KEY,
-        extra_args=["--context-length", "512"],
-    )
-    proc.start()
-    yield {"url": proc.url, "model_dir": model_dir, "root": root, "proc": proc}
-    proc.stop()
-    for key, value in saved.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    with cookbook_server(tmp_path_factory.mktemp("cookbook-sl"), api_key=API_KEY, context_length=512) as served:
+        yield served
 
 
 def sl_config(server, log_path: Path, crash_at: int) -> train.Config:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,7 +22,7 @@ from tinker.types import RequestErrorCategory
 
 from ringtune.engine.optimizer import AdamParams
 from ringtune.engine.trainer import TrainDatum, Trainer
-from ringtune.gateway.server import free_port
+from ringtune.gateway.serve_process import ServeProcess
 from ringtune.models.checkpoints.hf import load_hf
 
 API_KEY = "tml-workers"
@@ -36,30 +34,19 @@ ADAM = AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8)
 def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("workers")
     model_dir = tiny_model_dir(tmp / "models" / "tiny")
-    port = free_port()
-    command = [sys.executable, "-m", "ringtune.cli", "serve", "--model", str(model_dir), "--port", str(port)]
-    command += ["--cp", "2", "--dtype", "float64", "--max-tokens-per-rank", str(BUDGET), "--api-key", API_KEY]
-    command += ["--checkpoint-root", str(tmp / "ckpt"), "--linear-cp-mode", "chunkwise", "--collective-timeout", "20"]
-    env = os.environ | {"PYTHONUNBUFFERED": "1", "TINKER_TELEMETRY": "0"}
-    log = open(tmp / "serve.log", "w")  # a file, not a pipe: nobody drains a pipe while the tests run
-    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(f"{url}/api/v1/healthz").status_code == 200:
-                break
-        except httpx.ConnectError:
-            pass
-        assert proc.poll() is None and time.monotonic() < deadline, (tmp / "serve.log").read_text()
-        time.sleep(0.2)
-    yield {"url": url, "proc": proc, "model_dir": model_dir, "root": tmp / "ckpt", "log": tmp / "serve.log"}
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
+    args = ["--cp", "2", "--dtype", "float64", "--max-tokens-per-rank", str(BUDGET), "--linear-cp-mode", "chunkwise"]
+    args += ["--collective-timeout", "20", "--log-level", "info"]  # info: the per-operation log lines
+    proc = ServeProcess(
+        str(model_dir), checkpoint_root=tmp / "ckpt", log_path=tmp / "serve.log", api_key=API_KEY, extra_args=args
+    )
+    with proc:
+        yield {
+            "url": proc.url,
+            "proc": proc.proc,
+            "model_dir": model_dir,
+            "root": tmp / "ckpt",
+            "log": tmp / "serve.log",
+        }
 
 
 def sdk_datums(seed: int, lens=(5, 17, 3, 11, 2, 9, 13, 30)) -> list[tinker.Datum]:

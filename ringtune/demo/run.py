@@ -25,8 +25,8 @@ import tinker
 
 from ringtune.demo.config import DemoConfig
 from ringtune.demo.data import load_conversations, mean_nll, render_chatml, split_held_out
-from ringtune.demo.serve_process import ServeProcess
 from ringtune.errors import UserInputError
+from ringtune.gateway.serve_process import ServeProcess
 
 API_KEY = "tml-demo"
 
@@ -241,7 +241,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 def main_demo(config: DemoConfig) -> int:
     """The ``ringtune demo`` command: 0 when the held-out NLL fell, 1 when it did not, 2 on a setup error."""
-    from ringtune.demo.serve_process import ServerStartError
+    from ringtune.gateway.serve_process import ServerStartError
 
     previous = None
     if threading.current_thread() is threading.main_thread():

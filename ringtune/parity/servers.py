@@ -4,19 +4,12 @@ the tiny random Qwen3.5 checkpoint the CPU matrix serves."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
-from ringtune.gateway.server import free_port
+from ringtune.gateway.serve_process import ServeProcess
 
 API_KEY = "tml-parity"
 
@@ -53,39 +46,23 @@ class ServeSpec:
 def running_server(spec: ServeSpec, workdir: Path, *, timeout_s: float = 300.0) -> Iterator[str]:
     """``ringtune serve`` with ``spec`` on 127.0.0.1 (log in ``workdir/serve-<name>.log``); yields its URL.
 
-    Waits for ``/api/v1/healthz``; stops the server with SIGINT (then SIGKILL after 60 s) on exit. Raises
-    RuntimeError with the log's tail if the server exits or does not come up within ``timeout_s``.
+    A :class:`~ringtune.gateway.serve_process.ServeProcess`: waits for ``/api/v1/healthz`` (ServerStartError, a
+    RuntimeError with the log's tail, if the server exits or does not come up within ``timeout_s``) and stops
+    the server and the ranks it spawned on exit.
     """
     workdir.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    command = [sys.executable, "-m", "ringtune.cli", "serve", *spec.arguments(), "--port", str(port)]
-    command += ["--api-key", API_KEY, "--checkpoint-root", str(workdir / f"ckpt-{spec.name}")]
-    command += ["--collective-timeout", "60", "--log-level", "warning"]
-    env = os.environ | {"PYTHONUNBUFFERED": "1", "TINKER_TELEMETRY": "0"}
-    log_path = workdir / f"serve-{spec.name}.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
-        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout_s
-        try:
-            while True:
-                try:
-                    if httpx.get(f"{url}/api/v1/healthz", timeout=5).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    tail = log_path.read_text()[-3000:]
-                    raise RuntimeError(f"ringtune serve {' '.join(spec.arguments())} did not come up:\n{tail}")
-                time.sleep(0.3)
-            yield url
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-                try:
-                    proc.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+    server = ServeProcess(
+        spec.model,
+        checkpoint_root=workdir / f"ckpt-{spec.name}",
+        log_path=workdir / f"serve-{spec.name}.log",
+        api_key=API_KEY,
+        extra_args=[*spec.arguments(), "--collective-timeout", "60"],
+    )
+    server.start(timeout_s)
+    try:
+        yield server.url
+    finally:
+        server.stop()
 
 
 def tiny_qwen35_dir(dest: Path, *, seed: int = 0) -> Path:
