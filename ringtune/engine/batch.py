@@ -156,12 +156,6 @@ def _check_ids(ids: torch.Tensor, field: str, vocab_size: int) -> None:
         raise UserInputError(f"{field}[{index}]={int(ids[where])} is outside the vocabulary [0, {vocab_size})")
 
 
-def _check_finite(t: torch.Tensor, field: str) -> None:
-    if t.dtype.is_floating_point and not bool(torch.isfinite(t).all()):
-        where = tuple(int(i) for i in (~torch.isfinite(t)).nonzero()[0])
-        raise UserInputError(f"{field}[{', '.join(map(str, where))}]={float(t[where])} is not finite")
-
-
 def _datum(
     raw: Any, i: int, loss: LossConfig, *, vocab_size: int, max_target_k: int
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -190,8 +184,6 @@ def _datum(
             f"limit max_target_k={max_target_k}"
         )
     _check_ids(targets, f"data[{i}].loss_fn_inputs['target_tokens']", vocab_size)
-    for key, t in inputs.items():
-        _check_finite(t, f"data[{i}].loss_fn_inputs[{key!r}]")
     return tokens, inputs
 
 

@@ -78,10 +78,9 @@ from ringtune.engine.checkpoint_manifest import (
 from ringtune.errors import UserInputError
 from ringtune.models.checkpoints.hf import save_hf
 from ringtune.models.decoder import CausalLM
-from ringtune.parallel.control import agreed_call, gather_object_to, run_on_source
+from ringtune.parallel.control import NOT_CAUGHT, agreed_call, gather_object_to, run_on_source
 
 T = TypeVar("T")
-_NOT_CAUGHT = (KeyboardInterrupt, SystemExit, GeneratorExit)
 _MESSAGE_CHARS = 400
 
 
@@ -148,7 +147,7 @@ def _wrapped(exc: BaseException, kinds: tuple[type[BaseException], ...], depth: 
 
 def _reraise_interrupt(exc: BaseException) -> None:
     """Raise the KeyboardInterrupt / SystemExit that DCP wrapped into a CheckpointException, if there is one."""
-    if (interrupt := _wrapped(exc, _NOT_CAUGHT)) is not None:
+    if (interrupt := _wrapped(exc, NOT_CAUGHT)) is not None:
         raise interrupt
 
 
@@ -234,7 +233,7 @@ def save_checkpoint(
         writer = FileSystemWriter(staging)
         try:
             _quiet_dcp(lambda: dcp.save(state, storage_writer=writer, process_group=group, no_dist=control is None))
-        except _NOT_CAUGHT:
+        except NOT_CAUGHT:
             raise
         except BaseException as exc:  # DCP's CheckpointException is a BaseException
             _reraise_interrupt(exc)
@@ -243,7 +242,7 @@ def save_checkpoint(
     try:
         agreed_call(write, control)
         files = _hash_share(staging, control)
-    except _NOT_CAUGHT:
+    except NOT_CAUGHT:
         raise
     except BaseException:
         if _rank_and_size(control)[0] == 0:  # every rank has stopped writing: the verdict was agreed
@@ -291,7 +290,7 @@ def _plan(path: Path, real: Path, record: CheckpointRecord, model: nn.Module, op
     """Phase 2 (this rank): the DCP metadata checked against the model and optimizer; what to read."""
     try:
         stored = FileSystemReader(real).read_metadata().state_dict_metadata
-    except _NOT_CAUGHT:
+    except NOT_CAUGHT:
         raise
     except BaseException as exc:
         raise UserInputError(f"checkpoint {path}: cannot read its DCP metadata ({_describe(exc)})") from None
@@ -310,7 +309,7 @@ def _read_copies(path: Path, real: Path, plan: LoadPlan, optimizer: torch.optim.
     """Phase 3 (this rank): DCP reads every planned entry into the fresh copies of ``plan.template``."""
     try:
         _quiet_dcp(lambda: dcp.load(plan.template, storage_reader=FileSystemReader(real), no_dist=True))
-    except _NOT_CAUGHT:
+    except NOT_CAUGHT:
         raise
     except BaseException as exc:  # CheckpointException (a BaseException), OSError, unpickling errors, ...
         _reraise_interrupt(exc)

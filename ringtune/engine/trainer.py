@@ -46,6 +46,7 @@ from ringtune.models.recompute import DEFAULT_RECOMPUTE, check_recompute_mode, s
 from ringtune.models.shard import PackedShard
 from ringtune.ops.cp_modes import DEFAULT_ATTENTION, DEFAULT_GATED_DELTA
 from ringtune.parallel.control import (
+    NOT_CAUGHT,
     RankFailedError,
     agree,
     agreed_call,
@@ -57,8 +58,6 @@ from ringtune.parallel.mesh import ParallelMesh, rebuild_mesh
 IGNORE = -100
 
 __all__ = ["ForwardBackwardResult", "TrainDatum", "Trainer"]
-
-_NOT_CAUGHT = (KeyboardInterrupt, SystemExit, GeneratorExit)
 
 
 @dataclass(frozen=True)
@@ -238,7 +237,7 @@ class Trainer:
                 mine.update(out)
                 loss_bad |= bad_loss
                 grad_bad |= bad_grad
-        except _NOT_CAUGHT:
+        except NOT_CAUGHT:
             raise
         except BaseException as exc:
             error = exc
@@ -428,7 +427,7 @@ class Trainer:
                     self.invariant.reduce_and_check([p.grad for p in self.params])
                 norm = global_grad_norm(self.params)
             bad_weights = [self.names[id(p)] for p in self.params if not bool(torch.isfinite(p.detach()).all())]
-        except _NOT_CAUGHT:
+        except NOT_CAUGHT:
             raise
         except BaseException as exc:
             error = exc

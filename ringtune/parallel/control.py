@@ -27,7 +27,7 @@ from ringtune.parallel.liveness import exchange_objects
 
 T = TypeVar("T")
 
-_NOT_CAUGHT = (KeyboardInterrupt, SystemExit, GeneratorExit)
+NOT_CAUGHT = (KeyboardInterrupt, SystemExit, GeneratorExit)
 """BaseExceptions that end the process rather than a request; everything else (DCP's CheckpointException is a
 BaseException) is caught and agreed on."""
 
@@ -117,18 +117,21 @@ def agree(error: BaseException | None, group: dist.ProcessGroup | None) -> None:
     raise chosen from error
 
 
-def agreed_call(fn: Callable[[], T], group: dist.ProcessGroup | None) -> T:
-    """Run ``fn()`` on every rank, then :func:`agree` on whether it raised anywhere; its value if none did."""
-    error: BaseException | None = None
-    value: Any = None
+def attempt(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
+    """``(fn(), None)``, or ``(None, the exception)`` for anything but :data:`NOT_CAUGHT` (which propagates)."""
     try:
-        value = fn()
-    except _NOT_CAUGHT:
+        return fn(), None
+    except NOT_CAUGHT:
         raise
     except BaseException as exc:
-        error = exc
+        return None, exc
+
+
+def agreed_call(fn: Callable[[], T], group: dist.ProcessGroup | None) -> T:
+    """Run ``fn()`` on every rank, then :func:`agree` on whether it raised anywhere; its value if none did."""
+    value, error = attempt(fn)
     agree(error, group)
-    return value
+    return value  # type: ignore[return-value]
 
 
 def run_on_source(fn: Callable[[], T], group: dist.ProcessGroup | None, *, src: int = 0) -> T:
@@ -136,15 +139,7 @@ def run_on_source(fn: Callable[[], T], group: dist.ProcessGroup | None, *, src: 
 
     If ``fn`` raises on ``src``, every rank raises (see :func:`agree` for which error).
     """
-    error: BaseException | None = None
-    value: Any = None
-    if _rank(group) == src:
-        try:
-            value = fn()
-        except _NOT_CAUGHT:
-            raise
-        except BaseException as exc:
-            error = exc
+    value, error = attempt(fn) if _rank(group) == src else (None, None)
     if _size(group) == 1:
         if error is not None:
             raise error

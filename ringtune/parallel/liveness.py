@@ -48,13 +48,13 @@ def _alive_key(rank: int) -> str:
     return f"ringtune/alive/{rank}"
 
 
-def _beat(store: dist.Store, rank: int, stop: threading.Event) -> None:
-    while not stop.is_set():
+def _beat(store: dist.Store, rank: int) -> None:
+    while True:
         try:
             store.add(_alive_key(rank), 1)
         except Exception:  # the store is gone (rank 0 exited): nothing left to tell
             return
-        stop.wait(HEARTBEAT_S)
+        time.sleep(HEARTBEAT_S)
 
 
 def start_heartbeat() -> None:
@@ -63,10 +63,9 @@ def start_heartbeat() -> None:
         thread = _state["thread"]
         if thread is not None and thread.is_alive():
             return
-        stop = threading.Event()
-        thread = threading.Thread(target=_beat, args=(_store().clone(), dist.get_rank(), stop), daemon=True)
+        thread = threading.Thread(target=_beat, args=(_store().clone(), dist.get_rank()), daemon=True)
         thread.start()
-        _state.update(thread=thread, stop=stop)
+        _state["thread"] = thread
 
 
 def wait_for_keys(store: dist.Store, keys: dict[int, str]) -> None:

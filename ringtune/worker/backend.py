@@ -1,4 +1,5 @@
-"""DistributedBackend: the gateway's :class:`~ringtune.gateway.backend.Backend` on rank 0 of a DP×CP mesh.
+"""DistributedBackend: the gateway's :class:`~ringtune.gateway.backend.Backend` on rank 0 of a DP×CP mesh (or of
+no mesh: :class:`~ringtune.gateway.local.LocalBackend`).
 
 Each verb becomes a :class:`~ringtune.worker.commands.Command` that rank 0 publishes through the job's store
 (:func:`ringtune.parallel.liveness.publish_object`) and then executes itself, together with every worker rank
@@ -8,6 +9,7 @@ groups); no second RPC system. The gateway calls the verbs from one thread, so c
 
 from __future__ import annotations
 
+import gc
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -59,7 +61,8 @@ class DistributedBackend:
             health = self.health()
             if not health.ok:
                 raise RankFailedError(f"the worker ranks cannot serve: {health.detail}; restart the server")
-            publish_object(command, CHANNEL)
+            if self.executor.mesh is not None:  # a single process (LocalBackend) has no other rank to tell
+                publish_object(command, CHANNEL)
             try:
                 return self.executor.execute(command)
             except RankFailedError as exc:
@@ -121,3 +124,5 @@ class DistributedBackend:
                 p.kill()
                 p.join()
         self.executor.trainers.clear()
+        self.executor.samplers.snapshots.clear()
+        gc.collect()

@@ -19,16 +19,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ringtune.engine.packing import max_datum_len
 from ringtune.gateway.backend import BackendInfo
-from ringtune.gateway.local import engine_modes, find_tokenizer_dir
-from ringtune.layout.zigzag import stream_pad_multiple
 from ringtune.models.checkpoints.load import load_model
 from ringtune.models.decoder import CausalLM
 from ringtune.parallel.control import broadcast_object
 from ringtune.parallel.launch import free_port, init_from_env, init_process_group
 from ringtune.parallel.mesh import DEFAULT_TIMEOUT_S, build_mesh
 from ringtune.worker.backend import DistributedBackend
+from ringtune.worker.describe import describe
 from ringtune.worker.executor import DTYPES, ModelSpec, RankExecutor
 from ringtune.worker.loop import worker_loop
 
@@ -74,32 +72,17 @@ def _worker_entry(rank: int, layout: WorkerLayout, spec: ModelSpec, init_method:
     sys.exit(code)
 
 
-def describe(
+def _load_and_describe(
     spec: ModelSpec,
-    model: CausalLM,
     layout: WorkerLayout,
-    *,
     model_name: str | None,
     tokenizer_dir: str | None,
     tokenizer_cache: str | Path | None,
-) -> BackendInfo:
-    """The served model as the gateway reports it (context length = the longest datum one rank row holds)."""
-    pad = int(spec.trainer_options.get("pad_multiplier", 8))
-    multiple = stream_pad_multiple(1, pad)
-    name = model_name or spec.source
-    return BackendInfo(
-        model_name=name,
-        aliases=tuple(a for a in (spec.source,) if a != name),
-        arch=model.config.model_type,
-        tokenizer_dir=find_tokenizer_dir(spec.source, tokenizer_dir, tokenizer_cache),
-        context_length=max_datum_len(spec.max_tokens_per_rank, cp_size=layout.cp, multiple=multiple),
-        max_tokens_per_rank=spec.max_tokens_per_rank,
-        dp_size=layout.dp,
-        cp_size=layout.cp,
-        dtype=spec.dtype,
-        vocab_size=model.config.vocab_size,
-        modes=engine_modes(spec.trainer_options),
-    )
+) -> tuple[CausalLM, BackendInfo]:
+    """Rank 0: the model (its first run takes this copy) and the description the gateway reports."""
+    model = load_model(spec.source, dtype=DTYPES[spec.dtype])
+    names = {"model_name": model_name, "tokenizer_dir": tokenizer_dir, "tokenizer_cache": tokenizer_cache}
+    return model, describe(spec, model, dp=layout.dp, cp=layout.cp, **names)
 
 
 def start_local_workers(
@@ -114,10 +97,7 @@ def start_local_workers(
 
     The model is loaded here first (a bad source fails before any process starts).
     """
-    model = load_model(spec.source, dtype=DTYPES[spec.dtype])
-    info = describe(
-        spec, model, layout, model_name=model_name, tokenizer_dir=tokenizer_dir, tokenizer_cache=tokenizer_cache
-    )
+    model, info = _load_and_describe(spec, layout, model_name, tokenizer_dir, tokenizer_cache)
     spec = replace(spec, tokenizer_dir=info.tokenizer_dir)
     init_method = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
@@ -154,10 +134,7 @@ def join_torchrun_world(
     mesh = build_mesh(dp=layout.dp, cp=layout.cp, timeout_s=layout.timeout_s)
     model = info = None
     if rank == 0:
-        model = load_model(spec.source, dtype=DTYPES[spec.dtype])
-        info = describe(
-            spec, model, layout, model_name=model_name, tokenizer_dir=tokenizer_dir, tokenizer_cache=tokenizer_cache
-        )
+        model, info = _load_and_describe(spec, layout, model_name, tokenizer_dir, tokenizer_cache)
     spec = replace(spec, tokenizer_dir=broadcast_object(info.tokenizer_dir if info else None, mesh.control_group))
     if rank != 0:
         code = worker_loop(RankExecutor(spec, mesh))

@@ -1,0 +1,90 @@
+"""What the gateway reports about the served model (:class:`~ringtune.gateway.backend.BackendInfo`), for any layout.
+
+Built on rank 0 from the loaded model and the serve settings: names, architecture, the tokenizer directory
+clients load offline, the longest datum one request may hold at this per-rank budget and CP size, the layout
+and the engine options that shape the numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from ringtune.engine.packing import max_datum_len
+from ringtune.errors import UserInputError
+from ringtune.gateway.backend import BackendInfo
+from ringtune.layout.zigzag import stream_pad_multiple
+from ringtune.models.checkpoints.load import EMBEDDED_DEFAULT
+from ringtune.models.decoder import CausalLM
+from ringtune.ops.cp_modes import DEFAULT_ATTENTION, DEFAULT_GATED_DELTA
+from ringtune.worker.executor import ModelSpec
+
+PAD_MULTIPLIER = 8
+"""The per-rank stream pad multiple the engine uses unless ``trainer_options`` says otherwise."""
+
+
+def find_tokenizer_dir(source: str, explicit: str | None, cache_dir: str | Path | None) -> str | None:
+    """The tokenizer directory to report: ``explicit``; else the source HF dir if it has ``tokenizer.json``;
+    else, for the embedded default, SmolLM2's tokenizer built once under ``cache_dir``; else None."""
+    if explicit is not None:
+        path = Path(explicit).resolve()
+        if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+            raise UserInputError(f"tokenizer dir {explicit!r} has neither tokenizer.json nor tokenizer_config.json")
+        return str(path)
+    src = Path(source)
+    if src.is_dir() and (src / "tokenizer.json").is_file():
+        return str(src.resolve())
+    if source == EMBEDDED_DEFAULT and cache_dir is not None:
+        from ringtune.models.checkpoints.tokenizers import smollm2_tokenizer_dir
+
+        dest = Path(cache_dir).resolve() / "smollm2-135m"
+        if not (dest / "tokenizer.json").is_file():
+            smollm2_tokenizer_dir(dest)
+        return str(dest)
+    return None
+
+
+def engine_modes(options: Mapping[str, object]) -> dict[str, object]:
+    """The :class:`Trainer` options that shape the numbers, with their defaults (``BackendInfo.modes``)."""
+    return {
+        "attention": options.get("attention", DEFAULT_ATTENTION),
+        "gated_delta": options.get("gated_delta", DEFAULT_GATED_DELTA),
+        "pad_multiplier": int(options.get("pad_multiplier", PAD_MULTIPLIER)),  # type: ignore[arg-type]
+        "debug_fault": options.get("debug_fault"),
+    }
+
+
+def describe(
+    spec: ModelSpec,
+    model: CausalLM,
+    *,
+    dp: int = 1,
+    cp: int = 1,
+    model_name: str | None = None,
+    tokenizer_dir: str | None = None,
+    tokenizer_cache: str | Path | None = None,
+) -> BackendInfo:
+    """The served model as the gateway reports it (context length = the longest datum one rank row holds).
+
+    Raises UserInputError when ``spec.max_tokens_per_rank`` holds no datum at all.
+    """
+    modes = engine_modes(spec.trainer_options)
+    context = max_datum_len(
+        spec.max_tokens_per_rank, cp_size=cp, multiple=stream_pad_multiple(1, modes["pad_multiplier"])
+    )
+    if context < 1:
+        raise UserInputError(f"max_tokens_per_rank={spec.max_tokens_per_rank} holds no datum; use >= 16")
+    name = model_name or spec.source
+    return BackendInfo(
+        model_name=name,
+        aliases=tuple(a for a in (spec.source,) if a != name),
+        arch=model.config.model_type,
+        tokenizer_dir=find_tokenizer_dir(spec.source, tokenizer_dir, tokenizer_cache),
+        context_length=context,
+        max_tokens_per_rank=spec.max_tokens_per_rank,
+        dp_size=dp,
+        cp_size=cp,
+        dtype=spec.dtype,
+        vocab_size=model.config.vocab_size,
+        modes=modes,
+    )
