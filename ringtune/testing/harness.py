@@ -12,6 +12,7 @@ collective), fails the call with the rank's traceback; the pool is then restarte
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import importlib.util
 import queue as queue_mod
@@ -27,6 +28,9 @@ import torch.multiprocessing as mp
 
 from ringtune.parallel.launch import free_port, init_process_group
 from ringtune.parallel.mesh import DEFAULT_TIMEOUT_S, ParallelMesh, build_mesh
+
+FAILURE_GRACE_S = 3.0
+"""After one rank fails, how long the pool still listens for the others (their errors, or exit codes)."""
 
 
 @dataclass
@@ -68,6 +72,7 @@ def _resolve(module: str, path: str | None, qualname: str) -> Callable:
 
 def _worker(rank: int, world_size: int, init_method: str, timeout_s: float, tasks, results) -> None:
     torch.set_num_threads(1)
+    faulthandler.enable()  # a segfault or abort in a collective prints every thread's stack to stderr
     init_process_group(rank=rank, world_size=world_size, init_method=init_method, timeout_s=timeout_s)
     ctx = RankContext(rank=rank, world_size=world_size, timeout_s=timeout_s)
     while True:
@@ -120,26 +125,37 @@ class RankPool:
         for q in self._tasks:
             q.put((module, path, fn.__qualname__, args, kwargs))
         got: dict[int, Any] = {}
-        dead: set[int] = set()
-        failures: list[str] = []
+        dead: dict[int, int | None] = {}  # rank -> exit code
+        failed: dict[int, str] = {}  # rank -> traceback
         deadline = time.monotonic() + self.timeout
-        while len(got) + len(dead) < self.world_size and not failures:
+        grace_until: float | None = None  # after a first failure: collect the other ranks' news briefly
+        while len(got) + len(dead) + len(failed) < self.world_size:
+            now = time.monotonic()
+            if (grace_until is not None and now > grace_until) or now > deadline:
+                break
             try:
                 rank, ok, value = self._results.get(timeout=0.5)
             except queue_mod.Empty:
                 for r, p in enumerate(self._procs):
-                    if r not in got and r not in dead and not p.is_alive():
-                        if not allow_dead:
-                            failures.append(f"rank {r} died (exit code {p.exitcode})")
-                        dead.add(r)
-                if time.monotonic() > deadline:
-                    failures.append(f"timed out after {self.timeout}s with ranks {sorted(got)} done (a hang?)")
+                    if r not in got and r not in dead and r not in failed and not p.is_alive():
+                        dead[r] = p.exitcode
+                if grace_until is None and dead and not allow_dead:
+                    grace_until = now + FAILURE_GRACE_S
                 continue
             if ok:
                 got[rank] = value
             else:
-                # The other ranks may be stuck in a collective: restart rather than wait for them.
-                failures.append(f"rank {rank}:\n{value}")
+                # The other ranks may be stuck in a collective: hear them for a moment, then restart the pool.
+                failed[rank] = value
+                grace_until = grace_until or time.monotonic() + FAILURE_GRACE_S
+        failures = [f"rank {r}:\n{tb}" for r, tb in sorted(failed.items())]
+        if not allow_dead:
+            failures += [f"rank {r} died (exit code {code})" for r, code in sorted(dead.items())]
+        pending = [r for r in range(self.world_size) if r not in got and r not in dead and r not in failed]
+        if pending and not failures:
+            failures.append(f"timed out after {self.timeout}s with ranks {sorted(got)} done (a hang?)")
+        if failures:
+            failures.append(f"ranks done: {sorted(got)}; no answer from: {pending}")
         if failures or dead:
             self._restart()
         if failures:
