@@ -1,0 +1,143 @@
+"""``ringtune plan``: predicted per-rank memory for every layout of a GPU count; the layouts that fit, best first.
+
+ringtune plan --model Qwen3.5-27B --context-length 131072 --gpus 8 --gpu-memory 80GiB [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from ringtune.errors import UserInputError
+from ringtune.models.recompute import RECOMPUTE_MODES
+from ringtune.plan.estimate import PRECISIONS
+from ringtune.plan.models import KNOWN_MODELS, resolve_model
+from ringtune.plan.search import MARGIN, Planned, plan_layouts
+
+UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+GIB = 2**30
+
+
+def parse_memory(text: str) -> int:
+    """Bytes of ``80GiB``, ``141GB``, ``80 GiB``, ``512MiB``; UserInputError naming ``--gpu-memory`` otherwise."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]+)\s*", text)
+    if not match or match.group(2).lower() not in UNITS:
+        raise UserInputError(
+            f"--gpu-memory={text!r}: expected a number and a unit, e.g. 80GiB or 141GB (units: {', '.join(UNITS)})"
+        )
+    value = int(float(match.group(1)) * UNITS[match.group(2).lower()])
+    if value <= 0:
+        raise UserInputError(f"--gpu-memory={text!r}: must be > 0 bytes")
+    return value
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="predicted per-rank memory of each DPxCP layout; the layouts that fit")
+    p.add_argument("--model", required=True, help=f"HF config.json, checkpoint dir, or {' / '.join(KNOWN_MODELS)}")
+    p.add_argument("--context-length", type=int, required=True, help="tokens per packed row")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in all (CP x DP)")
+    p.add_argument("--gpu-memory", required=True, help="memory per GPU, e.g. 80GiB or 141GB")
+    p.add_argument("--precision", nargs="+", default=list(PRECISIONS), help=f"any of {', '.join(PRECISIONS)}")
+    p.add_argument("--recompute", nargs="+", default=list(RECOMPUTE_MODES), help="any of none, full, selective")
+    p.add_argument("--top", type=int, default=12, help="rows of the table (0: every layout)")
+    p.add_argument("--json", action="store_true", help="every layout as JSON on stdout")
+
+
+def _row(p: Planned) -> list[str]:
+    e, lay = p.estimate, p.estimate.layout
+    fit = "yes" if p.fits_with_margin else ("tight" if p.fits else "no")
+    return [
+        str(lay.cp),
+        str(lay.dp),
+        "sharded" if lay.sharded else "replicated",
+        lay.recompute,
+        lay.precision,
+        *(f"{v / GIB:.1f}" for v in (e.parameters, e.gradients, e.moments, e.activations, e.constants)),
+        f"{e.communication / GIB:.2f}",
+        f"{e.peak / GIB:.1f}",
+        fit,
+        f"{p.cost:.2f}",
+    ]
+
+
+HEADER = [
+    "CP",
+    "DP",
+    "params",
+    "recompute",
+    "precision",
+    "param",
+    "grad",
+    "adam",
+    "activ",
+    "const",
+    "comm",
+    "peak",
+    "fits",
+    "cost",
+]
+
+
+def format_table(planned: list[Planned], top: int) -> str:
+    """A plain-text table (GiB per rank) of the first ``top`` layouts (all when 0)."""
+    rows = [HEADER] + [_row(p) for p in (planned if top == 0 else planned[:top])]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
+    lines = [
+        "  ".join(
+            c.rjust(w) if i not in (2, 3, 4) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in rows
+    ]
+    return "\n".join(lines)
+
+
+def run_plan_command(args: argparse.Namespace) -> int:
+    try:
+        name, cfg = resolve_model(args.model)
+        memory = parse_memory(args.gpu_memory)
+        if args.top < 0:
+            raise UserInputError(f"--top={args.top}: must be >= 0")
+        planned = plan_layouts(
+            cfg,
+            context=args.context_length,
+            gpus=args.gpus,
+            memory=memory,
+            precisions=tuple(args.precision),
+            recompute=tuple(args.recompute),
+        )
+    except UserInputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        out = {
+            "model": name,
+            "context_length": args.context_length,
+            "gpus": args.gpus,
+            "gpu_memory_bytes": memory,
+            "margin": MARGIN,
+            "layouts": [
+                {**p.estimate.as_dict(), "fits": p.fits, "fits_with_margin": p.fits_with_margin, "cost": p.cost}
+                for p in planned
+            ],
+        }
+        print(json.dumps(out, indent=1))
+        return 0
+    fitting = sum(p.fits for p in planned)
+    print(
+        f"{name}: {args.context_length} tokens per row on {args.gpus} x {memory / GIB:.1f} GiB; "
+        f"{fitting} of {len(planned)} layouts fit (GiB per rank, best first; fits = with {MARGIN:.0%} free)"
+    )
+    print(format_table(planned, args.top))
+    return 0 if fitting else 1

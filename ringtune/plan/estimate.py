@@ -1,0 +1,191 @@
+"""One layout's predicted per-rank peak memory of a training step (forward_backward + optim_step), by term.
+
+The step's memory is static (parameters, gradients, AdamW moments, a bf16 compute copy) plus what lives
+at the step's worst moment. :func:`estimate` walks the step's phases and takes the largest:
+
+- ``head``: the start of the backward: every layer's kept activations, the final norm's and the head's,
+  and the head's backward tile (:func:`head_transient`);
+- ``layer i``: the backward of decoder layer i (last to first): the kept activations of layers 0..i, what
+  layer i's recomputation rebuilds, its backward working set (:data:`BACKWARD_WORK`) and its CP buffers;
+- ``optimizer``: the AdamW step (foreach temporaries, one parameter-sized list).
+
+Every term is bytes on one rank; ``tokens`` is the rank's share of the packed row (its zigzag shard).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from ringtune.errors import UserInputError
+from ringtune.models.config import DecoderConfig
+from ringtune.models.logprob_head import DEFAULT_MAX_CHUNK_BYTES
+from ringtune.plan import activations as act
+
+PRECISIONS: dict[str, tuple[int, int, int, int]] = {
+    # name: (compute bytes e, parameter bytes, gradient bytes, AdamW moment bytes per parameter)
+    "bf16-mixed": (2, 4, 4, 8),
+    "bfloat16": (2, 2, 2, 4),
+    "float32": (4, 4, 4, 8),
+}
+"""Precision options: bf16-mixed = bf16 compute, fp32 master weights, fp32 gradients and moments."""
+
+BACKWARD_WORK = 0.08
+"""A layer's backward working set beyond its saved tensors, as a fraction of its ``none`` inventory:
+gradients of its intermediates alive at once (the [C, C] products' gradients in the GatedDeltaNet scan,
+the MLP's). EMPIRICAL: read from one measured step (docs/memory.md, 8K tokens, recompute full: 502.5 MiB =
+gradients + kept inputs + the rebuilt GDN layer + its gradient in and out + 0.08 of
+the rebuilt layer), then checked at other CP sizes, modes and lengths by
+benchmarks/plan_check.py."""
+
+HEAD_TILE_BYTES = DEFAULT_MAX_CHUNK_BYTES
+"""Byte budget of one log-prob head tile (``models/logprob_head.py``); being resized from the per-rank
+token budget: when that lands, :func:`head_transient` must follow ``plan_tiles``."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """One way to run: CP·DP ranks, sharded (FSDP2 over DP) or replicated parameters, recompute, precision."""
+
+    cp: int
+    dp: int
+    sharded: bool
+    recompute: str
+    precision: str
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted per-rank bytes by term; ``peak`` = their sum at the worst phase (``phase``)."""
+
+    layout: Layout
+    tokens: int
+    parameters: float
+    gradients: float
+    moments: float
+    activations: float
+    constants: float
+    communication: float
+    phase: str
+    detail: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> float:
+        return self.parameters + self.gradients + self.moments + self.activations + self.constants + self.communication
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "peak": self.peak}
+
+
+def layer_parameters(cfg: DecoderConfig, layer_type: str) -> int:
+    """Parameters of one decoder layer (mixer, SwiGLU, two norms), as the modules in ``models/layers`` define them."""
+    d = cfg.hidden_size
+    common = 3 * d * cfg.intermediate_size + 2 * d
+    if layer_type == "linear_attention":
+        hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        channels = 2 * hk * dk + hv * dv
+        mixer = d * channels + d * hv * dv + 2 * d * hv + channels * cfg.linear_conv_kernel_dim + 2 * hv + dv
+        return common + mixer + hv * dv * d
+    q = cfg.num_heads * cfg.head_dim * (2 if cfg.family == "qwen3_5" else 1)
+    kv = cfg.num_kv_heads * cfg.head_dim
+    mixer = d * (q + 2 * kv) + cfg.num_heads * cfg.head_dim * d
+    if cfg.attention_bias:
+        mixer += q + 2 * kv + d
+    if cfg.qk_norm is not None:
+        mixer += 2 * cfg.head_dim
+    return common + mixer
+
+
+def root_parameters(cfg: DecoderConfig) -> int:
+    """Embeddings, the untied ``lm_head`` and the final norm (FSDP2's root unit)."""
+    return cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.hidden_size
+
+
+def head_transient(cfg: DecoderConfig, tokens: int, e: int, a: int, weight_bytes: int) -> float:
+    """The head's backward beyond its inputs: one logits tile, ``p @ weight`` of the tile, d_hidden in ``a``,
+    and for a weight narrower than ``a`` its float block and that block's d_weight (``plan_tiles``' rule)."""
+    vocab, d = cfg.vocab_size, cfg.hidden_size
+    chunk_vocab = min(vocab, HEAD_TILE_BYTES // a)
+    if weight_bytes < a:
+        chunk_vocab = min(chunk_vocab, HEAD_TILE_BYTES // (d * a))
+    chunk_tokens = min(max(1, HEAD_TILE_BYTES // (chunk_vocab * a)), tokens)
+    tile = chunk_tokens * chunk_vocab * a
+    blocks = 2 * chunk_vocab * d * a if weight_bytes < a else 0
+    return tile + chunk_tokens * d * a + tokens * d * a + blocks
+
+
+def comm_per_token(cfg: DecoderConfig, layer_type: str, cp: int, e: int, a: int) -> float:
+    """Send and receive buffers of a layer's backward collectives at CP > 1, per token (0 at CP 1).
+
+    GatedDeltaNet (headwise all-to-all or chunkwise relayout): q/k/v/β out and in, and the log decay g in
+    ``a``. Ring attention's backward: the incoming K/V, the partial dK/dV sent and received (``a``), dq and
+    the rank's own dK/dV accumulators (``a``).
+    """
+    if cp == 1:
+        return 0.0
+    if layer_type == "linear_attention":
+        channels = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
+        channels += cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        return 2 * (channels + cfg.linear_num_value_heads) * e + 2 * cfg.linear_num_value_heads * a
+    kv = cfg.num_kv_heads * cfg.head_dim
+    return 2 * kv * e + 2 * 2 * kv * a + cfg.num_heads * cfg.head_dim * a + 2 * kv * a
+
+
+def estimate(cfg: DecoderConfig, layout: Layout, tokens: int) -> Estimate:
+    """Predicted per-rank peak of one training step of ``tokens`` tokens per rank under ``layout``."""
+    if layout.precision not in PRECISIONS:
+        raise UserInputError(f"precision={layout.precision!r}: choose one of {', '.join(PRECISIONS)}")
+    act.check_mode(layout.recompute)
+    e, pb, gb, mb = PRECISIONS[layout.precision]
+    a = 8 if e == 8 else 4
+    w = act.Widths(e=e, a=a)
+    types = cfg.layer_types
+    per_layer = [layer_parameters(cfg, t) for t in types]
+    root = root_parameters(cfg)
+    total = sum(per_layer) + root
+    mixed = layout.precision == "bf16-mixed"
+    detail: dict[str, float] = {"parameter_count": float(total)}
+    if layout.sharded and layout.dp > 1:
+        shard = total / layout.dp
+        biggest = max(per_layer, default=0)
+        # FSDP2: own shards (fp32 masters under bf16-mixed) plus unsharded compute-dtype copies of the root
+        # (kept after forward) and of two layers (the current one and the prefetched next).
+        parameters = shard * pb + (root + 2 * biggest) * e
+        # Sharded gradients, plus one layer's unsharded gradient before its reduce-scatter (fp32 reduce
+        # under bf16-mixed) and the root's, reduced at the end of the backward.
+        gradients = shard * gb + (biggest + root) * (4 if mixed else e)
+        moments = shard * mb
+    else:
+        parameters = total * pb + (total * e if mixed else 0)  # bf16-mixed: the bf16 compute copy
+        gradients = total * gb + (total * e if mixed else 0)  # its bf16 gradients before the fp32 cast
+        moments = total * mb
+    static_grads = gradients
+    kept = [act.layer_kept(cfg, t, layout.recompute, w) * tokens for t in types]
+    head = act.head_kept(cfg, w) * tokens
+    phases: dict[str, tuple[float, float, float]] = {}  # name -> (activations, constants, communication)
+    weight_bytes = e if not mixed else 2
+    phases["head"] = (sum(kept) + head, head_transient(cfg, tokens, e, a, weight_bytes), 0.0)
+    bookkeeping = act.HEAD_BOOKKEEPING * tokens
+    for i in reversed(range(len(types))):
+        t = types[i]
+        rebuilt = act.layer_recomputed(cfg, t, layout.recompute, w) * tokens
+        transient = BACKWARD_WORK * act.layer_saved(cfg, t, w) * tokens + 2 * cfg.hidden_size * e * tokens
+        comm = comm_per_token(cfg, t, layout.cp, e, a) * tokens
+        phases[f"layer {i}"] = (sum(kept[: i + 1]) + rebuilt + bookkeeping, transient, comm)
+    optimizer_transient = (total / layout.dp if layout.sharded and layout.dp > 1 else total) * pb
+    phases["optimizer"] = (0.0, optimizer_transient, 0.0)
+    phase = max(phases, key=lambda k: sum(phases[k]))
+    activations, constants, communication = phases[phase]
+    detail.update({f"phase {k}": sum(v) for k, v in phases.items() if not k.startswith("layer") or k == phase})
+    return Estimate(
+        layout=layout,
+        tokens=tokens,
+        parameters=parameters,
+        gradients=static_grads,
+        moments=moments,
+        activations=activations,
+        constants=constants,
+        communication=communication,
+        phase=phase,
+        detail=detail,
+    )
