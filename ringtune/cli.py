@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(sub)
     _add_demo_parser(sub)
     _add_parity_parser(sub)  # parity client (issue 11)
+    _add_plan_parser(sub)  # memory planner (issue 12)
     return parser
 
 
@@ -47,6 +48,12 @@ def _add_parity_parser(sub: argparse._SubParsersAction) -> None:
     from ringtune.parity.command import add_parity_parser
 
     add_parity_parser(sub)
+
+
+def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    from ringtune.plan.command import add_plan_parser
+
+    add_plan_parser(sub)
 
 
 def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
@@ -241,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
         from ringtune.demo.command import run_demo_command
 
         return run_demo_command(args)
+    if args.command == "plan":
+        from ringtune.plan.command import run_plan_command
+
+        return run_plan_command(args)
     if args.command == "parity":
         from ringtune.parity.command import run_parity_command
 
