@@ -91,6 +91,12 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         "--recompute", default=RECOMPUTE_MODES[0], choices=RECOMPUTE_MODES, help="activation recomputation per layer"
     )
     p.add_argument(
+        "--mesh-prompt-tokens",
+        type=int,
+        default=None,
+        help="max_tokens=1 sampling (compute_logprobs) of prompts this long runs on all ranks (default: the budget)",
+    )
+    p.add_argument(
         "--collective-timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds a rank waits for a failed peer"
     )
     p.add_argument("--max-live-runs", type=int, default=d.max_live_runs)
@@ -131,7 +137,15 @@ def _run_serve(args: argparse.Namespace) -> int:
         options["debug_fault"] = args.debug_fault
     names = {"model_name": args.model_name, "tokenizer_dir": args.tokenizer, "tokenizer_cache": root / ".tokenizers"}
     layout = WorkerLayout(dp=args.dp, cp=args.cp, timeout_s=args.collective_timeout)
-    spec = ModelSpec(source=args.model, dtype=args.dtype, max_tokens_per_rank=budget, trainer_options=options)
+    if args.mesh_prompt_tokens is not None and args.mesh_prompt_tokens < 0:
+        raise UserInputError(f"--mesh-prompt-tokens={args.mesh_prompt_tokens} must be >= 0")
+    spec = ModelSpec(
+        source=args.model,
+        dtype=args.dtype,
+        max_tokens_per_rank=budget,
+        trainer_options=options,
+        mesh_prompt_tokens=args.mesh_prompt_tokens,
+    )
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: every rank runs this
         backend = join_torchrun_world(spec, layout, **names)
         if backend is None:
@@ -140,7 +154,12 @@ def _run_serve(args: argparse.Namespace) -> int:
         backend = start_local_workers(spec, layout, **names)
     else:
         backend = LocalBackend(
-            args.model, max_tokens_per_rank=budget, dtype=args.dtype, trainer_options=options, **names
+            args.model,
+            max_tokens_per_rank=budget,
+            dtype=args.dtype,
+            trainer_options=options,
+            mesh_prompt_tokens=args.mesh_prompt_tokens,
+            **names,
         )
     info = backend.info()
     url = f"http://{args.host}:{args.port}"

@@ -30,6 +30,8 @@ class LocalBackend(DistributedBackend):
         model_name: the name clients pass as ``base_model`` (default: ``source``); ``source`` is accepted too.
         tokenizer_dir, tokenizer_cache: see :func:`ringtune.worker.describe.find_tokenizer_dir`.
         trainer_options: extra keyword arguments of :class:`Trainer` (``attention``, ``gated_delta``, ...).
+        mesh_prompt_tokens: see :class:`ModelSpec` (``max_tokens=1`` requests of prompts this long run
+            through the training forward instead of a prefill with a cache).
     """
 
     def __init__(
@@ -42,6 +44,7 @@ class LocalBackend(DistributedBackend):
         tokenizer_dir: str | None = None,
         tokenizer_cache: str | Path | None = None,
         trainer_options: Mapping[str, object] | None = None,
+        mesh_prompt_tokens: int | None = None,
     ) -> None:
         if dtype not in DTYPES:
             raise UserInputError(f"dtype={dtype!r} must be one of {list(DTYPES)}")
@@ -50,6 +53,7 @@ class LocalBackend(DistributedBackend):
             dtype=dtype,
             max_tokens_per_rank=max_tokens_per_rank,
             trainer_options=dict(trainer_options or {}),
+            mesh_prompt_tokens=mesh_prompt_tokens,
         )
         model = load_model(spec.source, dtype=DTYPES[dtype])
         info = describe(

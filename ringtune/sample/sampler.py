@@ -99,7 +99,7 @@ def sample_generator(seed: int, sample: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def _check_request(
+def check_request(
     prompts: Sequence[Sequence[int]], vocab: int, num_samples: int, topk_prompt_logprobs: int, max_batch: int
 ) -> list[list[int]]:
     if not isinstance(num_samples, int) or isinstance(num_samples, bool) or not 1 <= num_samples <= MAX_NUM_SAMPLES:
@@ -165,6 +165,17 @@ class _Sampler:
             )
             for i in range(len(self.prompts))
         ]
+
+    def finish_from_forward(self, i: int, last_logits: torch.Tensor, prompt_lp, prompt_topk) -> None:
+        """Prompt ``i`` whose forward ran elsewhere (the CP forward; ``max_tokens`` = 1): its samples' only token
+        from ``last_logits`` [V], with the same generators and stop rules as :meth:`_admit`."""
+        if self.max_tokens != 1:
+            raise ValueError(f"only max_tokens=1 requests finish from a forward; got {self.max_tokens}")
+        self.waiting.remove(i)
+        self.prompt_lp[i], self.prompt_topk[i] = prompt_lp, prompt_topk
+        rows = [_Row(prompt=i, sample=j, generator=sample_generator(self.seeds[i], j)) for j in range(self.num_samples)]
+        alive = self._take(rows, last_logits[None, :].expand(self.num_samples, -1))
+        assert not alive, "max_tokens=1: every sequence ends at its first token"
 
     def _admit(self) -> None:
         """Prefill waiting prompts whose samples fit the free rows (at least one prompt if none run)."""
@@ -235,6 +246,43 @@ class _Sampler:
                 self.batch = None
 
 
+def sample_after_forward(
+    model: CausalLM,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    forwards: Sequence,
+    *,
+    num_samples: int = 1,
+    eos_token_ids: Sequence[int] | None = None,
+    decode: Decode | None = None,
+) -> list[PromptSamples]:
+    """:func:`generate` for ``max_tokens=1`` requests whose prompts already ran through a forward elsewhere.
+
+    ``forwards[i]`` (a :class:`ringtune.sample.mesh_prompts.PromptForward`) carries prompt i's last logits
+    [V] and, if computed, its prompt log-probs and top-k prompt log-probs. The first (only) token of each of
+    the ``num_samples`` sequences is chosen exactly as :func:`generate` chooses it (same seeds, generators,
+    stop rules and untempered log-probs), so the two paths return the same samples for the same logits.
+    """
+    vocab = model.config.vocab_size
+    checked = check_request(prompts, vocab, num_samples, 0, 1)
+    eos = eos_token_ids if eos_token_ids is not None else config_eos_token_ids(model)
+    stop = stop_condition(params, eos_token_ids=eos, vocab_size=vocab, decode=decode)
+    sampler = _Sampler(
+        model,
+        checked,
+        params,
+        stop,
+        num_samples=num_samples,
+        prompt_logprobs=False,
+        topk=0,
+        max_batch=1,
+        prefill_tokens=1,
+    )
+    for i, forward in enumerate(forwards):
+        sampler.finish_from_forward(i, forward.last_logits, forward.prompt_logprobs, forward.topk_prompt_logprobs)
+    return sampler.run()
+
+
 def generate(
     model: CausalLM,
     prompts: Sequence[Sequence[int]],
@@ -266,7 +314,7 @@ def generate(
         One :class:`PromptSamples` per prompt, in order. Raises UserInputError naming a bad field.
     """
     vocab = model.config.vocab_size
-    checked = _check_request(prompts, vocab, num_samples, topk_prompt_logprobs, max_batch)
+    checked = check_request(prompts, vocab, num_samples, topk_prompt_logprobs, max_batch)
     eos = eos_token_ids if eos_token_ids is not None else config_eos_token_ids(model)
     stop = stop_condition(params, eos_token_ids=eos, vocab_size=vocab, decode=decode)
     sampler = _Sampler(

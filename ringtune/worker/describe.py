@@ -7,7 +7,6 @@ and the engine options that shape the numbers.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 
 from ringtune.engine.packing import max_datum_len
@@ -16,11 +15,7 @@ from ringtune.gateway.backend import BackendInfo
 from ringtune.layout.zigzag import stream_pad_multiple
 from ringtune.models.checkpoints.load import EMBEDDED_DEFAULT
 from ringtune.models.decoder import CausalLM
-from ringtune.ops.cp_modes import DEFAULT_ATTENTION, DEFAULT_GATED_DELTA
 from ringtune.worker.executor import ModelSpec
-
-PAD_MULTIPLIER = 8
-"""The per-rank stream pad multiple the engine uses unless ``trainer_options`` says otherwise."""
 
 
 def find_tokenizer_dir(source: str, explicit: str | None, cache_dir: str | Path | None) -> str | None:
@@ -44,16 +39,6 @@ def find_tokenizer_dir(source: str, explicit: str | None, cache_dir: str | Path 
     return None
 
 
-def engine_modes(options: Mapping[str, object]) -> dict[str, object]:
-    """The :class:`Trainer` options that shape the numbers, with their defaults (``BackendInfo.modes``)."""
-    return {
-        "attention": options.get("attention", DEFAULT_ATTENTION),
-        "gated_delta": options.get("gated_delta", DEFAULT_GATED_DELTA),
-        "pad_multiplier": int(options.get("pad_multiplier", PAD_MULTIPLIER)),  # type: ignore[arg-type]
-        "debug_fault": options.get("debug_fault"),
-    }
-
-
 def describe(
     spec: ModelSpec,
     model: CausalLM,
@@ -68,7 +53,7 @@ def describe(
 
     Raises UserInputError when ``spec.max_tokens_per_rank`` holds no datum at all.
     """
-    modes = engine_modes(spec.trainer_options)
+    modes = spec.modes
     context = max_datum_len(
         spec.max_tokens_per_rank, cp_size=cp, multiple=stream_pad_multiple(1, modes["pad_multiplier"])
     )

@@ -20,10 +20,19 @@ from ringtune.engine.trainer import Trainer
 from ringtune.errors import UserInputError
 from ringtune.models.checkpoints.load import load_model
 from ringtune.models.decoder import CausalLM
-from ringtune.parallel.control import agreed_call, gather_object_to
-from ringtune.parallel.mesh import ParallelMesh
-from ringtune.sample.pool import SamplerPool, tokenizer_decoder
-from ringtune.sample.sampler import PromptSamples
+from ringtune.ops.cp_modes import DEFAULT_ATTENTION, DEFAULT_GATED_DELTA
+from ringtune.parallel.control import (
+    RankFailedError,
+    agreed_call,
+    all_gather_objects,
+    attempt,
+    gather_object_to,
+)
+from ringtune.parallel.mesh import ParallelMesh, rebuild_mesh
+from ringtune.sample.mesh_prompts import MeshLayout, PromptForward, prompts_forward, takes_mesh_forward
+from ringtune.sample.params import DEFAULT_MAX_TOKENS
+from ringtune.sample.pool import SampleRequest, SamplerPool, tokenizer_decoder
+from ringtune.sample.sampler import PromptSamples, check_request, sample_after_forward
 from ringtune.worker.commands import Command
 
 
@@ -37,6 +46,9 @@ class ModelSpec:
         max_tokens_per_rank: the engine's per-rank token budget.
         trainer_options: keyword arguments of :class:`Trainer` (``attention``, ``gated_delta``, ...).
         tokenizer_dir: the served tokenizer (stop strings are matched on decoded text), or None.
+        mesh_prompt_tokens: a ``max_tokens=1`` sampling request (``compute_logprobs``) whose prompt has at
+            least this many tokens runs through the DP×CP forward (:mod:`ringtune.sample.mesh_prompts`);
+            None: the per-rank budget.
     """
 
     source: str
@@ -44,7 +56,27 @@ class ModelSpec:
     max_tokens_per_rank: int
     trainer_options: Mapping[str, Any] = field(default_factory=dict)
     tokenizer_dir: str | None = None
+    mesh_prompt_tokens: int | None = None
 
+    @property
+    def modes(self) -> dict[str, Any]:
+        """The :class:`Trainer` options that shape the numbers, with their defaults (``BackendInfo.modes``)."""
+        options = self.trainer_options
+        return {
+            "attention": options.get("attention", DEFAULT_ATTENTION),
+            "gated_delta": options.get("gated_delta", DEFAULT_GATED_DELTA),
+            "pad_multiplier": int(options.get("pad_multiplier", PAD_MULTIPLIER)),
+            "debug_fault": options.get("debug_fault"),
+        }
+
+    @property
+    def min_mesh_prompt_tokens(self) -> int:
+        """The prompt length from which ``max_tokens=1`` requests run on the whole mesh."""
+        return self.max_tokens_per_rank if self.mesh_prompt_tokens is None else self.mesh_prompt_tokens
+
+
+PAD_MULTIPLIER = 8
+"""The per-rank stream pad multiple the engine uses unless ``trainer_options`` says otherwise."""
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -118,15 +150,109 @@ class RankExecutor:
             gc.collect()
 
     def _sample(self, command: Command) -> list[PromptSamples] | None:
+        """Every request of the command, answered on the result rank in request order (None elsewhere).
+
+        Long ``max_tokens=1`` requests (:func:`takes_mesh_forward`) run together on the whole mesh
+        (:meth:`_sample_on_mesh`); the others are spread round-robin over the ranks, each sampling its share
+        on its own snapshot replica (:meth:`_sample_spread`).
+        """
+        requests: list[SampleRequest] = command.args["requests"]
+        sampler_id = command.args["sampler_id"]
+        limit = self.spec.min_mesh_prompt_tokens
+        on_mesh = [
+            i
+            for i, r in enumerate(requests)
+            if takes_mesh_forward(len(r.prompt), r.params.max_tokens or DEFAULT_MAX_TOKENS, min_prompt_tokens=limit)
+        ]
+        spread = [i for i in range(len(requests)) if i not in set(on_mesh)]
+        answers: dict[int, PromptSamples] = {}
+        if on_mesh:
+            got = self._sample_on_mesh(sampler_id, [requests[i] for i in on_mesh])
+            answers.update(zip(on_mesh, got or [], strict=False))
+        if spread:
+            got = self._sample_spread(sampler_id, [requests[i] for i in spread])
+            answers.update(zip(spread, got or [], strict=False))
+        if self.mesh is not None and dist.get_rank(self.mesh.control_group) != 0:
+            return None
+        return [answers[i] for i in range(len(requests))]
+
+    def _sample_on_mesh(self, sampler_id: str, requests: list[SampleRequest]) -> list[PromptSamples] | None:
+        """``max_tokens=1`` requests through the DP×CP forward of the session's snapshot (every rank holds
+        the same one); the first tokens are chosen on the result rank. Collective over the whole mesh.
+
+        Requests are checked before any collective (the same verdict on every rank). A rank failing in
+        the forward leaves its peers' data groups out of step: after the ranks agree on it, the groups
+        are rebuilt, as the trainer does.
+        """
+        model = self.samplers.model(sampler_id)
+        vocab = model.config.vocab_size
+        for r in requests:
+            check_request([r.prompt], vocab, r.num_samples, r.topk_prompt_logprobs, 1)
+        modes = self.spec.modes
+        layout = MeshLayout(
+            max_tokens_per_rank=self.spec.max_tokens_per_rank,
+            attention=modes["attention"],
+            gated_delta=modes["gated_delta"],
+            pad_multiplier=modes["pad_multiplier"],
+        )
+        groups: dict[tuple[bool, int], list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault((r.prompt_logprobs, r.topk_prompt_logprobs), []).append(i)
+        forwards: dict[int, PromptForward] = {}
+        control = self.mesh.control_group if self.mesh else None
+
+        def run() -> None:
+            for (want_lp, topk), members in groups.items():
+                prompts = [requests[i].prompt for i in members]
+                got = prompts_forward(model, self.mesh, prompts, layout, prompt_logprobs=want_lp, topk=topk)
+                forwards.update(zip(members, got or [], strict=False))
+
+        _, error = attempt(run)
+        verdicts = all_gather_objects(None if error is None else isinstance(error, UserInputError), control)
+        if any(v is False for v in verdicts):  # a rank failed inside a collective: fresh data groups
+            self._repair_groups()
+        if error is not None:
+            raise error
+        if any(v is not None for v in verdicts):
+            raise RankFailedError("another rank failed in the prompt forward of a sampling request")
+        if self.mesh is not None and dist.get_rank(control) != 0:
+            return None
+        out: list[PromptSamples | None] = [None] * len(requests)
+        by_params: dict[tuple, list[int]] = {}
+        for i, r in enumerate(requests):
+            by_params.setdefault((r.params, r.num_samples), []).append(i)
+        for (params, num_samples), members in by_params.items():
+            results = sample_after_forward(
+                model,
+                [requests[i].prompt for i in members],
+                params,
+                [forwards[i] for i in members],
+                num_samples=num_samples,
+                decode=self.samplers.decode,
+            )
+            for i, result in zip(members, results, strict=True):
+                out[i] = result
+        return out  # type: ignore[return-value]
+
+    def _repair_groups(self) -> None:
+        """Fresh data groups on every rank of the mesh after a failure inside a collective (see the trainer's
+        repair); a run whose parameters are FSDP-sharded cannot move to them and is marked broken."""
+        if self.mesh is None:
+            return
+        rebuild_mesh(self.mesh)
+        for trainer in self.trainers.values():
+            if trainer.fsdp_units:
+                trainer.broken = "a rank failed mid-request and FSDP-sharded parameters cannot move to new groups"
+
+    def _sample_spread(self, sampler_id: str, requests: list[SampleRequest]) -> list[PromptSamples] | None:
         """Requests spread round-robin over the ranks (each samples its share on its own snapshot replica);
         results gathered on the result rank in request order (None elsewhere)."""
         group = self.mesh.control_group if self.mesh else None
         size = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
-        requests = command.args["requests"]
         mine = [i for i in range(len(requests)) if i % size == rank]
         try:
-            results = self.samplers.sample(command.args["sampler_id"], [requests[i] for i in mine])
+            results = self.samplers.sample(sampler_id, [requests[i] for i in mine])
             payload: tuple = (True, list(zip(mine, results, strict=True)))
         except Exception as exc:  # every rank still joins the gather below
             payload = (False, exc if isinstance(exc, UserInputError) else RuntimeError(f"{type(exc).__name__}: {exc}"))

@@ -1,0 +1,190 @@
+"""Long prompts through the context-parallel forward: prompt log-probs and the first token's logits.
+
+A sampling request whose answer needs only the prompt's forward (``compute_logprobs``, i.e. prompt
+log-probs with ``max_tokens=1``) does not need a KV cache. :func:`prompts_forward` runs such prompts
+exactly as the trainer's ``forward`` runs datums: packed into rows within the per-rank token budget
+(:func:`ringtune.engine.packing.pack_datums`), rows spread over the DP ranks, each row split over the CP
+group in the zigzag layout and run by :meth:`CausalLM.hidden_states` with the server's CP modes. So a
+128K-token prompt costs each rank ``T/CP`` tokens of activations, as in training, and no rank holds a
+128K KV cache. From each rank's final hidden states:
+
+- ``prompt_logprobs``: ``log p(prompt[i] | prompt[:i])`` for i ≥ 1 by the training head
+  (:func:`label_logprobs`), zero-padded to the row and summed over CP (:func:`gather_row`; each token has
+  one owner, so the sum is exact); entry 0 is None;
+- ``topk_prompt_logprobs``: the k most likely tokens per position on the rank that owns it, gathered the
+  same way (ids travel as float64, exact below 2**53);
+- the hidden state of each prompt's last token (one owner; summed over CP), turned into float32 (float64)
+  logits on the CP group's first rank: the distribution of the first sampled token.
+
+Results are collected on the mesh's result rank over the control group. Which requests take this path
+is decided in one place, :func:`takes_mesh_forward`: ``max_tokens=1`` and a prompt of at least
+``min_prompt_tokens`` tokens (the server's ``--mesh-prompt-tokens``; by default the per-rank token budget,
+i.e. a prompt longer than what one rank holds of a training row). Longer generations after a long prompt
+still prefill it on one rank (:mod:`ringtune.sample.prefill`), because decoding needs the whole KV cache
+and GatedDeltaNet state on the rank that decodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ringtune.engine.gather import gather_row
+from ringtune.engine.packing import pack_datums
+from ringtune.layout.zigzag import ZigzagPlan, zigzag_plan, zigzag_slice
+from ringtune.models.decoder import CausalLM
+from ringtune.models.logprob_head import label_logprobs
+from ringtune.models.shard import PackedShard
+from ringtune.parallel.control import gather_object_to
+from ringtune.parallel.mesh import ParallelMesh
+from ringtune.sample.prefill import output_logits, topk_logprobs
+
+IGNORE = -100
+"""Label of a position that is not scored (each prompt's last token, pads)."""
+
+TopK = list[list[tuple[int, float]] | None]
+
+
+@dataclass(frozen=True)
+class PromptForward:
+    """One prompt's forward: ``last_logits`` [V] (float32, float64 for a float64 model, on CPU), the prompt
+    log-probs (entry 0 None) and top-k prompt log-probs (entry 0 None) when asked."""
+
+    last_logits: torch.Tensor
+    prompt_logprobs: list[float | None] | None
+    topk_prompt_logprobs: TopK | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeshLayout:
+    """How the prompts are laid out: the trainer's budget, pad multiple and CP modes."""
+
+    max_tokens_per_rank: int
+    attention: str
+    gated_delta: str
+    pad_multiplier: int = 8
+
+
+def takes_mesh_forward(prompt_len: int, max_tokens: int, *, min_prompt_tokens: int) -> bool:
+    """Whether a sampling request runs through :func:`prompts_forward` (the whole mesh) rather than a
+    one-rank prefill and decode: it generates one token only and its prompt is long."""
+    return max_tokens == 1 and prompt_len >= min_prompt_tokens
+
+
+def _coords(mesh: ParallelMesh | None) -> tuple[int, int, int, int]:
+    return (mesh.dp_size, mesh.dp_rank, mesh.cp_size, mesh.cp_rank) if mesh else (1, 0, 1, 0)
+
+
+def prompts_forward(
+    model: CausalLM,
+    mesh: ParallelMesh | None,
+    prompts: Sequence[Sequence[int]],
+    layout: MeshLayout,
+    *,
+    prompt_logprobs: bool,
+    topk: int = 0,
+) -> list[PromptForward] | None:
+    """Run ``prompts`` (validated token lists, each ≥ 1 token) through the DP×CP forward; see the module doc.
+
+    Every rank of ``mesh`` calls it with the same arguments and an identical ``model`` (collective over the
+    CP groups for the forward, over the control group for the results). Returns one :class:`PromptForward`
+    per prompt, in order, on the mesh's result rank; None on the others. Raises UserInputError (before any
+    collective, on every rank alike) when a prompt does not fit the per-rank budget at this CP size.
+    """
+    dp_size, dp_rank, cp_size, cp_rank = _coords(mesh)
+    lens = [len(p) for p in prompts]
+    packing = pack_datums(
+        lens,
+        dp_size=dp_size,
+        cp_size=cp_size,
+        max_tokens_per_rank=layout.max_tokens_per_rank,
+        pad_multiplier=layout.pad_multiplier,
+    )
+    mine: dict[int, PromptForward] = {}
+    with torch.no_grad():
+        for row, local_len in zip(packing.rows[dp_rank], packing.local_lens[dp_rank], strict=True):
+            members = [list(prompts[i]) for i in row]
+            plan = zigzag_plan(
+                [len(p) for p in members],
+                cp_size=cp_size,
+                cp_rank=cp_rank,
+                pad_multiplier=layout.pad_multiplier,
+                pad_to=local_len,
+            )
+            shard = PackedShard(
+                plan=plan,
+                positions=plan.positions,
+                group=mesh.cp_group if mesh else None,
+                attention=layout.attention,
+                gated_delta=layout.gated_delta,
+            )
+            results = _row_forward(model, members, shard, prompt_logprobs=prompt_logprobs, topk=topk)
+            if cp_rank == 0:
+                mine.update(zip(row, results, strict=True))
+    parts = gather_object_to(mine, mesh.control_group if mesh else None, dst=0)
+    if parts is None:
+        return None
+    merged = {i: result for part in parts for i, result in part.items()}
+    return [merged[i] for i in range(len(prompts))]
+
+
+def _labels(members: list[list[int]]) -> torch.Tensor:
+    """int64 [row_len]: each prompt's next tokens, IGNORE at each prompt's last token."""
+    parts = [torch.tensor([*p[1:], IGNORE], dtype=torch.int64) for p in members]
+    return torch.cat([torch.zeros(0, dtype=torch.int64), *parts])
+
+
+def _last_rows(plan: ZigzagPlan) -> torch.Tensor:
+    """int64 [n_seq]: the row index of every sequence's last token."""
+    return torch.tensor([s + n - 1 for s, n in zip(plan.row_starts, plan.seq_lens, strict=True)], dtype=torch.int64)
+
+
+def _row_forward(
+    model: CausalLM, members: list[list[int]], shard: PackedShard, *, prompt_logprobs: bool, topk: int
+) -> list[PromptForward]:
+    """One packed row (possibly pad-only) on this CP rank; the per-prompt results (meaningful on every CP rank).
+
+    Collectives over ``shard.group``, the same sequence on every rank: the model's, then one all-reduce per
+    gathered quantity (last hidden states; log-probs if asked; top-k ids and log-probs if asked).
+    """
+    plan, group = shard.plan, shard.group
+    device = model.output_weight.device
+    flat = torch.cat([torch.zeros(0, dtype=torch.int64), *(torch.tensor(p, dtype=torch.int64) for p in members)])
+    hidden = model.hidden_states(zigzag_slice(flat, plan).to(device), shard)
+    weight = model.output_weight
+    acc = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
+
+    last = _last_rows(plan)
+    owned = torch.isin(plan.row_index, last)
+    last_hidden = hidden.new_zeros((len(members), hidden.shape[-1]), dtype=acc)
+    slot = torch.searchsorted(last, plan.row_index[owned])
+    last_hidden[slot.to(device)] = hidden[owned.to(device)].to(acc)
+    if group is not None and plan.cp_size > 1:
+        dist.all_reduce(last_hidden, group=group)
+
+    lps: list[float] | None = None
+    if prompt_logprobs:
+        labels = zigzag_slice(_labels(members), plan, pad_value=IGNORE).to(device)
+        lps = gather_row(label_logprobs(hidden, weight, labels).to(acc), plan, group).tolist()
+    tops: tuple[list[list[int]], list[list[float]]] | None = None
+    if topk:
+        real = plan.is_real.to(device)
+        local = torch.zeros((plan.local_len, 2, topk), dtype=torch.float64, device=device)
+        ids, values = topk_logprobs(hidden[real], weight, topk)
+        local[real] = torch.stack([ids.to(torch.float64), values.to(torch.float64)], dim=1)
+        full = gather_row(local, plan, group)
+        tops = (full[:, 0].round().to(torch.int64).tolist(), full[:, 1].tolist())
+
+    out = []
+    logits = output_logits(last_hidden, weight).cpu() if plan.cp_rank == 0 else None
+    for g, (start, n) in enumerate(zip(plan.row_starts, plan.seq_lens, strict=True)):
+        plp = [None, *lps[start : start + n - 1]] if lps is not None else None
+        ptop: TopK | None = None
+        if tops is not None:
+            ids_l, values_l = tops
+            ptop = [None] + [list(zip(ids_l[t], values_l[t], strict=True)) for t in range(start, start + n - 1)]
+        out.append(PromptForward(logits[g] if logits is not None else torch.empty(0), plp, ptop))
+    return out
