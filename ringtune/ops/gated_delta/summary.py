@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ringtune.ops.gated_delta.chunked import CHUNK_SIZE, gated_delta_chunk_scan
+from ringtune.ops.gated_delta.chunked import CHUNK_SIZE, DEFAULT_CHUNK_SCAN, chunk_scan_fn
 from ringtune.ops.gated_delta.inputs import check_gated_delta_inputs, prepare_gated_delta_inputs
 
 
@@ -36,13 +36,14 @@ def gated_delta_affine_summary(
     beta: torch.Tensor,
     use_qk_l2norm: bool = False,
     chunk_size: int = CHUNK_SIZE,
+    scan: str = DEFAULT_CHUNK_SCAN,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(M, h_local)`` of every segment of a packed row, so that ``final_state = M · initial_state + h_local``.
 
     Args:
         k: [T, Hk, Dk]; v: [T, Hv, Dv] (Hv a multiple of Hk); g, beta: [T, Hv], keyword-only;
         cu_seqlens: int64 [n+1] segment boundaries (empty segments give ``M = I``, ``h_local = 0``).
-        use_qk_l2norm, chunk_size: as :func:`chunk_gated_delta_rule` (pass the same ``use_qk_l2norm``).
+        use_qk_l2norm, chunk_size, scan: as :func:`chunk_gated_delta_rule` (pass the same ``use_qk_l2norm``).
     Returns:
         ``M`` [n, Hv, Dk, Dk] and ``h_local`` [n, Hv, Dk, Dv], float32 (float64 for float64 inputs), with
         ``chunk_gated_delta_rule(..., initial_state=h)[1] == apply_affine_summary(M, h_local, h)`` for any h.
@@ -55,7 +56,7 @@ def gated_delta_affine_summary(
     values = torch.cat([v, v.new_zeros(T, H, Dk)], dim=-1)
     eye = torch.eye(Dk, dtype=v.dtype, device=v.device).expand(n, H, Dk, Dk)
     start = torch.cat([v.new_zeros(n, H, Dk, Dv), eye], dim=-1)
-    _, final = gated_delta_chunk_scan(None, k, values, g, beta, bounds, start, chunk_size=chunk_size)
+    _, final = chunk_scan_fn(scan)(None, k, values, g, beta, bounds, start, chunk_size=chunk_size)
     assert final is not None
     return final[..., Dv:], final[..., :Dv]
 

@@ -1,0 +1,184 @@
+"""The recomputing chunked scan (``chunk_scan_recompute.py``) against the scan autograd keeps whole (``chunk_scan.py``).
+
+float64 outputs, final states and every input gradient equal within 1e-12 on packed rows of many short
+sequences, sequences longer than a chunk and lengths off the chunk grid, with and without initial state,
+for segments of one chunk up to the whole row (a step of more sequences than a segment holds is cut into
+blocks); the states-only form of the affine summary; under ``torch.utils.checkpoint``; what autograd keeps
+(saved-tensor hooks) and the backward's traffic staying linear in tokens with many segments.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_gated_delta import cu_of, make_inputs, max_err, run
+from torch.utils.checkpoint import checkpoint
+
+from ringtune.ops.gated_delta import (
+    chunk_gated_delta_rule,
+    gated_delta_affine_summary,
+    gated_delta_chunk_scan,
+    prepare_gated_delta_inputs,
+    recomputing_chunk_scan,
+)
+from ringtune.ops.gated_delta.chunk_scan import scan_layout
+from ringtune.ops.gated_delta.chunk_scan_recompute import chunk_bytes, tile_segments
+
+F64 = torch.float64
+C = 16  # small chunks: many chunks and steps on short rows
+PACKED = (1, 17, 3, 5, 40, 16, 2, 33, 9, 1, 64, 7, 0, 12, 4, 15, 6, 11)  # 1–17 tokens, longer than a chunk, off-grid
+LIMIT = 1e-12
+
+
+def rule(segment_chunks: int | None, *, use_qk_l2norm: bool = False, chunk_size: int = C):
+    """chunk_gated_delta_rule's contract on the recomputing scan with ``segment_chunks`` chunks per segment, or
+    (None) the rule on the autograd scan."""
+
+    def fn(q, k, v, cu, *, g, beta, initial_state=None):
+        if segment_chunks is None:
+            return chunk_gated_delta_rule(
+                q, k, v, cu, g=g, beta=beta, initial_state=initial_state, use_qk_l2norm=use_qk_l2norm,
+                chunk_size=chunk_size, scan="autograd",
+            )  # fmt: skip
+        budget = segment_chunks * chunk_bytes(v.shape[1], chunk_size, k.shape[2], v.shape[2], 8)
+        prepared = prepare_gated_delta_inputs(q, k, v, g, beta, scale=None, use_qk_l2norm=use_qk_l2norm)
+        return recomputing_chunk_scan(
+            *prepared, cu.tolist(), initial_state, chunk_size=chunk_size, segment_bytes=budget
+        )
+
+    return fn
+
+
+def assert_equal_runs(got, want, limit=LIMIT):
+    (o, s, grads), (o_ref, s_ref, g_ref) = got, want
+    assert o.dtype == F64 and o.shape == o_ref.shape and s.shape == s_ref.shape
+    assert max_err(o, o_ref) < limit
+    assert max_err(s, s_ref) < limit
+    assert grads.keys() == g_ref.keys()
+    for name, grad in grads.items():
+        assert max_err(grad, g_ref[name]) < limit, name
+
+
+def test_segments_tile_every_chunk_once():
+    layout = scan_layout(cu_of(PACKED).tolist(), C, torch.device("cpu"))
+    for size in (1, 2, 3, 5, 8, 1000):
+        groups = tile_segments(layout, size)
+        rows = torch.cat([seg.rows for blocks in groups for seg in blocks])
+        assert torch.equal(rows.sort().values, torch.arange(layout.offsets[-1]))
+        assert all(len(seg.rows) <= size or len(seg.steps) == 1 for blocks in groups for seg in blocks)
+        assert all(sum(seg.steps) == len(seg.rows) <= max(size, 1) for blocks in groups for seg in blocks)
+    assert len(tile_segments(layout, 1000)) == 1 and len(tile_segments(layout, 1)[0]) == layout.active[0]
+
+
+@pytest.mark.parametrize("initial", [False, True], ids=["zero_state", "initial_state"])
+@pytest.mark.parametrize("segment_chunks", [1, 2, 5, 1000])
+def test_equals_autograd_scan_on_packed_rows(initial, segment_chunks):
+    x = make_inputs(PACKED, H=4, Hk=2, initial=initial, long_memory=True, seed=21)
+    cu = cu_of(PACKED)
+    want = run(rule(None, chunk_size=C), x, cu)
+    assert_equal_runs(run(rule(segment_chunks), x, cu), want)
+
+
+@pytest.mark.parametrize("lens", [(200,), (130, 1, 70), (64, 64)], ids=["one_long", "long_short_long", "on_grid"])
+def test_equals_autograd_scan_on_long_sequences(lens):
+    x = make_inputs(lens, normalise_k=False, long_memory=True, seed=22)
+    cu = cu_of(lens)
+    want = run(rule(None, chunk_size=C, use_qk_l2norm=True), x, cu)
+    assert_equal_runs(run(rule(3, use_qk_l2norm=True), x, cu), want)
+
+
+def test_default_rule_and_no_final_state():
+    x = make_inputs(PACKED, seed=23)
+    cu = cu_of(PACKED)
+    assert_equal_runs(run(chunk_gated_delta_rule, x, cu), run(rule(None, chunk_size=64), x, cu))
+    o, none = chunk_gated_delta_rule(x["q"], x["k"], x["v"], cu, g=x["g"], beta=x["beta"], output_final_state=False)
+    assert none is None
+    grads = torch.autograd.grad(o.square().sum(), [x[n] for n in ("q", "k", "v", "g", "beta")])
+    o_ref, _ = chunk_gated_delta_rule(x["q"], x["k"], x["v"], cu, g=x["g"], beta=x["beta"], scan="autograd")
+    ref = torch.autograd.grad(o_ref.square().sum(), [x[n] for n in ("q", "k", "v", "g", "beta")])
+    assert max_err(o, o_ref) < LIMIT and all(max_err(a, b) < LIMIT for a, b in zip(grads, ref, strict=True))
+    with pytest.raises(ValueError, match="scan='fast': choose one of recompute, autograd"):
+        chunk_gated_delta_rule(x["q"], x["k"], x["v"], cu, g=x["g"], beta=x["beta"], scan="fast")
+
+
+def test_states_only_scan_and_affine_summary():
+    lens = (1, 50, 17, 0, 33)
+    x = make_inputs(lens, long_memory=True, seed=24)
+    _, k, v, g, beta = prepare_gated_delta_inputs(
+        None, x["k"], x["v"], x["g"], x["beta"], scale=None, use_qk_l2norm=True
+    )
+    bounds, s0 = cu_of(lens).tolist(), x["initial_state"]
+    budget = 2 * chunk_bytes(2, C, 16, 12, 8)
+    _, got = recomputing_chunk_scan(None, k, v, g, beta, bounds, s0, chunk_size=C, segment_bytes=budget)
+    _, want = gated_delta_chunk_scan(None, k, v, g, beta, bounds, s0, chunk_size=C)
+    ds = torch.randn(want.shape, generator=torch.Generator().manual_seed(5), dtype=F64)
+    leaves = [x[n] for n in ("k", "v", "g", "beta", "initial_state")]
+    grads = torch.autograd.grad((got * ds).sum(), leaves, retain_graph=True)  # the preparation is shared
+    ref = torch.autograd.grad((want * ds).sum(), leaves)
+    assert max_err(got, want) < LIMIT and all(max_err(a, b) < LIMIT for a, b in zip(grads, ref, strict=True))
+    summary = [
+        gated_delta_affine_summary(x["k"], x["v"], cu_of(lens), g=x["g"], beta=x["beta"], scan=s)
+        for s in ("recompute", "autograd")
+    ]
+    assert all(max_err(a, b) < LIMIT for a, b in zip(*summary, strict=True))
+
+
+def test_under_checkpoint():
+    x = make_inputs(PACKED, H=4, Hk=2, seed=25)
+    cu = cu_of(PACKED)
+
+    def checkpointed(q, k, v, cu, **kw):
+        return checkpoint(lambda *a: rule(2)(*a, cu, **kw), q, k, v, use_reentrant=False, early_stop=False)
+
+    assert_equal_runs(run(checkpointed, x, cu), run(rule(None, chunk_size=C), x, cu))
+
+
+def saved_bytes_per_token(scan: str, T: int) -> float:
+    """Bytes of the distinct storages autograd keeps for the backward of the rule on one T-token sequence, per token."""
+    x = make_inputs((T,), H=4, Hk=2, Dk=16, Dv=16, initial=False, seed=26, dtype=torch.float32)
+    storages = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        chunk_gated_delta_rule(x["q"], x["k"], x["v"], cu_of((T,)), g=x["g"], beta=x["beta"], chunk_size=C, scan=scan)
+    return sum(storages.values()) / T
+
+
+def test_keeps_only_inputs():
+    # q and k expanded to the 4 value heads and scaled, v, g, beta: 4·(16 + 16 + 16 + 1 + 1) floats per token.
+    inputs = 4 * (3 * 16 + 2) * 4
+    assert saved_bytes_per_token("recompute", 1024) == inputs
+    assert saved_bytes_per_token("autograd", 1024) > 5 * inputs  # the intra-chunk matrices, U, W, states, ...
+
+
+def backward_bytes_per_token(T: int, segment_chunks: int) -> float:
+    """Bytes of every tensor the backward's aten ops create, per token (see test_gated_delta.py's twin)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class CountBytes(TorchDispatchMode):
+        total = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            CountBytes.total += sum(
+                t.numel() * t.element_size() for t in tree_leaves(out) if isinstance(t, torch.Tensor)
+            )
+            return out
+
+    x = make_inputs((T,), H=2, Dk=4, Dv=4, initial=False, seed=27)
+    o, _ = rule(segment_chunks)(x["q"], x["k"], x["v"], cu_of((T,)), g=x["g"], beta=x["beta"])
+    loss = o.square().sum()
+    with CountBytes():
+        loss.backward()
+    return CountBytes.total / T
+
+
+def test_backward_traffic_is_linear_with_many_segments():
+    # 4 chunks per segment: 4 and 16 segments. Writing each segment's gradients into full-size buffers (or
+    # reading full-size tensors per segment) would grow the bytes per token with the number of segments.
+    short, long = backward_bytes_per_token(16 * C, 4), backward_bytes_per_token(64 * C, 4)
+    assert long / short < 1.1, (short, long)
