@@ -82,6 +82,9 @@ def test_compute_logprobs_equals_the_trainer_forward(clients):
     want = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
     assert got[0] is None and len(got) == len(PROMPT)
     assert torch.allclose(torch.tensor(got[1:]), want, atol=1e-5)
+    # Only the last 2 scored (the SDK checks that nothing before them is); they equal the full call's.
+    tail = sampler.compute_logprobs(tinker.ModelInput.from_ints(PROMPT), prompt_logprobs_last_n=2).result()
+    assert tail[:-2] == [None] * (len(PROMPT) - 2) and tail[-2:] == got[-2:]
 
 
 def test_named_export_base_model_seeds_and_rest(gateway, clients):
@@ -131,6 +134,9 @@ BAD_SAMPLING = {
     "topk_sample_logprobs": ({"topk_sample_logprobs": 3}, "topk_sample_logprobs"),
     "topk_prompt_too_many": ({"topk_prompt_logprobs": 10**6}, "topk_prompt_logprobs"),
     "unknown_session": ({"sampling_session_id": "nope"}, "sampling_session_id"),
+    "last_n_over_prompt": ({"prompt_logprobs": True, "prompt_logprobs_last_n": 5}, "prompt_logprobs_last_n=5"),
+    "last_n_without_prompt_logprobs": ({"prompt_logprobs_last_n": 2}, "needs prompt_logprobs=true"),
+    "target_prompt_logprobs": ({"target_prompt_logprobs": {"data": [1], "dtype": "int64"}}, "target_prompt_logprobs"),
 }
 
 

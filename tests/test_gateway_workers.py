@@ -125,6 +125,17 @@ def test_cp2_server_equals_a_single_process_trainer(server):
             )
             lp = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
             assert torch.allclose(torch.tensor(seq.logprobs), lp[2:].float(), atol=1e-5), (i, seq.logprobs, lp)
+        # A prompt longer than the per-rank budget (the default --mesh-prompt-tokens): compute_logprobs runs
+        # through the CP=2 forward, zigzag-split like a training datum; equal to the trainer's forward.
+        long_prompt = torch.randint(0, 90, (2 * BUDGET - 8,), generator=torch.Generator().manual_seed(3)).tolist()
+        got = sampler.compute_logprobs(tinker.ModelInput.from_ints(long_prompt)).result(timeout=120)
+        datum = tinker.Datum(
+            model_input=tinker.ModelInput.from_ints(long_prompt[:-1]),
+            loss_fn_inputs={"target_tokens": long_prompt[1:], "weights": [0.0] * (len(long_prompt) - 1)},
+        )
+        want = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
+        assert got[0] is None and len(got) == len(long_prompt)
+        assert torch.allclose(torch.tensor(got[1:]), want.float(), atol=1e-6)
 
 
 def _worker_pids(pid: int) -> list[int]:

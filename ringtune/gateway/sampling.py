@@ -97,13 +97,18 @@ def sample_request(body: SampleBody, vocab_size: int, max_prompt_tokens: int) ->
     ):
         if value not in (0, None):
             raise UserInputError(f"{field}={value!r} is not supported (use 0)")
-    if body.target_prompt_logprobs is not None or body.prompt_logprobs_last_n is not None:
-        raise UserInputError("target_prompt_logprobs / prompt_logprobs_last_n are not supported")
+    if body.target_prompt_logprobs is not None:
+        raise UserInputError("target_prompt_logprobs is not supported")
     if not isinstance(body.prompt_logprobs, bool):
         raise UserInputError(f"prompt_logprobs={body.prompt_logprobs!r} must be true or false")
     prompt = prompt_tokens(body.prompt, vocab_size)
     if len(prompt) > max_prompt_tokens:
         raise UserInputError(f"prompt: {len(prompt)} tokens, over the limit of {max_prompt_tokens}")
+    last_n = body.prompt_logprobs_last_n
+    if last_n is not None:
+        if not body.prompt_logprobs:
+            raise UserInputError(f"prompt_logprobs_last_n={last_n!r} needs prompt_logprobs=true")
+        last_n = _int(last_n, "prompt_logprobs_last_n", 1, max(1, len(prompt) - 1))
     params = body.sampling_params
     if not isinstance(params, dict):
         raise UserInputError("sampling_params: expected an object")
@@ -117,11 +122,16 @@ def sample_request(body: SampleBody, vocab_size: int, max_prompt_tokens: int) ->
         num_samples=_int(body.num_samples, "num_samples", 1, MAX_NUM_SAMPLES),
         prompt_logprobs=body.prompt_logprobs,
         topk_prompt_logprobs=_int(body.topk_prompt_logprobs or 0, "topk_prompt_logprobs", 0, MAX_TOPK_PROMPT_LOGPROBS),
+        prompt_logprobs_last_n=last_n,
     )
 
 
-def encode_sample_response(result: PromptSamples) -> bytes:
-    """The protobuf ``SampleResponse`` of one request (tokens int32, log-probs float32, NaN where absent)."""
+def encode_sample_response(result: PromptSamples, last_n: int | None = None) -> bytes:
+    """The protobuf ``SampleResponse`` of one request (tokens int32, log-probs float32, NaN where absent).
+
+    ``last_n`` (``prompt_logprobs_last_n``): only the last ``last_n`` prompt log-probs are reported; the
+    entries before them are NaN (None to the SDK), as the SDK checks.
+    """
     out = pb.SampleResponse()
     for seq in result.sequences:
         s = out.sequences.add()
@@ -130,6 +140,8 @@ def encode_sample_response(result: PromptSamples) -> bytes:
         s.logprobs = struct.pack(f"<{len(seq.logprobs)}f", *seq.logprobs)
     if result.prompt_logprobs is not None:
         values = [math.nan if v is None else v for v in result.prompt_logprobs]
+        if last_n is not None:
+            values[: len(values) - last_n] = [math.nan] * (len(values) - last_n)
         out.prompt_logprobs = struct.pack(f"<{len(values)}f", *values)
     if result.topk_prompt_logprobs is not None:
         rows = result.topk_prompt_logprobs
@@ -224,7 +236,10 @@ class SamplingService:
         for sampler_id, items in by_session.items():
             try:
                 results = self.backend.sample(sampler_id, [r for r, _ in items])
-                outcomes = [Outcome("proto", encode_sample_response(res)) for res in results]
+                outcomes = [
+                    Outcome("proto", encode_sample_response(res, request.prompt_logprobs_last_n))
+                    for res, (request, _) in zip(results, items, strict=True)
+                ]
             except UserInputError as exc:
                 outcomes = [Outcome.error(str(exc), "user")] * len(items)
             except Exception as exc:

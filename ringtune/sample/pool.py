@@ -43,6 +43,7 @@ class SampleRequest:
     num_samples: int = 1
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
+    prompt_logprobs_last_n: int | None = None  # only the last n prompt log-probs are reported (the gateway's mask)
 
 
 def snapshot_of(model: CausalLM) -> CausalLM:
