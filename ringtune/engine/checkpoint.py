@@ -379,8 +379,11 @@ def load_checkpoint(
 # --------------------------------------------------------------------------------------------------- export
 
 
-def export_hf_weights(model: CausalLM, path: str | Path, *, group: dist.ProcessGroup | None = None) -> None:
-    """Write ``model`` as an HF checkpoint directory (``save_hf``, atomic) for sampling.
+def export_hf_weights(
+    model: CausalLM, path: str | Path, *, group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None
+) -> None:
+    """Write ``model`` as an HF checkpoint directory (``save_hf``, atomic) for sampling, its floating tensors in
+    ``dtype`` (None: the parameters' own).
 
     Collective over ``group`` (default: the world group when one is initialised): group rank 0 writes (the
     parameters are replicated), the others wait for it and raise if it failed.
@@ -394,6 +397,6 @@ def export_hf_weights(model: CausalLM, path: str | Path, *, group: dist.ProcessG
     def write() -> None:
         check_name(path.name, field="export name")
         make_parent(path)
-        save_hf(model, path)
+        save_hf(model, path, dtype=dtype)
 
     run_on_source(write, _control(group))

@@ -24,7 +24,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
 from ringtune.engine.gradients import GradientInvariantError
@@ -49,8 +49,23 @@ def hsdp_mesh(mesh: ParallelMesh) -> DeviceMesh:
     )
 
 
+def layer_policy(compute_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
+    """The decoder layers' FSDP2 policy: none (the parameters' dtype) or, mixed, ``param_dtype=compute_dtype``
+    (the all-gathered unsharded parameters and the layer's inputs are cast to it) with ``reduce_dtype=float32``
+    (each backward's gradient is cast to float32 before it is reduced and added into the float32 shard)."""
+    if compute_dtype is None:
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+
+
 def shard_params(
-    model: CausalLM, mesh: ParallelMesh, *, attention: str, gated_delta: str, fault: str | None = None
+    model: CausalLM,
+    mesh: ParallelMesh,
+    *,
+    attention: str,
+    gated_delta: str,
+    fault: str | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> list[FSDPModule]:
     """In place: FSDP2 on each decoder layer and on the root, SUM reductions, checked; returns the units.
 
@@ -61,14 +76,18 @@ def shard_params(
     an FSDP forward method. ``fault="fsdp_default_divide"`` leaves the layers at FSDP's default (a mean),
     for negative controls only. Raises GradientInvariantError if a unit's reduced gradient is not the SUM.
     ``attention``/``gated_delta`` are the trainer's modes (the probe runs at CP 1, where every mode works).
+    ``compute_dtype`` (mixed precision, :mod:`ringtune.models.precision`): the layers get :func:`layer_policy`,
+    the root (embeddings, final norm, head) keeps float32; the caller has set the layers' ``compute_dtype`` so
+    the probe before sharding computes as FSDP will.
     """
     probe = _probe_gradients(model, attention, gated_delta)
     local = {name: _dim0_chunk(g, mesh.dp_size, mesh.dp_rank) for name, g in probe.items()}
     del probe
     device_mesh = hsdp_mesh(mesh)
+    policy = layer_policy(compute_dtype)
     units: list[FSDPModule] = []
     for layer in model.model.layers:
-        units.append(fully_shard(layer, mesh=device_mesh, reshard_after_forward=True))
+        units.append(fully_shard(layer, mesh=device_mesh, reshard_after_forward=True, mp_policy=policy))
     root = fully_shard(model, mesh=device_mesh, reshard_after_forward=False)
     units.append(root)
     register_fsdp_forward_method(model, "hidden_states")

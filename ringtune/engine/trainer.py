@@ -42,6 +42,7 @@ from ringtune.errors import NonFiniteError, ParallelConfigError
 from ringtune.layout.zigzag import ZigzagPlan, zigzag_plan, zigzag_slice
 from ringtune.losses import PER_TARGET_KEYS, local_token_losses
 from ringtune.models.decoder import CausalLM
+from ringtune.models.precision import check_compute_dtype, export_dtype, set_compute_dtype
 from ringtune.models.recompute import DEFAULT_RECOMPUTE, check_recompute_mode, set_recompute
 from ringtune.models.shard import PackedShard
 from ringtune.ops.cp_modes import DEFAULT_ATTENTION, DEFAULT_GATED_DELTA
@@ -110,6 +111,10 @@ class Trainer:
             backward (start-up probe checked); same numbers as the replicated engine.
         recompute: activation recomputation per decoder layer, ``none`` / ``full`` / ``selective``
             (:mod:`ringtune.models.recompute`); same gradients, less activation memory, more compute.
+        compute_dtype: mixed precision (:mod:`ringtune.models.precision`): the decoder layers compute in this
+            dtype (bfloat16) while the float32 parameters, gradients and AdamW moments stay float32 masters;
+            None (default) computes in the parameters' dtype. HF exports are then written in the checkpoint's
+            original dtype.
 
     Attributes:
         microbatch_hook: a test/debug seam, ``hook(microbatch_index)`` called on this rank before each
@@ -130,8 +135,12 @@ class Trainer:
         shard_params: bool = False,
         debug_fault: str | None = None,
         recompute: str = DEFAULT_RECOMPUTE,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         set_recompute(model, check_recompute_mode(recompute))
+        self.compute_dtype = check_compute_dtype(model, compute_dtype)
+        set_compute_dtype(model, self.compute_dtype)  # before sharding: FSDP's start-up probe compares like with like
+        self.export_dtype = export_dtype(model, self.compute_dtype)
         self.recompute = recompute
         self.model = model
         self.debug_fault = faults.check_fault(debug_fault)
@@ -149,7 +158,7 @@ class Trainer:
             if mesh is None:
                 raise ParallelConfigError("shard_params=True needs a mesh (it shards over the DP group); got None")
             modes = {"attention": attention, "gated_delta": gated_delta}
-            self.fsdp_units = sharding.shard_params(model, mesh, **modes, fault=fault)
+            self.fsdp_units = sharding.shard_params(model, mesh, **modes, fault=fault, compute_dtype=self.compute_dtype)
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=0.0)
@@ -488,6 +497,7 @@ class Trainer:
         return extra
 
     def export_hf(self, path: str) -> None:
-        """The current weights as an HF checkpoint directory (for sampling); written by global rank 0."""
+        """The current weights as an HF checkpoint directory (for sampling; in ``export_dtype`` when mixed);
+        written by global rank 0."""
         self._check_usable()
-        export_hf_weights(self.model, path, group=self.control_group)
+        export_hf_weights(self.model, path, group=self.control_group, dtype=self.export_dtype)

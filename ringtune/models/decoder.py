@@ -20,6 +20,7 @@ from ringtune.models.layers.mlp import SwiGLU
 from ringtune.models.layers.norms import RMSNorm
 from ringtune.models.layers.rotary import RotaryEmbedding
 from ringtune.models.logprob_head import label_logprobs
+from ringtune.models.precision import compute_params
 from ringtune.models.recompute import DEFAULT_RECOMPUTE, run_decoder_layer
 from ringtune.models.shard import PackedShard
 
@@ -57,9 +58,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centered=zero)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centered=zero)
         self.recompute = DEFAULT_RECOMPUTE  # activation recomputation mode (ringtune.models.recompute)
+        self.compute_dtype: torch.dtype | None = None  # mixed precision (ringtune.models.precision); None: params'
 
     def forward(self, x: torch.Tensor, shard: PackedShard, cache: LayerCapture | None = None) -> torch.Tensor:
-        """:meth:`layer_forward` under this layer's recomputation mode ``self.recompute`` (plain with a ``cache``)."""
+        """:meth:`layer_forward` under this layer's recomputation mode ``self.recompute`` (plain with a ``cache``).
+
+        With ``compute_dtype`` set (mixed precision) x is cast to it first, and so is the output.
+        """
+        if self.compute_dtype is not None:
+            x = x.to(self.compute_dtype)
         if cache is not None:
             return self.layer_forward(x, shard, cache)
         return run_decoder_layer(self, x, shard, self.recompute)
@@ -67,11 +74,13 @@ class DecoderLayer(nn.Module):
     def layer_forward(self, x: torch.Tensor, shard: PackedShard, cache: LayerCapture | None = None) -> torch.Tensor:
         """x [T_local, hidden] -> [T_local, hidden]; the mixer talks over the shard's CP group.
 
-        ``cache`` (prefill at CP = 1): the mixer hands it what decoding continues from.
+        ``cache`` (prefill at CP = 1): the mixer hands it what decoding continues from. The parameters are
+        read in ``compute_dtype`` (differentiable casts of the masters) when it is set.
         """
         mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
-        x = x + mixer(self.input_layernorm(x), shard, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        with compute_params(self, self.compute_dtype):
+            x = x + mixer(self.input_layernorm(x), shard, cache)
+            return x + self.mlp(self.post_attention_layernorm(x))
 
     def decode(self, x: torch.Tensor, positions: torch.Tensor, rows: LayerRows) -> torch.Tensor:
         """One new token per sequence: x [B, hidden] at ``positions`` [B] -> [B, hidden]; updates ``rows``."""

@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ringtune.errors import UserInputError
+from ringtune.models.precision import compute_params
 from ringtune.ops.attention import cp_attention_fn
 
 if TYPE_CHECKING:
@@ -93,12 +94,14 @@ def _selective_attention_layer(layer: nn.Module, x: torch.Tensor, shard: PackedS
     attn = layer.self_attn
 
     def project(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        q, k, v, gate = attn._project(layer.input_layernorm(x), shard.positions)
+        with compute_params(layer, layer.compute_dtype):
+            q, k, v, gate = attn._project(layer.input_layernorm(x), shard.positions)
         return q.contiguous(), k.contiguous(), v, gate
 
     def finish(x: torch.Tensor, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        x = x + attn._output(out, gate)
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        with compute_params(layer, layer.compute_dtype):
+            x = x + attn._output(out, gate)
+            return x + layer.mlp(layer.post_attention_layernorm(x))
 
     q, k, v, gate = checkpoint(project, x, use_reentrant=False, early_stop=False)
     mode = shard.attention if shard.cp_size > 1 else "ring"  # as Attention.forward: the ring at size 1 is local

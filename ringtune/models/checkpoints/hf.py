@@ -89,15 +89,20 @@ def load_hf(path: str | Path, *, dtype: torch.dtype | None = None) -> CausalLM:
     return model
 
 
-def save_hf(model: CausalLM, path: str | Path, *, max_shard_bytes: int = 5 * 2**30) -> None:
+def save_hf(
+    model: CausalLM, path: str | Path, *, max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None
+) -> None:
     """Write ``model`` as an HF checkpoint directory that ``transformers`` loads; atomic (rename into place).
 
     Tensors go to ``model.safetensors``, or to numbered shards with ``model.safetensors.index.json`` when
-    larger than ``max_shard_bytes``. Tied embeddings are saved once (no ``lm_head.weight``).
+    larger than ``max_shard_bytes``. Tied embeddings are saved once (no ``lm_head.weight``). ``dtype``: the
+    floating tensors are written in it (rounded to nearest), and ``config.json`` says so; None keeps the model's.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {n: t.detach().contiguous().cpu() for n, t in model.state_dict().items()}
+    if dtype is not None:
+        state = {n: t.to(dtype) if t.is_floating_point() else t for n, t in state.items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in state.items():
