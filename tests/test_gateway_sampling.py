@@ -197,3 +197,24 @@ def test_raw_sample_and_bad_session_sources(gateway, raw_sampler):
         response = httpx.post(f"{gateway['url']}/api/v1/create_sampling_session", json=body, headers=headers)
         assert 400 <= response.status_code < 500, response.text
         assert needle in response.json()["error"], response.text
+
+
+def test_finishing_the_client_session_frees_its_samplers(gateway):
+    headers = {"X-API-Key": API_KEY}
+    session = httpx.post(f"{gateway['url']}/api/v1/create_session", json={"tags": []}, headers=headers).json()
+    body = {"session_id": session["session_id"], "sampling_session_seq_id": 0, "base_model": MODEL_NAME}
+    created = httpx.post(f"{gateway['url']}/api/v1/create_sampling_session", json=body, headers=headers, timeout=60)
+    sampler_id = created.json()["sampling_session_id"]
+    request = {
+        "num_samples": 1,
+        "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPT}]},
+        "sampling_params": {"max_tokens": 2},
+        "sampling_session_id": sampler_id,
+        "type": "sample",
+    }
+    assert httpx.post(f"{gateway['url']}/api/v1/asample", json=request, headers=headers).status_code == 200
+    finish = {"reason": {"type": "success"}}
+    url = f"{gateway['url']}/api/v1/sessions/{session['session_id']}/finish"
+    assert httpx.post(url, json=finish, headers=headers).status_code == 200
+    response = httpx.post(f"{gateway['url']}/api/v1/asample", json=request, headers=headers)
+    assert 400 <= response.status_code < 500 and "no such sampling session" in response.json()["error"]

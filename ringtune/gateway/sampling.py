@@ -199,6 +199,19 @@ class SamplingService:
         session = SamplerSession(sampler_id, base_model, model_path)
         self.call_on_loop(lambda: self.sessions.__setitem__(sampler_id, session))
 
+    def end_session(self, session_id: str) -> list[str]:
+        """Loop thread: forget the sampling sessions a finished client session made and free them on the
+        workers (backend thread; their snapshots stay until evicted, another session may share them).
+        Returns the freed sampler ids. Requests already queued for them fail as unknown sessions."""
+        prefix = f"{session_id}:sample:"
+        freed = [sid for sid in self.sessions if sid.startswith(prefix)]
+        for sid in freed:
+            del self.sessions[sid]
+        self._seen = {key: value for key, value in self._seen.items() if key[0] not in freed}
+        if freed:
+            self.submit(lambda: [self.backend.free_sampler(sid) for sid in freed])
+        return freed
+
     def asample(self, body: SampleBody) -> dict[str, Any]:
         """Validate and queue one request; ``{"request_id", "sample_sequence_ids"}`` at once."""
         sampler_id = body.sampling_session_id

@@ -180,12 +180,13 @@ class GatewayService:
         return {"type": "session_heartbeat"}
 
     def finish_session(self, session_id: str, reason: str) -> dict[str, Any]:
-        """End a session and free its live runs (records and checkpoints stay)."""
+        """End a session and free its live runs and its sampling sessions (records and checkpoints stay)."""
         session = self.registry.sessions.get(session_id)
         if session is None:
             raise RefusedError(404, f"session_id={session_id!r}: no such session")
         if not session.finished:
             session.finished = reason
+            self.sampling.end_session(session_id)
             for run_id in session.runs:
                 record = self.registry.runs.get(run_id)
                 if record is not None and record.live:
