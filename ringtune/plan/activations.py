@@ -9,8 +9,9 @@ no-op and the saved copy is the tensor itself, which is why some terms read ``2a
 
 Per-sequence edge terms (the conv's first K-1 tokens, the chunk scan's first step, padding of the last chunk
 of each sequence) are left out: on rows of thousands of tokens they are below 0.5% (measured by the test).
-The GatedDeltaNet scan's inventory is :data:`GDN_SCAN_SAVED`, in one place: the op is being changed to keep
-only its inputs and per-chunk states, and this table is what must then be re-counted (see docs/plan.md).
+The GatedDeltaNet scan's inventory is in one place, :func:`gdn_scan`, for both scans of
+``ops/gated_delta/chunked.py``'s ``CHUNK_SCANS``: ``recompute`` (the default: keeps its inputs and one state
+per segment) and ``autograd`` (every intermediate, :data:`GDN_SCAN_SAVED`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from dataclasses import dataclass
 from ringtune.errors import UserInputError
 from ringtune.models.config import DecoderConfig
 from ringtune.models.recompute import RECOMPUTE_MODES
-from ringtune.ops.gated_delta import CHUNK_SIZE
+from ringtune.ops.gated_delta import CHUNK_SIZE, DEFAULT_CHUNK_SCAN
+from ringtune.ops.gated_delta.chunk_scan_recompute import SEGMENT_BYTES, segment_chunks_for
 
 INDEX_BYTES = 8
 """int64 index tensors the ops save (gather / scatter indices), per token."""
@@ -34,7 +36,7 @@ GDN_SCAN_SAVED: dict[str, tuple[float, str]] = {
     "state": (1, "Dk·Dv per value head per chunk: the state entering each step"),
     "index": (2, "int64 per token: the chunk slot map and the output's inverse order"),
 }
-"""The chunked scan's saved tensors (``ops/gated_delta/chunk_scan.py``): name -> (count, what), all in ``a``."""
+"""The ``autograd`` scan's saved tensors (``ops/gated_delta/chunk_scan.py``): name -> (count, what), all in ``a``."""
 
 
 @dataclass(frozen=True)
@@ -116,16 +118,7 @@ def gdn_parts(cfg: DecoderConfig, w: Widths) -> dict[str, float]:
     l2_in = channels * w.a if not w.narrow else 2 * hk * dk * w.a
     conv = 2 * channels * w.a + l2_in + 2 * hk * w.a
     gates = 2 * hv * w.a + hv * w.e  # softplus input and output (a), sigmoid output (e)
-    s = {k: v for k, (v, _) in GDN_SCAN_SAVED.items()}
-    scan = (
-        s["cc"] * hv * CHUNK_SIZE * w.a
-        + s["key"] * hv * dk * w.a
-        + s["wy"] * hv * (dk + dv) * w.a
-        + s["value"] * hv * dv * w.a
-        + s["gate"] * hv * w.a
-        + s["state"] * hv * dk * dv * w.a / CHUNK_SIZE
-        + s["index"] * INDEX_BYTES
-    )
+    scan = gdn_scan(cfg, w, DEFAULT_CHUNK_SCAN)
     # gated output norm: float input, z's float copy and SiLU(z) in a; normed, normed·weight, product in e
     # (all six in a when e == a), one rsqrt per value head.
     output = 3 * (w.a + w.e) * hv * dv + hv * w.a
@@ -137,6 +130,42 @@ def gdn_parts(cfg: DecoderConfig, w: Widths) -> dict[str, float]:
         "output": output,
         "mlp": mlp(cfg, w),
     }
+
+
+def gdn_scan(cfg: DecoderConfig, w: Widths, scan: str) -> float:
+    """Bytes per token the chunked scan itself keeps (beyond the conv and gates above), for ``scan``.
+
+    ``recompute``: its prepared inputs, q and k (L2-normed, expanded to value heads) in ``a``; v, β in ``a``
+    (when ``e == a`` these are the conv output's and the gate's own storages, counted above; float copies
+    otherwise); the log decay g in ``a``; one state [Hv, Dk, Dv] per segment of ``segment_chunks`` chunks.
+    ``autograd``: :data:`GDN_SCAN_SAVED`.
+    """
+    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    if scan == "recompute":
+        chunks = segment_chunks_for(hv, CHUNK_SIZE, dk, dv, w.a, SEGMENT_BYTES)
+        copies = (hv * dv + hv) * w.a if w.narrow else 0
+        return 2 * hv * dk * w.a + hv * w.a + copies + hv * dk * dv * w.a / (chunks * CHUNK_SIZE)
+    s = {k: v for k, (v, _) in GDN_SCAN_SAVED.items()}
+    return (
+        s["cc"] * hv * CHUNK_SIZE * w.a
+        + s["key"] * hv * dk * w.a
+        + s["wy"] * hv * (dk + dv) * w.a
+        + s["value"] * hv * dv * w.a
+        + s["gate"] * hv * w.a
+        + s["state"] * hv * dk * dv * w.a / CHUNK_SIZE
+        + s["index"] * INDEX_BYTES
+    )
+
+
+def gdn_scan_transient(cfg: DecoderConfig, w: Widths, tokens: int, scan: str = DEFAULT_CHUNK_SCAN) -> float:
+    """Bytes the ``recompute`` scan's backward holds at once beyond the layer's saved tensors: one segment
+    (``segment_chunks`` chunks, at most the row) rerun under autograd, i.e. the ``autograd`` scan's inventory
+    for that segment's tokens. 0 for the ``autograd`` scan (its intermediates are in the layer's inventory)."""
+    if scan != "recompute":
+        return 0.0
+    hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    segment_tokens = segment_chunks_for(hv, CHUNK_SIZE, dk, dv, w.a, SEGMENT_BYTES) * CHUNK_SIZE
+    return gdn_scan(cfg, w, "autograd") * min(segment_tokens, tokens)
 
 
 def layer_saved(cfg: DecoderConfig, layer_type: str, w: Widths) -> float:

@@ -170,6 +170,8 @@ def estimate(cfg: DecoderConfig, layout: Layout, tokens: int) -> Estimate:
         t = types[i]
         rebuilt = act.layer_recomputed(cfg, t, layout.recompute, w) * tokens
         transient = BACKWARD_WORK * act.layer_saved(cfg, t, w) * tokens + 2 * cfg.hidden_size * e * tokens
+        if t == "linear_attention":
+            transient += act.gdn_scan_transient(cfg, w, tokens)
         comm = comm_per_token(cfg, t, layout.cp, e, a) * tokens
         phases[f"layer {i}"] = (sum(kept[: i + 1]) + rebuilt + bookkeeping, transient, comm)
     optimizer_transient = (total / layout.dp if layout.sharded and layout.dp > 1 else total) * pb

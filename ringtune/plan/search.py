@@ -4,7 +4,8 @@ A layout is CP·DP = GPUs (CP a divisor of the GPU count that the model's heads 
 modes: ring attention, headwise GatedDeltaNet when CP divides its heads, else chunkwise), replicated or
 FSDP2-sharded parameters (sharded only when DP > 1: FSDP2 shards over DP), a recompute mode and a precision.
 Order: layouts that fit with :data:`MARGIN` of the GPU memory free first, then those that fit at all; within
-each, the highest throughput proxy (:func:`throughput_cost`, lowest first), then the most memory left.
+each, the highest throughput proxy (:func:`throughput_cost`, lowest first), then the most memory left. Layouts
+that do not fit follow, smallest peak first (the nearest to fitting).
 """
 
 from __future__ import annotations
@@ -101,5 +102,5 @@ def plan_layouts(
                             cost=throughput_cost(layout),
                         )
                     )
-    out.sort(key=lambda p: (not p.fits_with_margin, not p.fits, p.cost, -p.free))
+    out.sort(key=lambda p: (not p.fits_with_margin, not p.fits, p.cost if p.fits else 0.0, -p.free))
     return out
