@@ -78,7 +78,14 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     budget = p.add_mutually_exclusive_group()
     budget.add_argument("--max-tokens-per-rank", type=int, default=None, help="per-rank token budget")
     budget.add_argument("--context-length", type=int, default=None, help="longest datum (default 8192)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float64"])
+    from ringtune.models.precision import DEFAULT_PRECISION, PRECISIONS
+
+    p.add_argument(
+        "--dtype",
+        default=DEFAULT_PRECISION,
+        choices=list(PRECISIONS),
+        help="precision: parameters and compute in one dtype, or bf16-mixed (float32 masters, bfloat16 layers)",
+    )
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (ranks per packed row)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (rows in parallel)")
     p.add_argument("--attention", default=ATTENTION_MODES[0], choices=ATTENTION_MODES, help="CP attention mode")

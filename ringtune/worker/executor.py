@@ -13,13 +13,13 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ringtune.engine.trainer import Trainer
 from ringtune.errors import UserInputError
 from ringtune.models.checkpoints.load import load_model
 from ringtune.models.decoder import CausalLM
+from ringtune.models.precision import PRECISIONS, Precision, check_precision
 from ringtune.ops.cp_modes import DEFAULT_ATTENTION, DEFAULT_GATED_DELTA
 from ringtune.parallel.control import (
     RankFailedError,
@@ -42,7 +42,8 @@ class ModelSpec:
 
     Attributes:
         source: what :func:`load_model` reads (HF dir, ``.gguf`` file, or the embedded default name).
-        dtype: parameter dtype name (``float32``, ``bfloat16``, ``float64``).
+        dtype: the precision's name, a key of :data:`~ringtune.models.precision.PRECISIONS` (``float32``,
+            ``bfloat16``, ``float64``, ``bf16-mixed``): parameter and compute dtypes.
         max_tokens_per_rank: the engine's per-rank token budget.
         trainer_options: keyword arguments of :class:`Trainer` (``attention``, ``gated_delta``, ...).
         tokenizer_dir: the served tokenizer (stop strings are matched on decoded text), or None.
@@ -78,7 +79,13 @@ class ModelSpec:
 PAD_MULTIPLIER = 8
 """The per-rank stream pad multiple the engine uses unless ``trainer_options`` says otherwise."""
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+DTYPES = {name: p.param_dtype for name, p in PRECISIONS.items()}
+"""Parameter dtype of each precision name (the dtype models are loaded in)."""
+
+
+def trainer_dtype_options(precision: Precision) -> dict[str, Any]:
+    """The :class:`Trainer` keyword arguments a precision adds (``compute_dtype`` when mixed)."""
+    return {"compute_dtype": precision.compute_dtype} if precision.mixed else {}
 
 
 class RankExecutor:
@@ -91,8 +98,7 @@ class RankExecutor:
         *,
         spare: CausalLM | None = None,
     ) -> None:
-        if spec.dtype not in DTYPES:
-            raise UserInputError(f"dtype={spec.dtype!r} must be one of {list(DTYPES)}")
+        self.precision = check_precision(spec.dtype)
         self.spec, self.mesh = spec, mesh
         self.trainers: dict[str, Trainer] = {}
         self._spare = spare
@@ -141,8 +147,9 @@ class RankExecutor:
             lambda: spare if spare is not None else load_model(self.spec.source, dtype=DTYPES[self.spec.dtype]),
             self.mesh.control_group if self.mesh else None,
         )
+        options = {**self.spec.trainer_options, **trainer_dtype_options(self.precision)}
         self.trainers[command.run_id] = Trainer(
-            model, self.mesh, max_tokens_per_rank=self.spec.max_tokens_per_rank, **dict(self.spec.trainer_options)
+            model, self.mesh, max_tokens_per_rank=self.spec.max_tokens_per_rank, **options
         )
 
     def _free_run(self, command: Command) -> None:
