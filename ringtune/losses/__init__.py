@@ -4,6 +4,7 @@ from ringtune.losses.config import (
     CLIP_KEYS,
     CONFIG_KEYS,
     DRO_DEFAULT_BETA,
+    FIXED_GRADIENT_LOSSES,
     INPUT_KEYS,
     LOSS_FNS,
     PER_TARGET_KEYS,
@@ -18,12 +19,13 @@ from ringtune.losses.config import (
 )
 from ringtune.losses.metrics import loss_metrics
 from ringtune.losses.reference import reference_datum_losses, reference_losses, sequence_log_ratio
-from ringtune.losses.token_losses import datum_mean_log_ratio, local_token_losses
+from ringtune.losses.token_losses import datum_mean_log_ratio, fixed_logprob_gradient, local_token_losses
 
 __all__ = [
     "CLIP_KEYS",
     "CONFIG_KEYS",
     "DRO_DEFAULT_BETA",
+    "FIXED_GRADIENT_LOSSES",
     "INPUT_KEYS",
     "LOSS_FNS",
     "PER_TARGET_KEYS",
@@ -32,6 +34,7 @@ __all__ = [
     "check_datum_inputs",
     "check_loss_fn",
     "datum_mean_log_ratio",
+    "fixed_logprob_gradient",
     "input_default",
     "local_token_losses",
     "loss_metrics",

@@ -86,6 +86,12 @@ _RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 TARGET_K_LOSSES = ("cross_entropy", "importance_sampling")
 """Losses that take ``[N, K]`` targets (K candidate targets per position, e.g. top-k distillation)."""
 
+FIXED_GRADIENT_LOSSES = ("cross_entropy",)
+"""Losses whose gradient in the log-probs does not depend on the log-probs (``-w·lp`` gives ``-w``), so it is
+known before the forward and the log-prob head may make its gradients in its forward pass. The others do
+depend on them: importance_sampling, ppo and gspo through ``exp(lp - q)``, cispo through the clipped ratio's
+value, dro through ``lp - q``."""
+
 PER_TARGET_KEYS: dict[str, tuple[str, ...]] = {
     "cross_entropy": ("weights",),
     "importance_sampling": ("logprobs", "advantages"),

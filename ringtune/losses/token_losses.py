@@ -28,7 +28,7 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
-from ringtune.losses.config import TARGET_K_LOSSES, LossConfig, check_loss_fn
+from ringtune.losses.config import FIXED_GRADIENT_LOSSES, TARGET_K_LOSSES, LossConfig, check_loss_fn
 
 
 def _get(inputs: Mapping[str, torch.Tensor], key: str, like: torch.Tensor, num_datums: int) -> torch.Tensor:
@@ -147,3 +147,26 @@ def local_token_losses(
         ratio = torch.exp(log_s + lp - lp.detach())  # value s_d, gradient of the token's own lp
         terms = clipped_surrogate(ratio, adv, *_thresholds(config, inputs, lp))
     return terms.masked_fill(~real, 0.0)
+
+
+def fixed_logprob_gradient(
+    config: LossConfig, inputs: Mapping[str, torch.Tensor], *, datum_index: torch.Tensor, like: torch.Tensor
+) -> torch.Tensor | None:
+    """``d (local_token_losses(...).sum()) / d lp`` when it does not depend on lp, else None.
+
+    Only losses in :data:`FIXED_GRADIENT_LOSSES` (cross_entropy: ``-weights`` at real tokens, 0 at pads).
+    Args are those of :func:`local_token_losses`; ``like`` is the local targets tensor ([T_local] or
+    [T_local, K]) standing in for lp's shape. Returns float64 of that shape: cast to lp's dtype it is
+    exactly the gradient autograd delivers to lp for the loss sum (``-w`` rounded like the loss rounds w).
+    """
+    if config.loss_fn not in FIXED_GRADIENT_LOSSES:
+        return None
+    real = datum_index >= 0
+    if like.dim() == 2:
+        real = real[:, None].expand(like.shape)
+    weights = inputs.get("weights")
+    if weights is None:  # a pad-only microbatch
+        return torch.zeros(like.shape, dtype=torch.float64, device=like.device)
+    if weights.shape != like.shape:
+        raise ValueError(f"input 'weights' has shape {list(weights.shape)}, lp has {list(like.shape)}")
+    return torch.where(real, -weights.to(torch.float64), 0.0)

@@ -8,29 +8,33 @@ tiles of [tokens × vocab] instead:
   running one per token, and the label's logit; it keeps only the log-sum-exp of each scored token;
 - backward: per tile, the logits again, ``p = (onehot(label) - softmax) · g`` (the gradient of a
   log-prob; a loss ``-logprob`` makes it the familiar ``softmax - onehot``), then
-  ``d_hidden += p @ weight`` and ``d_weight += pᵀ @ hidden`` (``d_bias += Σ_t p``).
+  ``d_hidden += p @ weight`` and ``d_weight += pᵀ @ hidden`` (``d_bias += Σ_t p``);
+- one pass (``upstream``): when the caller knows ``g`` before the forward (cross_entropy: ``g = -weights``),
+  the forward forms ``p`` from the same logits and accumulates the gradients there; the backward hands them
+  over (one logits computation per tile instead of two).
 
-Tiles are token chunks over the whole vocabulary, unless one vocabulary row of logits or the cast of
-a narrower (bf16) weight would not fit the byte budget; then the vocabulary is split in blocks too.
+The tile shape (:mod:`ringtune.models.logprob_tiles`) follows the rank's own token count, with a floor and a
+256 MiB cap; the vocabulary is split only when one token's logits (or a bf16 weight's float block) exceed it.
 Tokens whose label is ``ignore_index`` are skipped (log-prob 0, no gradient). ``weight`` may be a tied
 embedding matrix: autograd adds the head's ``d_weight`` to the embedding's gradient as for any reuse.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ringtune.errors import UserInputError
+from ringtune.models.logprob_tiles import DEFAULT_MAX_CHUNK_BYTES, TilePlan, accumulator_dtype, plan_tiles
 
-DEFAULT_MAX_CHUNK_BYTES = 256 * 1024 * 1024
-"""Default byte budget of one logits tile (and of a float32 weight block / its d_weight block)."""
-
-
-def accumulator_dtype(*dtypes: torch.dtype) -> torch.dtype:
-    """float64 if any of ``dtypes`` is float64, else float32 (for float32, bfloat16, float16)."""
-    return torch.float64 if torch.float64 in dtypes else torch.float32
+__all__ = [
+    "DEFAULT_MAX_CHUNK_BYTES",
+    "TilePlan",
+    "accumulator_dtype",
+    "label_logprobs",
+    "plan_tiles",
+    "reference_label_logprobs",
+    "takes_one_pass",
+]
 
 
 def _check_inputs(
@@ -93,48 +97,6 @@ def reference_label_logprobs(
     return torch.where(scored, picked, 0.0).reshape(labels.shape)
 
 
-@dataclass(frozen=True)
-class TilePlan:
-    """How [tokens × vocab] is walked: ``tokens`` rows × ``vocab`` columns of logits per tile."""
-
-    tokens: int
-    vocab: int
-
-
-def plan_tiles(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    *,
-    chunk_tokens: int | None = None,
-    chunk_vocab: int | None = None,
-    max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
-) -> TilePlan:
-    """The tile shape for :func:`label_logprobs`: explicit sizes win, the byte budget picks the rest.
-
-    Each of these stays within ``max_chunk_bytes``: the logits tile (tokens × vocab × 4 bytes, 8 for
-    float64), and, when ``weight`` is narrower than the accumulator (bf16), its cast block and that
-    block's d_weight accumulator (vocab × D × 4 bytes each). With float32 weights the vocabulary is
-    split only when a single token's logits exceed the budget. At V = 248K float32 the default budget
-    (256 MiB) gives 270-token chunks over the whole vocabulary.
-    """
-    for name, value in (("chunk_tokens", chunk_tokens), ("chunk_vocab", chunk_vocab)):
-        if value is not None and value < 1:
-            raise ValueError(f"{name} must be >= 1; got {value}")
-    acc = accumulator_dtype(hidden.dtype, weight.dtype)
-    elem = torch.finfo(acc).bits // 8
-    if max_chunk_bytes < elem:
-        raise ValueError(f"max_chunk_bytes must be >= {elem} (one {acc} logit); got {max_chunk_bytes}")
-    vocab_size, dim = weight.shape
-    if chunk_vocab is None:
-        chunk_vocab = min(vocab_size, max_chunk_bytes // elem)
-        if weight.dtype != acc:
-            chunk_vocab = min(chunk_vocab, max_chunk_bytes // (max(dim, 1) * elem))
-    chunk_vocab = max(1, min(chunk_vocab, max(vocab_size, 1)))
-    if chunk_tokens is None:
-        chunk_tokens = max_chunk_bytes // (chunk_vocab * elem)
-    return TilePlan(tokens=max(1, chunk_tokens), vocab=chunk_vocab)
-
-
 def _tile_logits(h_tile: torch.Tensor, w_block: torch.Tensor, b_block: torch.Tensor | None) -> torch.Tensor:
     """[tokens, vocab] logits of one tile in the accumulator dtype (inputs already cast)."""
     logits = h_tile @ w_block.T
@@ -160,9 +122,13 @@ def _forward_tile(
     b_block: torch.Tensor | None,
     targets: torch.Tensor,
     v0: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One tile's (log-sum-exp over its vocab block [tokens], label logits or 0 if outside it [tokens, K]).
+    g: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One tile's (log-sum-exp over its vocab block [tokens], label logits or 0 if outside it [tokens, K], p).
 
+    ``p`` is None unless ``g`` [tokens, K] (the upstream gradient) is given, in which case the block must be the
+    whole vocabulary: then ``p = Σ_k (onehot_k - softmax) · g_k`` [tokens, V] is made from the same logits,
+    in place (softmax as ``exp(l - max) / Σ exp(l - max)``), for the one-pass gradients.
     A function of its own so that the [tokens, vocab] logits are freed on return, before the next tile.
     """
     logits = _tile_logits(h_tile, w_block, b_block)
@@ -170,8 +136,61 @@ def _forward_tile(
     label_logit = torch.where(inside, logits.gather(1, cols), 0.0)
     row_max = logits.amax(dim=1)
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)  # a block masked to -inf by the bias
-    block_lse = row_max + logits.sub_(row_max.unsqueeze(1)).exp_().sum(dim=1).log_()
-    return block_lse, label_logit
+    shifted = logits.sub_(row_max.unsqueeze(1)).exp_()
+    sum_exp = shifted.sum(dim=1)
+    block_lse = row_max + sum_exp.log()
+    if g is None:
+        return block_lse, label_logit, None
+    p = shifted.mul_((-g.sum(dim=1) / sum_exp).unsqueeze(1))
+    p.scatter_add_(1, cols, torch.where(inside, g, 0.0))
+    return block_lse, label_logit, p
+
+
+class _TileGrads:
+    """d_hidden [T, D], d_weight [V, D], d_bias [V] accumulated tile by tile (each None unless ``need`` asks).
+
+    A gradient already in the accumulator dtype is accumulated in place (views of its rows); a narrower one
+    (bf16) is accumulated in float32 (d_hidden [T, D]; d_weight / d_bias one vocab block at a time) and
+    rounded once.
+    """
+
+    def __init__(
+        self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, need: tuple[bool, ...]
+    ) -> None:
+        self.acc = accumulator_dtype(hidden.dtype, weight.dtype)
+        self.hidden_dtype = hidden.dtype
+        self.d_hidden = torch.zeros(hidden.shape, dtype=self.acc, device=hidden.device) if need[0] else None
+        self.d_weight = torch.zeros_like(weight) if need[1] else None
+        self.d_bias = torch.zeros_like(bias) if need[2] and bias is not None else None
+        self.dw_block: torch.Tensor | None = None
+        self.db_block: torch.Tensor | None = None
+
+    def open_block(self, v0: int, v1: int, w_block: torch.Tensor) -> None:
+        """Start the vocab block [v0, v1) (``w_block``: its weight rows in the accumulator dtype)."""
+        if self.d_weight is not None:
+            narrow = self.d_weight.dtype != self.acc
+            self.dw_block = w_block.new_zeros((v1 - v0, w_block.shape[1])) if narrow else self.d_weight[v0:v1]
+        if self.d_bias is not None:
+            self.db_block = w_block.new_zeros(v1 - v0) if self.d_bias.dtype != self.acc else self.d_bias[v0:v1]
+
+    def add(self, rows: torch.Tensor, p: torch.Tensor, h_tile: torch.Tensor, w_block: torch.Tensor) -> None:
+        """Add one tile: ``p`` [tokens, vocab block] = d logprobs / d logits times the upstream gradient."""
+        if self.d_hidden is not None:
+            self.d_hidden.index_add_(0, rows, p @ w_block)
+        if self.dw_block is not None:
+            self.dw_block.addmm_(p.T, h_tile)
+        if self.db_block is not None:
+            self.db_block.add_(p.sum(dim=0))
+
+    def close_block(self, v0: int, v1: int) -> None:
+        if self.d_weight is not None and self.d_weight.dtype != self.acc:
+            self.d_weight[v0:v1].copy_(self.dw_block)
+        if self.d_bias is not None and self.d_bias.dtype != self.acc:
+            self.d_bias[v0:v1].copy_(self.db_block)
+
+    def result(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        d_hidden = None if self.d_hidden is None else self.d_hidden.to(self.hidden_dtype)
+        return d_hidden, self.d_weight, self.d_bias
 
 
 def forward_tiles(
@@ -181,24 +200,40 @@ def forward_tiles(
     scored: torch.Tensor,
     targets: torch.Tensor,
     plan: TilePlan,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    g: torch.Tensor | None = None,
+    need: tuple[bool, bool, bool] = (False, False, False),
+) -> tuple[torch.Tensor, torch.Tensor, _TileGrads | None]:
     """Log-sum-exp [S] and label logits [S, K] of the S tokens ``hidden[scored]`` (labels ``targets`` [S, K]).
 
-    Accumulator dtype throughout; vocab blocks are merged by ``logaddexp``.
+    Accumulator dtype throughout; vocab blocks are merged by ``logaddexp``. With ``g`` [S, K] (the upstream
+    gradient of the scored rows; needs ``plan.spans_vocab``) the gradients ``need`` asks for are accumulated
+    in the same pass and returned as a :class:`_TileGrads` (else None).
     """
     acc = accumulator_dtype(hidden.dtype, weight.dtype)
     n = scored.numel()
+    if g is not None and not plan.spans_vocab(weight.shape[0]):
+        raise ValueError(f"one-pass gradients need tiles over the whole vocabulary; got {plan}")
+    grads = None if g is None else _TileGrads(hidden, weight, bias, need)
     lse = torch.full((n,), float("-inf"), dtype=acc, device=hidden.device)
     label_logit = torch.zeros(targets.shape, dtype=acc, device=hidden.device)
     for v0, v1 in _blocks(weight.shape[0] if n else 0, plan.vocab):
         w_block = weight[v0:v1].to(acc)
         b_block = None if bias is None else bias[v0:v1].to(acc)
+        if grads is not None:
+            grads.open_block(v0, v1, w_block)
         for t0, t1 in _blocks(n, plan.tokens):
-            h_tile = hidden.index_select(0, scored[t0:t1]).to(acc)
-            block_lse, block_label = _forward_tile(h_tile, w_block, b_block, targets[t0:t1], v0)
+            rows = scored[t0:t1]
+            h_tile = hidden.index_select(0, rows).to(acc)
+            g_tile = None if g is None else g[t0:t1]
+            block_lse, block_label, p = _forward_tile(h_tile, w_block, b_block, targets[t0:t1], v0, g_tile)
             torch.logaddexp(lse[t0:t1], block_lse, out=lse[t0:t1])
             label_logit[t0:t1] += block_label
-    return lse, label_logit
+            if grads is not None:
+                grads.add(rows, p, h_tile, w_block)
+            del p  # free this tile before the next one is computed
+        if grads is not None:
+            grads.close_block(v0, v1)
+    return lse, label_logit, grads
 
 
 def _backward_tile(
@@ -236,48 +271,43 @@ def backward_tiles(
     """d_hidden [T, D], d_weight [V, D], d_bias [V] (each None unless ``need`` asks), in the inputs' dtypes.
 
     ``grad_out`` [T, K] is the upstream gradient of the log-probs (0 at ignored entries); only the ``scored``
-    rows take part; ``targets`` [S, K].
-    A gradient already in the accumulator dtype is accumulated in place (views of its rows); a narrower
-    one (bf16) is accumulated in float32 (d_hidden [T, D]; d_weight / d_bias one vocab block at a time)
-    and rounded once.
+    rows take part; ``targets`` [S, K]. Recomputes every logits tile (see :class:`_TileGrads` for dtypes).
     """
     acc = accumulator_dtype(hidden.dtype, weight.dtype)
-    dim = weight.shape[1]
     n = scored.numel()
     g = grad_out.to(acc).index_select(0, scored)
-    d_hidden = torch.zeros(hidden.shape, dtype=acc, device=hidden.device) if need[0] else None
-    d_weight = torch.zeros_like(weight) if need[1] else None
-    d_bias = torch.zeros_like(bias) if need[2] and bias is not None else None
+    grads = _TileGrads(hidden, weight, bias, need)
     for v0, v1 in _blocks(weight.shape[0] if n else 0, plan.vocab):
         w_block = weight[v0:v1].to(acc)
         b_block = None if bias is None else bias[v0:v1].to(acc)
-        dw_block = db_block = None
-        if d_weight is not None:
-            dw_block = d_weight[v0:v1] if d_weight.dtype == acc else w_block.new_zeros((v1 - v0, dim))
-        if d_bias is not None:
-            db_block = d_bias[v0:v1] if d_bias.dtype == acc else w_block.new_zeros(v1 - v0)
+        grads.open_block(v0, v1, w_block)
         for t0, t1 in _blocks(n, plan.tokens):
             rows = scored[t0:t1]
             h_tile = hidden.index_select(0, rows).to(acc)
             p = _backward_tile(h_tile, w_block, b_block, targets[t0:t1], v0, lse[t0:t1], g[t0:t1])
-            if d_hidden is not None:
-                d_hidden.index_add_(0, rows, p @ w_block)
-            if dw_block is not None:
-                dw_block.addmm_(p.T, h_tile)
-            if db_block is not None:
-                db_block.add_(p.sum(dim=0))
+            grads.add(rows, p, h_tile, w_block)
             del p  # free this tile before the next one is computed
-        if d_weight is not None and d_weight.dtype != acc:
-            d_weight[v0:v1].copy_(dw_block)
-        if d_bias is not None and d_bias.dtype != acc:
-            d_bias[v0:v1].copy_(db_block)
-    if d_hidden is not None:
-        d_hidden = d_hidden.to(hidden.dtype)
-    return d_hidden, d_weight, d_bias
+        grads.close_block(v0, v1)
+    return grads.result()
+
+
+def takes_one_pass(plan: TilePlan, weight: torch.Tensor, upstream: torch.Tensor | None, need: tuple[bool, ...]) -> bool:
+    """Whether the forward also makes the gradients (the one place this is decided).
+
+    Yes when the caller knows the upstream gradient before the forward (``upstream``), autograd will want a
+    gradient (grad mode on and an input that requires one), and each tile spans the whole vocabulary (a tile
+    must know its tokens' log-sum-exp to form the softmax). Otherwise the backward recomputes the logits.
+    """
+    return upstream is not None and torch.is_grad_enabled() and any(need) and plan.spans_vocab(weight.shape[0])
 
 
 class _LabelLogprobs(torch.autograd.Function):
-    """Thin autograd wrapper: only the scored tokens' indices, labels and log-sum-exp are saved."""
+    """Thin autograd wrapper: only the scored tokens' indices, labels and log-sum-exp are saved.
+
+    With ``upstream`` (the one-pass path) the forward also keeps the gradients it made for that upstream
+    gradient; the backward returns them when the gradient it receives equals it (``torch.equal`` on the
+    scored entries), and otherwise recomputes, so a caller's wrong guess costs time, never correctness.
+    """
 
     @staticmethod
     def forward(
@@ -288,18 +318,25 @@ class _LabelLogprobs(torch.autograd.Function):
         labels: torch.Tensor,
         ignore_index: int,
         plan: TilePlan,
+        upstream: torch.Tensor | None,
+        need: tuple[bool, bool, bool],
     ) -> torch.Tensor:
         columns = labels.unsqueeze(1) if labels.dim() == 1 else labels  # [T, K]; K = 1 for [T] labels
         entry = columns != ignore_index
         scored = entry.any(dim=1).nonzero().squeeze(1)  # [S] rows with at least one scored label
         targets = torch.where(entry, columns, 0).index_select(0, scored).long()
-        lse, label_logit = forward_tiles(hidden, weight, bias, scored, targets, plan)
+        acc = accumulator_dtype(hidden.dtype, weight.dtype)
+        expected = g = None
+        if upstream is not None:
+            expected = torch.where(entry, upstream.reshape(entry.shape).to(acc), 0.0)
+            g = expected.index_select(0, scored)
+        lse, label_logit, grads = forward_tiles(hidden, weight, bias, scored, targets, plan, g, need)
         out = torch.zeros(columns.shape, dtype=lse.dtype, device=hidden.device)
         out.index_copy_(0, scored, label_logit - lse.unsqueeze(1))
         out = torch.where(entry, out, 0.0)
         ctx.save_for_backward(hidden, weight, bias, scored, targets, lse, entry)
         ctx.plan = plan
-        ctx.label_shape = labels.shape
+        ctx.early = None if grads is None else (expected, grads.result())
         return out.reshape(labels.shape)
 
     @staticmethod
@@ -307,8 +344,12 @@ class _LabelLogprobs(torch.autograd.Function):
         hidden, weight, bias, scored, targets, lse, entry = ctx.saved_tensors
         need = tuple(ctx.needs_input_grad[:3])
         grad = torch.where(entry, grad_out.reshape(entry.shape), 0.0)
-        grads = backward_tiles(grad, hidden, weight, bias, scored, targets, lse, ctx.plan, need=need)
-        return (*grads, None, None, None)
+        early, ctx.early = ctx.early, None  # one use: the buffers are freed with it
+        if early is not None and torch.equal(grad, early[0]):
+            grads = tuple(x if wanted else None for x, wanted in zip(early[1], need, strict=True))
+        else:
+            grads = backward_tiles(grad, hidden, weight, bias, scored, targets, lse, ctx.plan, need=need)
+        return (*grads, None, None, None, None, None)
 
 
 def label_logprobs(
@@ -321,11 +362,13 @@ def label_logprobs(
     chunk_tokens: int | None = None,
     chunk_vocab: int | None = None,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    upstream: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``log_softmax(hidden @ weight.T + bias)[t, labels[t]]`` per token (per label), in tiles (no [T, V] tensor).
 
     Same contract and values as :func:`reference_label_logprobs`; forward and backward recompute the
-    logits tile by tile (see :func:`plan_tiles` for the tile shape).
+    logits tile by tile (see :mod:`ringtune.models.logprob_tiles` for the tile shape), or, with ``upstream``,
+    the forward computes them once and makes the gradients in the same pass (:func:`takes_one_pass`).
 
     Args:
         hidden: [T, D] float32 / bfloat16 / float16 / float64, the tokens on this rank in any layout
@@ -333,21 +376,34 @@ def label_logprobs(
         weight: [V, D], same dtype family (the LM head, or the tied embedding matrix); bias: optional [V].
         labels: integer [T], or [T, K] for K candidate labels per token (each tile's logits serve all K);
             ``ignore_index`` marks an unscored entry (log-prob 0, no gradient).
-        chunk_tokens / chunk_vocab: explicit tile shape; by default picked from ``max_chunk_bytes``.
-        max_chunk_bytes: budget of the logits tile (and of a float32 block of a bf16 weight).
+        chunk_tokens / chunk_vocab: explicit tile shape; by default sized from T (this rank's tokens),
+            capped by ``max_chunk_bytes``.
+        max_chunk_bytes: cap of the logits tile (and of a float32 block of a bf16 weight).
+        upstream: labels' shape, any float dtype, or None: the gradient the caller will send back for the
+            output (d loss / d logprobs), when it is known before the forward (a loss linear in the
+            log-probs with fixed coefficients, e.g. cross_entropy with given weights). The backward uses the
+            forward's gradients only if the gradient it receives equals ``upstream`` (cast to the output dtype)
+            on the scored entries; otherwise it recomputes as without ``upstream``.
     Returns:
         log-probs of ``labels``' shape, float32 (float64 for float64 input). Differentiable in hidden, weight and bias;
-        their gradients come back in their own dtypes, accumulated in float32 (float64) first.
+        their gradients come back in their own dtypes, accumulated in float32 (float64) first. One-pass
+        gradients equal the two-pass ones up to rounding (softmax as ``e / Σe`` instead of ``exp(l - lse)``).
         Memory beyond inputs and gradients: one logits tile and [S] log-sum-exps (S scored tokens); for a
-        bf16 weight also its float32 block and that block's d_weight accumulator (each within the budget),
-        and for bf16 hidden a float32 [T, D] d_hidden accumulator during the backward.
+        bf16 weight also its float32 block and that block's d_weight accumulator (each within the cap),
+        and for bf16 hidden a float32 [T, D] d_hidden accumulator during the backward. The one-pass path
+        holds d_hidden [T, D] and d_weight [V, D] (and d_bias) from the forward until the backward.
         The label range check reads two scalars back from the device (one sync).
     Raises:
         UserInputError (a ValueError) if a label other than ``ignore_index`` lies outside [0, V);
-        ValueError for bad shapes or chunk sizes.
+        ValueError for bad shapes or chunk sizes, or an ``upstream`` not of labels' shape.
     """
     _check_inputs(hidden, weight, labels, bias, ignore_index)
+    if upstream is not None and upstream.shape != labels.shape:
+        raise ValueError(f"upstream must have labels' shape {tuple(labels.shape)}; got {tuple(upstream.shape)}")
     plan = plan_tiles(
         hidden, weight, chunk_tokens=chunk_tokens, chunk_vocab=chunk_vocab, max_chunk_bytes=max_chunk_bytes
     )
-    return _LabelLogprobs.apply(hidden, weight, bias, labels, ignore_index, plan)
+    need = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+    if not takes_one_pass(plan, weight, upstream, need):
+        upstream = None
+    return _LabelLogprobs.apply(hidden, weight, bias, labels, ignore_index, plan, upstream, need)

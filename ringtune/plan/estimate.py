@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 
 from ringtune.errors import UserInputError
 from ringtune.models.config import DecoderConfig
-from ringtune.models.logprob_head import DEFAULT_MAX_CHUNK_BYTES
+from ringtune.models.logprob_tiles import tile_shape
 from ringtune.plan import activations as act
 
 PRECISIONS: dict[str, tuple[int, int, int, int]] = {
@@ -36,10 +36,6 @@ the MLP's). EMPIRICAL: read from one measured step (docs/memory.md, 8K tokens, r
 gradients + kept inputs + the rebuilt GDN layer + its gradient in and out + 0.08 of
 the rebuilt layer), then checked at other CP sizes, modes and lengths by
 benchmarks/plan_check.py."""
-
-HEAD_TILE_BYTES = DEFAULT_MAX_CHUNK_BYTES
-"""Byte budget of one log-prob head tile (``models/logprob_head.py``); being resized from the per-rank
-token budget: when that lands, :func:`head_transient` must follow ``plan_tiles``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,14 +99,13 @@ def root_parameters(cfg: DecoderConfig) -> int:
 
 def head_transient(cfg: DecoderConfig, tokens: int, e: int, a: int, weight_bytes: int) -> float:
     """The head's backward beyond its inputs: one logits tile, ``p @ weight`` of the tile, d_hidden in ``a``,
-    and for a weight narrower than ``a`` its float block and that block's d_weight (``plan_tiles``' rule)."""
+    and for a weight narrower than ``a`` its float block and that block's d_weight (the head's own
+    :func:`~ringtune.models.logprob_tiles.tile_shape`, sized from the rank's ``tokens``)."""
     vocab, d = cfg.vocab_size, cfg.hidden_size
-    chunk_vocab = min(vocab, HEAD_TILE_BYTES // a)
-    if weight_bytes < a:
-        chunk_vocab = min(chunk_vocab, HEAD_TILE_BYTES // (d * a))
-    chunk_tokens = min(max(1, HEAD_TILE_BYTES // (chunk_vocab * a)), tokens)
-    tile = chunk_tokens * chunk_vocab * a
-    blocks = 2 * chunk_vocab * d * a if weight_bytes < a else 0
+    plan = tile_shape(tokens, vocab, d, acc_bytes=a, weight_bytes=weight_bytes)
+    chunk_tokens = min(plan.tokens, tokens)
+    tile = chunk_tokens * plan.vocab * a
+    blocks = 2 * plan.vocab * d * a if weight_bytes < a else 0
     return tile + chunk_tokens * d * a + tokens * d * a + blocks
 
 

@@ -1,0 +1,93 @@
+"""The log-prob head's tile shape: sized from the rank's own tokens, with a floor and a cap, and honoured by
+every tile the forward and the backward compute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ringtune.models import logprob_head
+from ringtune.models.logprob_head import label_logprobs, reference_label_logprobs
+from ringtune.models.logprob_tiles import (
+    DEFAULT_MAX_CHUNK_BYTES,
+    MIN_TILE_TOKENS,
+    TILE_HIDDEN_MULTIPLE,
+    plan_tiles,
+    tile_budget_bytes,
+    tile_shape,
+)
+
+
+def meta_plan(tokens: int, vocab: int, dim: int, dtype: torch.dtype = torch.float32, **kw):
+    hidden = torch.empty(tokens, dim, dtype=dtype, device="meta")
+    return plan_tiles(hidden, torch.empty(vocab, dim, dtype=dtype, device="meta"), **kw)
+
+
+def test_tile_shrinks_with_the_shard() -> None:
+    """The benchmark model (V 32K, D 256, float32): a rank of T tokens gets T·4·256/32768 = T/32 tokens per tile."""
+    assert TILE_HIDDEN_MULTIPLE == 4 and MIN_TILE_TOKENS == 128
+    got = {t: meta_plan(t, 32768, 256) for t in (32768, 16384, 8192, 4096, 2048, 0)}
+    assert {t: p.tokens for t, p in got.items()} == {32768: 1024, 16384: 512, 8192: 256, 4096: 128, 2048: 128, 0: 128}
+    assert all(p.vocab == 32768 for p in got.values())
+    # Under CP a rank holds T / CP tokens: above the floor its tile is 1 / CP of the CP = 1 tile.
+    assert meta_plan(32768 // 4, 32768, 256).tokens * 4 == meta_plan(32768, 32768, 256).tokens
+
+
+@pytest.mark.parametrize("tokens", [0, 100, 5000, 1 << 20])
+@pytest.mark.parametrize(("vocab", "dim"), [(248_320, 5120), (248_320, 64), (32768, 256), (97, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_tile_within_rule(tokens: int, vocab: int, dim: int, dtype: torch.dtype) -> None:
+    """Every tile: <= the cap, <= max(4 × the rank's hidden bytes, the floor); the floor when the cap allows it."""
+    elem = 8 if dtype == torch.float64 else 4
+    plan = meta_plan(tokens, vocab, dim, dtype)
+    tile = plan.tokens * plan.vocab * elem
+    assert tile <= DEFAULT_MAX_CHUNK_BYTES
+    assert tile <= max(TILE_HIDDEN_MULTIPLE * tokens * dim * elem, MIN_TILE_TOKENS * vocab * elem)
+    assert tile_budget_bytes(tokens, dim, vocab, elem, DEFAULT_MAX_CHUNK_BYTES) >= tile
+    if MIN_TILE_TOKENS * vocab * elem <= DEFAULT_MAX_CHUNK_BYTES and dtype != torch.bfloat16:
+        assert plan.vocab == vocab and plan.tokens >= MIN_TILE_TOKENS
+    if dtype == torch.bfloat16:  # the float32 cast of a weight block (and its d_weight block) within the cap
+        assert plan.vocab * dim * 4 <= DEFAULT_MAX_CHUNK_BYTES
+
+
+def test_cap_wins_and_explicit_sizes_win() -> None:
+    small = meta_plan(1 << 16, 248_320, 64, max_chunk_bytes=2**19)
+    assert small.tokens == 1 and small.vocab == 2**17
+    assert meta_plan(10, 97, 16, chunk_tokens=3, chunk_vocab=5).tokens == 3
+    assert tile_shape(10, 97, 16, acc_bytes=4, weight_bytes=4, chunk_vocab=500).vocab == 97
+    with pytest.raises(ValueError, match="chunk_vocab"):
+        tile_shape(10, 97, 16, acc_bytes=4, weight_bytes=4, chunk_vocab=0)
+    with pytest.raises(ValueError, match="max_chunk_bytes"):
+        tile_shape(10, 97, 16, acc_bytes=8, weight_bytes=8, max_chunk_bytes=7)
+
+
+@pytest.mark.parametrize("upstream", [False, True])
+def test_every_tile_of_forward_and_backward_within_budget(monkeypatch: pytest.MonkeyPatch, upstream: bool) -> None:
+    """Spy on the tile matmul: forward and backward (or the one pass) compute only tiles of the planned shape,
+    and the values still equal the plain reference (float64)."""
+    tokens, vocab, dim, budget = 300, 1000, 8, 64 * 1000 * 8  # a cap of 64 whole-vocab rows
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, dim, generator=gen, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(vocab, dim, generator=gen, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,), generator=gen)
+    grad_out = torch.randn(tokens, generator=gen, dtype=torch.float64)
+    plan = plan_tiles(hidden, weight, max_chunk_bytes=budget)
+    assert (plan.tokens, plan.vocab) == (64, vocab)  # 4 × 300 × 8 hidden bytes < the floor (128 rows) > the cap
+    shapes: list[tuple[int, int]] = []
+    tile_logits = logprob_head._tile_logits
+
+    def spy(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        out = tile_logits(h, w, b)
+        shapes.append(tuple(out.shape))
+        return out
+
+    monkeypatch.setattr(logprob_head, "_tile_logits", spy)
+    out = label_logprobs(hidden, weight, labels, max_chunk_bytes=budget, upstream=grad_out if upstream else None)
+    got = torch.autograd.grad(out, (hidden, weight), grad_out)
+    assert len(shapes) == (5 if upstream else 10)  # ceil(300 / 64) tiles per logits pass
+    assert max(t * v * 8 for t, v in shapes) <= budget and all(v == vocab for _, v in shapes)
+    want_out = reference_label_logprobs(hidden, weight, labels)
+    want = torch.autograd.grad(want_out, (hidden, weight), grad_out)
+    torch.testing.assert_close(out, want_out, rtol=0, atol=1e-12)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=0, atol=1e-12)
