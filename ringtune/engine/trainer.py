@@ -40,7 +40,7 @@ from ringtune.engine.memory import peak_memory_bytes
 from ringtune.engine.optimizer import AdamParams, adamw_step, global_grad_norm
 from ringtune.errors import NonFiniteError, ParallelConfigError
 from ringtune.layout.zigzag import ZigzagPlan, zigzag_plan, zigzag_slice
-from ringtune.losses import PER_TARGET_KEYS, local_token_losses
+from ringtune.losses import PER_TARGET_KEYS, fixed_logprob_gradient, local_token_losses
 from ringtune.models.decoder import CausalLM
 from ringtune.models.precision import check_compute_dtype, export_dtype, set_compute_dtype
 from ringtune.models.recompute import DEFAULT_RECOMPUTE, check_recompute_mode, set_recompute
@@ -322,7 +322,11 @@ class Trainer:
         bad_grad: set[int] = set()
         injected = faults.injecting(self.debug_fault, cp_size=self.cp_size, cp_rank=self.cp_rank, plan=plan)
         with torch.set_grad_enabled(backward), injected:  # DEBUG-FAULT HOOK: a no-op without --debug-fault
-            lp = self.model(local_ids, shard, local_targets)
+            # A loss whose gradient in lp is known now (cross_entropy): the head makes its gradients in its forward.
+            upstream = None
+            if backward:
+                upstream = fixed_logprob_gradient(batch.loss, local_inputs, datum_index=local_datum, like=local_targets)
+            lp = self.model(local_ids, shard, local_targets, upstream)
             elementwise = local_token_losses(
                 batch.loss, lp, local_inputs, datum_index=local_datum, num_datums=len(row), group=self.cp_group
             )

@@ -163,7 +163,9 @@ class CausalLM(nn.Module):
         batch.advance()
         return self.model.norm(x)
 
-    def forward(self, input_ids: torch.Tensor, shard: PackedShard, targets: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, shard: PackedShard, targets: torch.Tensor, upstream: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Log-probs of ``targets``: log p(targets[t] | tokens up to t), through the tiled head.
 
         Args:
@@ -171,11 +173,14 @@ class CausalLM(nn.Module):
             shard: the row's plan, positions (checked against the plan), CP group and modes.
             targets: int64 [T_local] or [T_local, K] (K candidates per position, one logits pass for all);
                 -100 marks an unscored entry (pads), which gets 0 and no gradient.
+            upstream: the loss's gradient in the returned log-probs when known before the forward (targets'
+                shape), or None: the head then makes its gradients in its forward tile pass
+                (:func:`~ringtune.models.logprob_head.label_logprobs`; recomputed if the backward's differs).
         Returns:
             targets' shape, float32 (float64 for a float64 model); no [T × vocab] buffer is kept.
             Collective over the shard's CP group (forward and backward), like :meth:`hidden_states`.
         """
-        return label_logprobs(self.hidden_states(input_ids, shard), self.output_weight, targets)
+        return label_logprobs(self.hidden_states(input_ids, shard), self.output_weight, targets, upstream=upstream)
 
     def label_logprobs(self, input_ids: torch.Tensor, labels: torch.Tensor, shard: PackedShard) -> torch.Tensor:
         """:meth:`forward` with the arguments in (ids, labels, shard) order."""
