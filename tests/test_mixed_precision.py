@@ -253,3 +253,23 @@ def test_cp_and_fsdp_mixed_match_cp1_mixed(pool4, checkpoint):
     *layers, root = fsdp["policies"]
     assert all(p == {(BF16, torch.float32)} for p in layers)  # MixedPrecisionPolicy(bf16, reduce float32)
     assert root == {(None, None)}  # the root (embeddings, final norm, head) keeps float32
+
+
+def test_serve_backend_and_flag_take_bf16_mixed(checkpoint):
+    """``ringtune serve --dtype bf16-mixed``: the flag parses, the backend reports it and its runs train mixed."""
+    from ringtune.cli import build_parser
+    from ringtune.gateway.local import LocalBackend
+
+    assert build_parser().parse_args(["serve", "--dtype", "bf16-mixed"]).dtype == "bf16-mixed"
+    with pytest.raises(SystemExit):  # argparse refuses a name outside the registry (exit 2, choices listed)
+        build_parser().parse_args(["serve", "--dtype", "bf16"])
+    backend = LocalBackend(checkpoint, max_tokens_per_rank=BUDGET, dtype="bf16-mixed")
+    try:
+        assert backend.info().dtype == "bf16-mixed"
+        backend.create_run("run", checkpoint)
+        trainer = backend.trainers["run"]
+        assert trainer.compute_dtype == BF16
+        assert {p.dtype for p in trainer.params} == {torch.float32}
+        assert all(layer.compute_dtype == BF16 for layer in trainer.model.model.layers)
+    finally:
+        backend.close()
