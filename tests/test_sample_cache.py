@@ -118,6 +118,6 @@ def test_rows_round_trip_and_growth(model):
         assert (got - last_logits(model, seqs)).abs().max() < 1e-10
 
 
-def test_capture_needs_cp_one():
-    with pytest.raises(ParallelConfigError, match="cp_size=1"):
+def test_capture_at_cp_above_one_needs_the_group():
+    with pytest.raises(ParallelConfigError, match="cp_size=2 needs the CP group"):
         PrefillCapture(zigzag_plan([4], cp_size=2, cp_rank=0), 2)

@@ -1,12 +1,14 @@
 """Prompts through the DP×CP forward (``ringtune.sample.mesh_prompts``) equal the one-rank prefill.
 
-float64, within 1e-10: prompt log-probs, top-k prompt log-probs (same ids) and the last token's logits of
-packed prompts (1–17 tokens, lengths not divisible by 2·CP, longer than a GDN chunk, one longer than a
-row so rows split) at (DP, CP) in {(1, 1), (1, 2), (1, 4), (2, 2)}, both GatedDeltaNet CP modes and every
-attention mode the tiny model allows. Through :class:`RankExecutor`: ``max_tokens=1`` requests routed to
-the mesh return the same samples (tokens, untempered log-probs, stop reasons) as ``generate`` on one
-rank for the same seed; short requests still take the spread path; a prompt over the budget is a user
-error on every rank and the executor keeps working.
+float64, within 1e-10: prompt log-probs, top-k prompt log-probs (same ids), the last token's logits and the
+decode caches (attention K/V, GatedDeltaNet recurrent state and conv window) of packed prompts (1–17
+tokens, lengths not divisible by 2·CP, longer than a GDN chunk, one longer than a row so rows split) at
+(DP, CP) in {(1, 1), (1, 2), (1, 4), (2, 2)}, both GatedDeltaNet CP modes and every attention mode the tiny
+model allows; every prompt is decoded by exactly one rank of its replica. Through :class:`RankExecutor`:
+long-prompt requests routed to the mesh (one-token and multi-token generations) return the same samples
+(tokens, untempered log-probs, stop reasons, prompt log-probs) as ``generate`` on one rank for the same
+seed; short requests still take the spread path; a prompt over the budget is a user error on every rank and
+the executor keeps working.
 """
 
 from __future__ import annotations
@@ -37,18 +39,31 @@ def _prompts(seed: int = 3) -> list[list[int]]:
     return [torch.randint(0, 96, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
+def _cache_tensors(cache) -> list[torch.Tensor]:
+    """Every tensor of a SequenceCache, layer by layer (K, V or state, conv window)."""
+    return [t for layer in cache.layers for t in vars(layer).values()]
+
+
 def _reference(root: str) -> list[dict]:
-    """The one-rank prefill of every prompt alone (CP = 1, with a cache): what generate() uses today."""
+    """The one-rank prefill of every prompt alone (CP = 1, with a cache): what generate() does itself."""
     model = load_hf(root, dtype=torch.float64)
     out = []
     with torch.inference_mode():
         for p in _prompts():
             r = prefill(model, [p], prompt_logprobs=True, topk=TOPK)
-            out.append({"logits": r.last_logits[0], "lp": r.prompt_logprobs[0], "top": r.topk_prompt_logprobs[0]})
+            out.append(
+                {
+                    "logits": r.last_logits[0],
+                    "lp": r.prompt_logprobs[0],
+                    "top": r.topk_prompt_logprobs[0],
+                    "cache": _cache_tensors(r.caches[0]),
+                }
+            )
     return out
 
 
 def mesh_case(ctx, *, root: str):
+    """Every layout; this rank's decoded prompts: {layout: [(prompt index, results)]}."""
     results = {}
     for dp, cp in LAYOUTS:
         for attention, gated_delta in MODES:
@@ -57,11 +72,19 @@ def mesh_case(ctx, *, root: str):
             mesh = ctx.mesh(dp=dp, cp=cp)
             model = load_hf(root, dtype=torch.float64)
             layout = MeshLayout(max_tokens_per_rank=BUDGET, attention=attention, gated_delta=gated_delta)
-            got = prompts_forward(model, mesh, _prompts(), layout, prompt_logprobs=True, topk=TOPK)
-            if got is not None:
-                results[dp, cp, attention, gated_delta] = [
-                    {"logits": f.last_logits, "lp": f.prompt_logprobs, "top": f.topk_prompt_logprobs} for f in got
-                ]
+            got = prompts_forward(model, mesh, _prompts(), layout, prompt_logprobs=True, topk=TOPK, capture=True)
+            results[dp, cp, attention, gated_delta] = [
+                (
+                    i,
+                    {
+                        "logits": f.last_logits,
+                        "lp": f.prompt_logprobs,
+                        "top": f.topk_prompt_logprobs,
+                        "cache": _cache_tensors(f.cache),
+                    },
+                )
+                for i, f in sorted(got.items())
+            ]
     return results
 
 
@@ -80,10 +103,21 @@ def _max_abs(a: list, b: list) -> float:
 
 def test_mesh_forward_equals_one_rank_prefill_float64(pool4, checkpoint):
     want = _reference(checkpoint)
-    runs = {key: value for res in pool4.run(mesh_case, root=checkpoint) for key, value in res.items()}
+    runs: dict[tuple, list] = {}
+    for res in pool4.run(mesh_case, root=checkpoint):
+        for key, decoded in res.items():
+            runs.setdefault(key, []).extend(decoded)
     assert len(runs) == 1 + 3 * len(MODES)
-    for key, got in runs.items():
-        for g, w, n in zip(got, want, PROMPT_LENS, strict=True):
+    for key, decoded in runs.items():
+        dp, cp = key[:2]
+        counts = [sum(1 for i, _ in decoded if i == j) for j in range(len(PROMPT_LENS))]
+        assert counts == [4 // (dp * cp)] * len(PROMPT_LENS), (key, counts)  # one decoding rank per replica
+        for i, g in decoded:
+            w, n = want[i], PROMPT_LENS[i]
+            assert len(g["cache"]) == len(w["cache"]), key
+            for got_t, want_t in zip(g["cache"], w["cache"], strict=True):
+                assert got_t.shape == want_t.shape and got_t.dtype == want_t.dtype, key
+                assert (got_t - want_t).abs().max().item() <= 1e-10, (key, i)
             assert g["lp"][0] is None and len(g["lp"]) == n, key
             assert _max_abs(g["lp"], w["lp"]) <= 1e-10, key
             assert (g["logits"] - w["logits"]).abs().max().item() <= 1e-10, key
@@ -93,10 +127,9 @@ def test_mesh_forward_equals_one_rank_prefill_float64(pool4, checkpoint):
                 assert max(abs(a - b) for (_, a), (_, b) in zip(gt, wt, strict=True)) <= 1e-10, key
 
 
-def test_route_takes_long_one_token_requests_only():
-    assert takes_mesh_forward(4096, 1, min_prompt_tokens=4096)
-    assert not takes_mesh_forward(4095, 1, min_prompt_tokens=4096)
-    assert not takes_mesh_forward(100_000, 2, min_prompt_tokens=4096)
+def test_route_takes_long_prompts():
+    assert takes_mesh_forward(4096, min_prompt_tokens=4096)
+    assert not takes_mesh_forward(4095, min_prompt_tokens=4096)
 
 
 def _requests() -> list[SampleRequest]:
@@ -105,6 +138,10 @@ def _requests() -> list[SampleRequest]:
     out = [SampleRequest(prompt=p, params=params, num_samples=3, prompt_logprobs=True) for p in prompts]
     out.append(SampleRequest(prompt=prompts[0], params=SamplingParams(max_tokens=4, seed=2), num_samples=2))
     out.append(SampleRequest(prompt=prompts[4], params=SamplingParams(max_tokens=1, temperature=0.0)))
+    # Long prompts that generate several tokens: prefilled on the mesh, decoded from the gathered caches.
+    decode = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.95, seed=5, stop=[])
+    out += [SampleRequest(prompt=prompts[i], params=decode, num_samples=2, prompt_logprobs=True) for i in (2, 4, 7)]
+    out.append(SampleRequest(prompt=prompts[6], params=SamplingParams(max_tokens=5, temperature=0.0, stop=[])))
     return out
 
 
@@ -157,10 +194,11 @@ def test_executor_routes_long_one_token_requests_to_the_mesh(pool4, checkpoint, 
     answers = [a for a in pool4.run(executor_case, root=checkpoint, dp=dp, cp=cp) if a["results"] is not None]
     assert len(answers) == 4 // (dp * cp)  # one result rank per replica of the mesh
     for answer in answers:
-        # _requests(): the 4 prompts of >= 8 tokens with prompt log-probs in one forward, the greedy one
-        # (no prompt log-probs) in another, then the too-long one; the short ones, the 4-token generation
+        # _requests(): the 4 prompts of >= 8 tokens generating one token with prompt log-probs in one
+        # forward, the 3 generating 6 in another (with caches), the greedy one-token one, the greedy
+        # 5-token one; then the too-long one; the short ones, the 4-token generation of a 1-token prompt
         # and the repeated pair (1 and 2 tokens) are spread over the ranks.
-        assert answer["routed"] == [4, 1, 1], answer["routed"]
+        assert sorted(answer["routed"]) == [1, 1, 1, 3, 4], answer["routed"]
         assert answer["refused"] is not None and "max_tokens_per_rank=160" in answer["refused"]
         for got, ref in zip(answer["results"], want, strict=True):
             assert [s.tokens for s in got.sequences] == [s.tokens for s in ref.sequences]

@@ -1,8 +1,7 @@
-"""Long prompts through the context-parallel forward: prompt log-probs and the first token's logits.
+"""Long prompts through the context-parallel forward: prompt log-probs, first-token logits, decode caches.
 
-A sampling request whose answer needs only the prompt's forward (``compute_logprobs``, i.e. prompt
-log-probs with ``max_tokens=1``) does not need a KV cache. :func:`prompts_forward` runs such prompts
-exactly as the trainer's ``forward`` runs datums: packed into rows within the per-rank token budget
+:func:`prompts_forward` runs the prompts of long sampling requests exactly as the trainer's ``forward``
+runs datums: packed into rows within the per-rank token budget
 (:func:`ringtune.engine.packing.pack_datums`), rows spread over the DP ranks, each row split over the CP
 group in the zigzag layout and run by :meth:`CausalLM.hidden_states` with the server's CP modes. So a
 128K-token prompt costs each rank ``T/CP`` tokens of activations, as in training, and no rank holds a
@@ -14,14 +13,17 @@ group in the zigzag layout and run by :meth:`CausalLM.hidden_states` with the se
 - ``topk_prompt_logprobs``: the k most likely tokens per position on the rank that owns it, gathered the
   same way (ids travel as float64, exact below 2**53);
 - the hidden state of each prompt's last token (one owner; summed over CP), turned into float32 (float64)
-  logits on the CP group's first rank: the distribution of the first sampled token.
+  logits on the rank that decodes the prompt: the distribution of the first sampled token;
+- with ``capture`` (requests that generate more than one token), each layer's decode cache, gathered over
+  the CP group by a :class:`~ringtune.models.cache.PrefillCapture` and kept by the decoding rank only.
 
-Results are collected on the mesh's result rank over the control group. Which requests take this path
-is decided in one place, :func:`takes_mesh_forward`: ``max_tokens=1`` and a prompt of at least
-``min_prompt_tokens`` tokens (the server's ``--mesh-prompt-tokens``; by default the per-rank token budget,
-i.e. a prompt longer than what one rank holds of a training row). Longer generations after a long prompt
-still prefill it on one rank (:mod:`ringtune.sample.prefill`), because decoding needs the whole KV cache
-and GatedDeltaNet state on the rank that decodes.
+Each prompt is decoded by one rank: the prompt at position g of a row goes to CP rank ``g mod CP`` of the
+DP rank that ran the row (:func:`decoding_rank`), so the prompts of a command spread over the whole mesh.
+:func:`prompts_forward` returns, on every rank, the :class:`PromptForward` of the prompts it decodes; the
+caller decodes them (``generate(..., prefilled=...)``) and collects the results. Which requests take this
+path is decided in one place, :func:`takes_mesh_forward`: a prompt of at least ``min_prompt_tokens`` tokens
+(the server's ``--mesh-prompt-tokens``; by default the per-rank token budget, i.e. a prompt longer than what
+one rank holds of a training row).
 """
 
 from __future__ import annotations
@@ -35,10 +37,10 @@ import torch.distributed as dist
 from ringtune.engine.gather import gather_row
 from ringtune.engine.packing import pack_datums
 from ringtune.layout.zigzag import ZigzagPlan, zigzag_plan, zigzag_slice
+from ringtune.models.cache import PrefillCapture, SequenceCache
 from ringtune.models.decoder import CausalLM
 from ringtune.models.logprob_head import label_logprobs
 from ringtune.models.shard import PackedShard
-from ringtune.parallel.control import gather_object_to
 from ringtune.parallel.mesh import ParallelMesh
 from ringtune.sample.prefill import output_logits, topk_logprobs
 
@@ -50,12 +52,13 @@ TopK = list[list[tuple[int, float]] | None]
 
 @dataclass(frozen=True)
 class PromptForward:
-    """One prompt's forward: ``last_logits`` [V] (float32, float64 for a float64 model, on CPU), the prompt
-    log-probs (entry 0 None) and top-k prompt log-probs (entry 0 None) when asked."""
+    """One prompt's forward: ``last_logits`` [V] (float32, float64 for a float64 model), the prompt log-probs
+    (entry 0 None) and top-k prompt log-probs (entry 0 None) when asked, its decode cache when captured."""
 
     last_logits: torch.Tensor
     prompt_logprobs: list[float | None] | None
     topk_prompt_logprobs: TopK | None
+    cache: SequenceCache | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,10 +71,15 @@ class MeshLayout:
     pad_multiplier: int = 8
 
 
-def takes_mesh_forward(prompt_len: int, max_tokens: int, *, min_prompt_tokens: int) -> bool:
-    """Whether a sampling request runs through :func:`prompts_forward` (the whole mesh) rather than a
-    one-rank prefill and decode: it generates one token only and its prompt is long."""
-    return max_tokens == 1 and prompt_len >= min_prompt_tokens
+def takes_mesh_forward(prompt_len: int, *, min_prompt_tokens: int) -> bool:
+    """Whether a sampling request's prompt runs through :func:`prompts_forward` (the whole mesh) rather than
+    a prefill on the rank that decodes it: its prompt is long."""
+    return prompt_len >= min_prompt_tokens
+
+
+def decoding_rank(position: int, cp_size: int) -> int:
+    """The CP rank that decodes the prompt at ``position`` of its row (the DP rank is the row's)."""
+    return position % cp_size
 
 
 def _coords(mesh: ParallelMesh | None) -> tuple[int, int, int, int]:
@@ -86,13 +94,14 @@ def prompts_forward(
     *,
     prompt_logprobs: bool,
     topk: int = 0,
-) -> list[PromptForward] | None:
+    capture: bool = False,
+) -> dict[int, PromptForward]:
     """Run ``prompts`` (validated token lists, each ≥ 1 token) through the DP×CP forward; see the module doc.
 
     Every rank of ``mesh`` calls it with the same arguments and an identical ``model`` (collective over the
-    CP groups for the forward, over the control group for the results). Returns one :class:`PromptForward`
-    per prompt, in order, on the mesh's result rank; None on the others. Raises UserInputError (before any
-    collective, on every rank alike) when a prompt does not fit the per-rank budget at this CP size.
+    CP groups). Returns ``{prompt index: PromptForward}`` of the prompts this rank decodes
+    (:func:`decoding_rank`); with ``capture`` each carries its decode cache. Raises UserInputError (before
+    any collective, on every rank alike) when a prompt does not fit the per-rank budget at this CP size.
     """
     dp_size, dp_rank, cp_size, cp_rank = _coords(mesh)
     lens = [len(p) for p in prompts]
@@ -121,14 +130,12 @@ def prompts_forward(
                 attention=layout.attention,
                 gated_delta=layout.gated_delta,
             )
-            results = _row_forward(model, members, shard, prompt_logprobs=prompt_logprobs, topk=topk)
-            if cp_rank == 0:
-                mine.update(zip(row, results, strict=True))
-    parts = gather_object_to(mine, mesh.control_group if mesh else None, dst=0)
-    if parts is None:
-        return None
-    merged = {i: result for part in parts for i, result in part.items()}
-    return [merged[i] for i in range(len(prompts))]
+            keep = {g for g in range(len(row)) if decoding_rank(g, cp_size) == cp_rank}
+            results = _row_forward(
+                model, members, shard, keep, prompt_logprobs=prompt_logprobs, topk=topk, capture=capture
+            )
+            mine.update((row[g], result) for g, result in results.items())
+    return mine
 
 
 def _labels(members: list[list[int]]) -> torch.Tensor:
@@ -143,17 +150,28 @@ def _last_rows(plan: ZigzagPlan) -> torch.Tensor:
 
 
 def _row_forward(
-    model: CausalLM, members: list[list[int]], shard: PackedShard, *, prompt_logprobs: bool, topk: int
-) -> list[PromptForward]:
-    """One packed row (possibly pad-only) on this CP rank; the per-prompt results (meaningful on every CP rank).
+    model: CausalLM,
+    members: list[list[int]],
+    shard: PackedShard,
+    keep: set[int],
+    *,
+    prompt_logprobs: bool,
+    topk: int,
+    capture: bool,
+) -> dict[int, PromptForward]:
+    """One packed row (possibly pad-only) on this CP rank; the results of the row positions in ``keep``.
 
-    Collectives over ``shard.group``, the same sequence on every rank: the model's, then one all-reduce per
-    gathered quantity (last hidden states; log-probs if asked; top-k ids and log-probs if asked).
+    Collectives over ``shard.group``, the same sequence on every rank: the model's (with the capture's
+    gathers), then one all-reduce per gathered quantity (last hidden states; log-probs if asked; top-k ids
+    and log-probs if asked).
     """
     plan, group = shard.plan, shard.group
     device = model.output_weight.device
     flat = torch.cat([torch.zeros(0, dtype=torch.int64), *(torch.tensor(p, dtype=torch.int64) for p in members)])
-    hidden = model.hidden_states(zigzag_slice(flat, plan).to(device), shard)
+    layers = len(model.model.layers)
+    caught = PrefillCapture(plan, layers, group=group, keep=keep) if capture else None
+    hidden = model.hidden_states(zigzag_slice(flat, plan).to(device), shard, capture=caught)
+    caches = caught.sequences() if caught is not None else [None] * len(members)
     weight = model.output_weight
     acc = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
 
@@ -178,13 +196,14 @@ def _row_forward(
         full = gather_row(local, plan, group)
         tops = (full[:, 0].round().to(torch.int64).tolist(), full[:, 1].tolist())
 
-    out = []
-    logits = output_logits(last_hidden, weight).cpu() if plan.cp_rank == 0 else None
+    out = {}
     for g, (start, n) in enumerate(zip(plan.row_starts, plan.seq_lens, strict=True)):
+        if g not in keep:
+            continue
         plp = [None, *lps[start : start + n - 1]] if lps is not None else None
         ptop: TopK | None = None
         if tops is not None:
             ids_l, values_l = tops
             ptop = [None] + [list(zip(ids_l[t], values_l[t], strict=True)) for t in range(start, start + n - 1)]
-        out.append(PromptForward(logits[g] if logits is not None else torch.empty(0), plp, ptop))
+        out[g] = PromptForward(output_logits(last_hidden[g : g + 1], weight)[0], plp, ptop, caches[g])
     return out

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from ringtune.errors import UserInputError
 from ringtune.models.decoder import CausalLM
+from ringtune.sample.mesh_prompts import PromptForward
 from ringtune.sample.params import SamplingParams
 from ringtune.sample.sampler import PromptSamples, generate
 
@@ -120,17 +121,27 @@ class SamplerPool:
             )
         return self._hold(key, lambda: self.load(source.path))
 
-    def sample(self, sampler_id: str, requests: Sequence[SampleRequest]) -> list[PromptSamples]:
+    def sample(
+        self,
+        sampler_id: str,
+        requests: Sequence[SampleRequest],
+        *,
+        prefilled: Sequence[PromptForward | None] | None = None,
+    ) -> list[PromptSamples]:
         """Run ``requests`` on the session's snapshot; one :class:`PromptSamples` per request, in order.
 
         Requests with equal sampling settings are generated together (one batch of sequences).
+        ``prefilled[i]``: request i's prompt already ran through the mesh forward (its logits, caches and
+        prompt log-probs; :mod:`ringtune.sample.mesh_prompts`), or None to prefill it here.
         """
         model = self.model(sampler_id)
+        forwards = list(prefilled) if prefilled is not None else [None] * len(requests)
         out: list[PromptSamples | None] = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):
-            groups.setdefault((r.params, r.num_samples, r.prompt_logprobs, r.topk_prompt_logprobs), []).append(i)
-        for (params, num_samples, prompt_lp, topk), members in groups.items():
+            key = (r.params, r.num_samples, r.prompt_logprobs, r.topk_prompt_logprobs, forwards[i] is not None)
+            groups.setdefault(key, []).append(i)
+        for (params, num_samples, prompt_lp, topk, ran), members in groups.items():
             results = generate(
                 model,
                 [requests[i].prompt for i in members],
@@ -139,6 +150,7 @@ class SamplerPool:
                 prompt_logprobs=prompt_lp,
                 topk_prompt_logprobs=topk,
                 decode=self.decode,
+                prefilled=[forwards[i] for i in members] if ran else None,  # type: ignore[misc]
             )
             for i, result in zip(members, results, strict=True):
                 out[i] = result

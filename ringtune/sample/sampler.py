@@ -35,8 +35,9 @@ from ringtune.models.batch_cache import DecodeBatch
 from ringtune.models.cache import SequenceCache
 from ringtune.models.decoder import CausalLM
 from ringtune.sample.choose import choose_tokens
+from ringtune.sample.mesh_prompts import PromptForward
 from ringtune.sample.params import DEFAULT_MAX_TOKENS, SamplingParams
-from ringtune.sample.prefill import output_logits, prefill
+from ringtune.sample.prefill import PrefillResult, output_logits, prefill
 from ringtune.sample.stopping import Decode, StopCondition, stop_condition, stop_reason
 
 MAX_NUM_SAMPLES = 128
@@ -137,8 +138,10 @@ class _Sampler:
         topk: int,
         max_batch: int,
         prefill_tokens: int,
+        prefilled: Sequence[PromptForward] | None = None,
     ) -> None:
         self.model, self.prompts, self.params, self.stop = model, prompts, params, stop
+        self.prefilled = prefilled
         self.num_samples, self.want_lp, self.topk = num_samples, prompt_logprobs, topk
         self.max_batch, self.prefill_tokens = max_batch, prefill_tokens
         self.max_tokens: int = params.max_tokens or DEFAULT_MAX_TOKENS  # never None after validation
@@ -166,17 +169,6 @@ class _Sampler:
             for i in range(len(self.prompts))
         ]
 
-    def finish_from_forward(self, i: int, last_logits: torch.Tensor, prompt_lp, prompt_topk) -> None:
-        """Prompt ``i`` whose forward ran elsewhere (the CP forward; ``max_tokens`` = 1): its samples' only token
-        from ``last_logits`` [V], with the same generators and stop rules as :meth:`_admit`."""
-        if self.max_tokens != 1:
-            raise ValueError(f"only max_tokens=1 requests finish from a forward; got {self.max_tokens}")
-        self.waiting.remove(i)
-        self.prompt_lp[i], self.prompt_topk[i] = prompt_lp, prompt_topk
-        rows = [_Row(prompt=i, sample=j, generator=sample_generator(self.seeds[i], j)) for j in range(self.num_samples)]
-        alive = self._take(rows, last_logits[None, :].expand(self.num_samples, -1))
-        assert not alive, "max_tokens=1: every sequence ends at its first token"
-
     def _admit(self) -> None:
         """Prefill waiting prompts whose samples fit the free rows (at least one prompt if none run)."""
         group: list[int] = []
@@ -193,7 +185,7 @@ class _Sampler:
             tokens += len(self.prompts[i])
         if not group:
             return
-        result = prefill(self.model, [self.prompts[i] for i in group], prompt_logprobs=self.want_lp, topk=self.topk)
+        result = self._prefill(group)
         rows, caches, logits = [], [], []
         for g, i in enumerate(group):
             if result.prompt_logprobs is not None:
@@ -213,6 +205,21 @@ class _Sampler:
             self.batch = DecodeBatch.of(joining, reserve=min(self.max_tokens, RESERVE_TOKENS))
         else:
             self.batch.join(joining)
+
+    def _prefill(self, group: list[int]) -> PrefillResult:
+        """The prompts' prefill: run here as one packed row, or taken from ``prefilled`` (run on the mesh)."""
+        if self.prefilled is None:
+            prompts = [self.prompts[i] for i in group]
+            return prefill(self.model, prompts, prompt_logprobs=self.want_lp, topk=self.topk)
+        done = [self.prefilled[i] for i in group]
+        if self.max_tokens > 1 and any(f.cache is None for f in done):
+            raise ValueError("prefilled prompts need their caches to decode more than one token")
+        return PrefillResult(
+            last_logits=torch.stack([f.last_logits for f in done]),
+            caches=[f.cache for f in done],  # type: ignore[misc]
+            prompt_logprobs=[f.prompt_logprobs for f in done] if self.want_lp else None,
+            topk_prompt_logprobs=[f.topk_prompt_logprobs for f in done] if self.topk else None,
+        )
 
     def _take(self, rows: list[_Row], logits: torch.Tensor) -> list[int]:
         """Choose each row's next token from ``logits`` [B, V]; finish the rows that stop; return the others."""
@@ -246,43 +253,6 @@ class _Sampler:
                 self.batch = None
 
 
-def sample_after_forward(
-    model: CausalLM,
-    prompts: Sequence[Sequence[int]],
-    params: SamplingParams,
-    forwards: Sequence,
-    *,
-    num_samples: int = 1,
-    eos_token_ids: Sequence[int] | None = None,
-    decode: Decode | None = None,
-) -> list[PromptSamples]:
-    """:func:`generate` for ``max_tokens=1`` requests whose prompts already ran through a forward elsewhere.
-
-    ``forwards[i]`` (a :class:`ringtune.sample.mesh_prompts.PromptForward`) carries prompt i's last logits
-    [V] and, if computed, its prompt log-probs and top-k prompt log-probs. The first (only) token of each of
-    the ``num_samples`` sequences is chosen exactly as :func:`generate` chooses it (same seeds, generators,
-    stop rules and untempered log-probs), so the two paths return the same samples for the same logits.
-    """
-    vocab = model.config.vocab_size
-    checked = check_request(prompts, vocab, num_samples, 0, 1)
-    eos = eos_token_ids if eos_token_ids is not None else config_eos_token_ids(model)
-    stop = stop_condition(params, eos_token_ids=eos, vocab_size=vocab, decode=decode)
-    sampler = _Sampler(
-        model,
-        checked,
-        params,
-        stop,
-        num_samples=num_samples,
-        prompt_logprobs=False,
-        topk=0,
-        max_batch=1,
-        prefill_tokens=1,
-    )
-    for i, forward in enumerate(forwards):
-        sampler.finish_from_forward(i, forward.last_logits, forward.prompt_logprobs, forward.topk_prompt_logprobs)
-    return sampler.run()
-
-
 def generate(
     model: CausalLM,
     prompts: Sequence[Sequence[int]],
@@ -295,6 +265,7 @@ def generate(
     decode: Decode | None = None,
     max_batch: int = DEFAULT_MAX_BATCH,
     prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
+    prefilled: Sequence[PromptForward] | None = None,
 ) -> list[PromptSamples]:
     """Sample ``num_samples`` continuations of every prompt (see the module docstring).
 
@@ -310,6 +281,9 @@ def generate(
         decode: token ids -> text (a tokenizer's ``decode``), required when ``params.stop`` holds strings.
         max_batch: rows decoded together; a prompt's samples join together (one prompt may exceed it alone).
         prefill_tokens: prompt tokens packed into one prefill row.
+        prefilled: prompt i's forward already ran elsewhere (the DP×CP forward of
+            :mod:`ringtune.sample.mesh_prompts`): ``prefilled[i]`` gives its last logits, caches (needed when
+            ``max_tokens > 1``) and prompt log-probs; decoding then continues exactly as after a prefill here.
     Returns:
         One :class:`PromptSamples` per prompt, in order. Raises UserInputError naming a bad field.
     """
@@ -327,6 +301,9 @@ def generate(
         topk=topk_prompt_logprobs,
         max_batch=max_batch,
         prefill_tokens=prefill_tokens,
+        prefilled=prefilled,
     )
+    if prefilled is not None and len(prefilled) != len(checked):
+        raise ValueError(f"prefilled has {len(prefilled)} entries for {len(checked)} prompts")
     with torch.inference_mode():
         return sampler.run()

@@ -32,7 +32,7 @@ from ringtune.parallel.mesh import ParallelMesh, rebuild_mesh
 from ringtune.sample.mesh_prompts import MeshLayout, PromptForward, prompts_forward, takes_mesh_forward
 from ringtune.sample.params import DEFAULT_MAX_TOKENS
 from ringtune.sample.pool import SampleRequest, SamplerPool, tokenizer_decoder
-from ringtune.sample.sampler import PromptSamples, check_request, sample_after_forward
+from ringtune.sample.sampler import PromptSamples, check_request
 from ringtune.worker.commands import Command
 
 
@@ -159,33 +159,40 @@ class RankExecutor:
     def _sample(self, command: Command) -> list[PromptSamples] | None:
         """Every request of the command, answered on the result rank in request order (None elsewhere).
 
-        Long ``max_tokens=1`` requests (:func:`takes_mesh_forward`) run together on the whole mesh
-        (:meth:`_sample_on_mesh`); the others are spread round-robin over the ranks, each sampling its share
-        on its own snapshot replica (:meth:`_sample_spread`).
+        Requests with long prompts (:func:`takes_mesh_forward`) run their prompts together on the whole mesh
+        (:meth:`_prefill_on_mesh`) and are decoded by the rank each prompt was given to; the others are
+        spread round-robin over the ranks, each prefilling and decoding its share on its own snapshot
+        replica. Each rank decodes its requests (:meth:`SamplerPool.sample`), then the results are gathered.
         """
         requests: list[SampleRequest] = command.args["requests"]
         sampler_id = command.args["sampler_id"]
+        group = self.mesh.control_group if self.mesh else None
+        size = dist.get_world_size(group) if group is not None else 1
+        rank = dist.get_rank(group) if group is not None else 0
         limit = self.spec.min_mesh_prompt_tokens
-        on_mesh = [
-            i
-            for i, r in enumerate(requests)
-            if takes_mesh_forward(len(r.prompt), r.params.max_tokens or DEFAULT_MAX_TOKENS, min_prompt_tokens=limit)
-        ]
+        on_mesh = [i for i, r in enumerate(requests) if takes_mesh_forward(len(r.prompt), min_prompt_tokens=limit)]
         spread = [i for i in range(len(requests)) if i not in set(on_mesh)]
-        answers: dict[int, PromptSamples] = {}
-        if on_mesh:
-            got = self._sample_on_mesh(sampler_id, [requests[i] for i in on_mesh])
-            answers.update(zip(on_mesh, got or [], strict=False))
-        if spread:
-            got = self._sample_spread(sampler_id, [requests[i] for i in spread])
-            answers.update(zip(spread, got or [], strict=False))
-        if self.mesh is not None and dist.get_rank(self.mesh.control_group) != 0:
+        prefilled = self._prefill_on_mesh(sampler_id, [requests[i] for i in on_mesh]) if on_mesh else {}
+        mine = [on_mesh[j] for j in sorted(prefilled)] + [i for n, i in enumerate(spread) if n % size == rank]
+        try:
+            forwards = [prefilled[j] for j in sorted(prefilled)] + [None] * (len(mine) - len(prefilled))
+            results = self.samplers.sample(sampler_id, [requests[i] for i in mine], prefilled=forwards)
+            payload: tuple = (True, list(zip(mine, results, strict=True)))
+        except Exception as exc:  # every rank still joins the gather below
+            payload = (False, exc if isinstance(exc, UserInputError) else RuntimeError(f"{type(exc).__name__}: {exc}"))
+        parts = gather_object_to(payload, group, dst=0)
+        if parts is None:
             return None
+        failed = [error for ok, error in parts if not ok]
+        if failed:
+            raise failed[0]
+        answers = {i: result for _, pairs in parts for i, result in pairs}
         return [answers[i] for i in range(len(requests))]
 
-    def _sample_on_mesh(self, sampler_id: str, requests: list[SampleRequest]) -> list[PromptSamples] | None:
-        """``max_tokens=1`` requests through the DP×CP forward of the session's snapshot (every rank holds
-        the same one); the first tokens are chosen on the result rank. Collective over the whole mesh.
+    def _prefill_on_mesh(self, sampler_id: str, requests: list[SampleRequest]) -> dict[int, PromptForward]:
+        """The prompts of ``requests`` through the DP×CP forward of the session's snapshot (every rank holds
+        the same one); ``{request index: PromptForward}`` of the requests this rank decodes, with their
+        caches when they generate more than one token. Collective over the whole mesh.
 
         Requests are checked before any collective (the same verdict on every rank). A rank failing in
         the forward leaves its peers' data groups out of step: after the ranks agree on it, the groups
@@ -202,19 +209,22 @@ class RankExecutor:
             gated_delta=modes["gated_delta"],
             pad_multiplier=modes["pad_multiplier"],
         )
-        groups: dict[tuple[bool, int], list[int]] = {}
+        groups: dict[tuple[bool, int, bool], list[int]] = {}
         for i, r in enumerate(requests):
-            groups.setdefault((r.prompt_logprobs, r.topk_prompt_logprobs), []).append(i)
+            decodes = (r.params.max_tokens or DEFAULT_MAX_TOKENS) > 1
+            groups.setdefault((r.prompt_logprobs, r.topk_prompt_logprobs, decodes), []).append(i)
         forwards: dict[int, PromptForward] = {}
-        control = self.mesh.control_group if self.mesh else None
 
         def run() -> None:
-            for (want_lp, topk), members in groups.items():
+            for (want_lp, topk, decodes), members in groups.items():
                 prompts = [requests[i].prompt for i in members]
-                got = prompts_forward(model, self.mesh, prompts, layout, prompt_logprobs=want_lp, topk=topk)
-                forwards.update(zip(members, got or [], strict=False))
+                got = prompts_forward(
+                    model, self.mesh, prompts, layout, prompt_logprobs=want_lp, topk=topk, capture=decodes
+                )
+                forwards.update((members[j], forward) for j, forward in got.items())
 
         _, error = attempt(run)
+        control = self.mesh.control_group if self.mesh else None
         verdicts = all_gather_objects(None if error is None else isinstance(error, UserInputError), control)
         if any(v is False for v in verdicts):  # a rank failed inside a collective: fresh data groups
             self._repair_groups()
@@ -222,24 +232,7 @@ class RankExecutor:
             raise error
         if any(v is not None for v in verdicts):
             raise RankFailedError("another rank failed in the prompt forward of a sampling request")
-        if self.mesh is not None and dist.get_rank(control) != 0:
-            return None
-        out: list[PromptSamples | None] = [None] * len(requests)
-        by_params: dict[tuple, list[int]] = {}
-        for i, r in enumerate(requests):
-            by_params.setdefault((r.params, r.num_samples), []).append(i)
-        for (params, num_samples), members in by_params.items():
-            results = sample_after_forward(
-                model,
-                [requests[i].prompt for i in members],
-                params,
-                [forwards[i] for i in members],
-                num_samples=num_samples,
-                decode=self.samplers.decode,
-            )
-            for i, result in zip(members, results, strict=True):
-                out[i] = result
-        return out  # type: ignore[return-value]
+        return forwards
 
     def _repair_groups(self) -> None:
         """Fresh data groups on every rank of the mesh after a failure inside a collective (see the trainer's
@@ -250,30 +243,6 @@ class RankExecutor:
         for trainer in self.trainers.values():
             if trainer.fsdp_units:
                 trainer.broken = "a rank failed mid-request and FSDP-sharded parameters cannot move to new groups"
-
-    def _sample_spread(self, sampler_id: str, requests: list[SampleRequest]) -> list[PromptSamples] | None:
-        """Requests spread round-robin over the ranks (each samples its share on its own snapshot replica);
-        results gathered on the result rank in request order (None elsewhere)."""
-        group = self.mesh.control_group if self.mesh else None
-        size = dist.get_world_size(group) if group is not None else 1
-        rank = dist.get_rank(group) if group is not None else 0
-        mine = [i for i in range(len(requests)) if i % size == rank]
-        try:
-            results = self.samplers.sample(sampler_id, [requests[i] for i in mine])
-            payload: tuple = (True, list(zip(mine, results, strict=True)))
-        except Exception as exc:  # every rank still joins the gather below
-            payload = (False, exc if isinstance(exc, UserInputError) else RuntimeError(f"{type(exc).__name__}: {exc}"))
-        parts = gather_object_to(payload, group, dst=0)
-        if parts is None:
-            return None
-        failed = [error for ok, error in parts if not ok]
-        if failed:
-            raise failed[0]
-        out: list[PromptSamples | None] = [None] * len(requests)
-        for _, pairs in parts:
-            for i, result in pairs:
-                out[i] = result
-        return out  # type: ignore[return-value]
 
     def _forward_backward(self, command: Command):
         a = command.args

@@ -103,7 +103,8 @@ class Attention(nn.Module):
         """x [T_local, hidden] (this rank's zigzag shard) -> [T_local, hidden].
 
         Communicates over ``shard.group`` (the CP group) by ``shard.attention``; every CP rank must call it.
-        ``cache`` (prefill at CP = 1 only) receives the keys and values decoding continues from.
+        ``cache`` (a prefill for decoding) receives the keys and values decoding continues from (gathered
+        over the CP group at CP > 1).
         """
         q, k, v, gate = self._project(x, shard.positions)
         mode = shard.attention if shard.cp_size > 1 else "ring"  # the ring at size 1 is the local kernel

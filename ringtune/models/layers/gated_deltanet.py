@@ -91,13 +91,17 @@ class GatedDeltaNet(nn.Module):
         """x [T_local, hidden] (this rank's zigzag shard) -> [T_local, hidden].
 
         Communicates over ``shard.group`` (the CP group) by ``shard.gated_delta``; every CP rank must call it.
-        ``cache`` (prefill at CP = 1 only) receives the final states and conv windows decoding continues from;
-        the core then runs on ``cache.gdn_cu_seqlens`` (each sequence cut before its tail pad).
+        ``cache`` (a prefill for decoding) receives the final states and conv windows decoding continues
+        from: at CP = 1 the core then runs on ``cache.gdn_cu_seqlens`` (each sequence cut before its tail
+        pad); at CP > 1 the raw inputs are gathered to the row and the states computed there (see
+        :mod:`ringtune.models.cache`), the output still by the CP mode.
         """
         q, k, v, g, beta, conv_weight = self._project(x)
         if shard.cp_size > 1:
             fn = gdn_cp_fn(shard.gated_delta)
             o = fn(q, k, v, g, beta, conv_weight, shard.plan, shard.group)
+            if cache is not None:
+                cache.record_gated_delta_inputs(q, k, v, g, beta, conv_weight)
         elif cache is None:
             o = gated_delta_core(q, k, v, shard.cu_seqlens, g=g, beta=beta, conv_weight=conv_weight)
         else:
