@@ -70,7 +70,9 @@ def step_worker(rank: int, tokens: int, recompute: str) -> dict[str, Any]:
     cp = dist.get_world_size()
     mesh = build_mesh(dp=1, cp=cp)
     budget = rank_token_budget(tokens, cp, pad_multiplier=8)
-    trainer = Trainer(build_model(), mesh, max_tokens_per_rank=budget, recompute=recompute)
+    heads = (MODEL["linear_num_key_heads"], MODEL["linear_num_value_heads"])
+    gdn = "headwise" if all(h % cp == 0 for h in heads) else "chunkwise"  # as the planner assumes
+    trainer = Trainer(build_model(), mesh, max_tokens_per_rank=budget, recompute=recompute, gated_delta=gdn)
     trainer.forward_backward([_datum(256, 1)], "cross_entropy")
     trainer.optim_step(ADAM)
     gc.collect()
@@ -92,6 +94,7 @@ def step_worker(rank: int, tokens: int, recompute: str) -> dict[str, Any]:
         "before": before,
         "local_len": batch.plan.local_lens[0][0],
         "seconds": seconds,
+        "gated_delta": gdn,
     }
 
 
@@ -104,7 +107,8 @@ def check(cp: int, recompute: str, tokens: int) -> tuple[bool, str]:
     ratio = est.peak / measured
     ok = abs(ratio - 1) <= GOAL
     line = (
-        f"    CP={cp} {recompute:<9} {tokens:>6} {local:>6} {est.peak / MIB:9.1f} {measured / MIB:9.1f} {ratio:6.3f}"
+        f"    CP={cp} {recompute:<9} {results[0]['gated_delta']:<9} {tokens:>6} {local:>6}"
+        f" {est.peak / MIB:9.1f} {measured / MIB:9.1f} {ratio:6.3f}"
         f"  {est.phase:<9} {max(r['seconds'] for r in results):6.1f}  {'PASS' if ok else 'FAIL'}"
     )
     return ok, line
@@ -118,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"ringtune plan check: torch {torch.__version__}; model: {describe_model()}")
     print(f"per-rank peak of forward_backward + optim_step, MiB (max over ranks); goal |ratio - 1| <= {GOAL}")
     print(
-        f"    {'config':<15} {'tokens':>6} {'local':>6} {'predicted':>9} {'measured':>9} {'ratio':>6}"
+        f"    {'config':<15} {'GDN':<9} {'tokens':>6} {'local':>6} {'predicted':>9} {'measured':>9} {'ratio':>6}"
         f"  {'phase':<9} {'s':>6}"
     )
     ok = []
