@@ -136,6 +136,17 @@ def test_cp2_server_equals_a_single_process_trainer(server):
         want = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
         assert got[0] is None and len(got) == len(long_prompt)
         assert torch.allclose(torch.tensor(got[1:]), want.float(), atol=1e-6)
+        # A generation after that prompt: prefilled by both ranks (caches gathered), decoded by one; on-policy.
+        params = tinker.SamplingParams(max_tokens=6, temperature=0.0, stop=[])
+        seq = sampler.sample(tinker.ModelInput.from_ints(long_prompt), 1, params).result(timeout=120).sequences[0]
+        full = long_prompt + seq.tokens
+        datum = tinker.Datum(
+            model_input=tinker.ModelInput.from_ints(full[:-1]),
+            loss_fn_inputs={"target_tokens": full[1:], "weights": [0.0] * (len(full) - 1)},
+        )
+        lp = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
+        assert len(seq.tokens) == 6
+        assert torch.allclose(torch.tensor(seq.logprobs), lp[len(long_prompt) - 1 :].float(), atol=1e-6)
 
 
 def _worker_pids(pid: int) -> list[int]:

@@ -132,8 +132,8 @@ class CausalLM(nn.Module):
         """input_ids int64 [T_local] (this rank's zigzag shard) -> final-normed hidden [T_local, hidden].
 
         Every rank of the shard's CP group must call it (and its backward) together. ``capture`` (a prefill
-        for decoding, CP = 1 only, built on ``shard.plan``) collects every layer's K/V or GDN states; the
-        hidden states of real tokens are those of the plain call.
+        for decoding, built on ``shard.plan``; at CP > 1 with the CP group, see :mod:`ringtune.models.cache`)
+        collects every layer's K/V or GDN states; the hidden states of real tokens are those of the plain call.
         """
         if input_ids.shape != (shard.plan.local_len,):
             raise ValueError(
