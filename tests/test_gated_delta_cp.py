@@ -1,5 +1,8 @@
 """GatedDeltaNet CP (headwise, chunkwise) against the single-process core, float64, CP 1/2/4.
 
+The CP modes run the default chunked scan (``recompute``: inputs and segment states kept, recomputed in the
+backward); the float64 reference runs the ``autograd`` scan, so the comparison covers both.
+
 Inputs are built from parameters (conv weight, A_log, dt_bias) and raw projections (q, k, v, a, b)
 so every gradient the layer needs is checked: per-token ones on each rank's shard, parameter ones as
 the SUM over the CP group (the replicated-parameter rule).
@@ -68,7 +71,8 @@ def gdn_case(ctx, *, mode: str, cp: int, fault: str | None = None, rows=None):
         ref_t = {n: t.clone().requires_grad_() for n, t in tokens.items()}
         ref_p = {n: p.clone().requires_grad_() for n, p in params.items()}
         q, k, v, g, beta, w = core_inputs(ref_t, ref_p)
-        ref_o = gated_delta_core(q, k, v, cu, g=g, beta=beta, conv_weight=w)
+        # The reference runs the scan autograd keeps whole; the CP modes run the default (recomputing) scan.
+        ref_o = gated_delta_core(q, k, v, cu, g=g, beta=beta, conv_weight=w, scan="autograd")
         dout = torch.randn(ref_o.shape, generator=torch.Generator().manual_seed(index), dtype=torch.float64)
         if seq_lens:
             (ref_o * dout).sum().backward()

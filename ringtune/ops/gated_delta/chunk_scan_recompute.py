@@ -35,16 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.function import once_differentiable
 
-from ringtune.ops.gated_delta.chunk_scan import (
-    CHUNK_SIZE,
-    ScanLayout,
-    chunk_pieces,
-    from_chunks,
-    scan_layout,
-    scan_steps,
-    to_chunks,
-    with_pad_row,
-)
+from ringtune.ops.gated_delta.chunk_scan import CHUNK_SIZE, ScanLayout, chunk_pieces, scan_layout, scan_steps
 
 SEGMENT_BYTES = 32 * 2**20
 """Budget for the recomputed intermediates of one segment (rectangle of chunks), see the module docstring."""
@@ -104,10 +95,23 @@ def _continuing(layout: ScanLayout, blocks: list[Segment]) -> int:
     return layout.active[j1] if j1 < len(layout.active) else 0
 
 
-def in_token_order(parts: list[torch.Tensor], rows: list[torch.Tensor], slot: torch.Tensor, T: int) -> torch.Tensor:
-    """Per-segment chunk values ``parts[i]`` [R_i·C, H, D] of chunk rows ``rows[i]`` -> [T, H, D] in token order."""
-    where = slot[torch.cat(rows)].flatten()
-    return torch.cat(parts)[torch.argsort(where, stable=True)[:T]]  # each token once; pads sort last
+def segment_chunks(x: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """The chunks of one segment: rows of ``x`` [T, H, ...] at ``slot`` [R, C] (pads: ``T``) -> [R, H, C, ...].
+
+    Pads read zeros; only the segment's rows are read (no padded copy of ``x``). Not differentiable: the backward
+    makes leaves of it.
+    """
+    rows = x.detach()[slot.clamp(max=x.shape[0] - 1)]  # [R, C, H, ...]
+    pad = (slot == x.shape[0]).view(*slot.shape, *(1,) * (rows.dim() - 2))
+    rows = rows.masked_fill(pad, 0)
+    return rows.movedim(2, 1) if rows.dim() == 4 else rows.transpose(1, 2)
+
+
+def put_tokens(out: torch.Tensor, chunked: torch.Tensor, slot: torch.Tensor) -> None:
+    """Write chunked values [R, H, C, ...] at ``slot`` [R, C] into ``out`` [T, H, ...] in place, pads skipped."""
+    rows = chunked.movedim(2, 1) if chunked.dim() == 4 else chunked.transpose(1, 2)  # [R, C, H, ...]
+    real = slot < out.shape[0]
+    out.index_copy_(0, slot[real], rows[real])
 
 
 def recompute_scan_forward(
@@ -133,35 +137,27 @@ def recompute_scan_forward(
     """
     T, H, Dk = k.shape
     Dv = v.shape[-1]
-    padded = [None if x is None else with_pad_row(x) for x in (q, k, v, g, beta)]
-    S, starts, finished, out_parts, out_rows = initial_sorted, [], [], [], []
+    o = None if q is None else v.new_empty(T, H, Dv)  # every token is in exactly one chunk
+    S, starts, finished = initial_sorted, [], []
     for gi, blocks in enumerate(groups):
         if gi:
             starts.append(S)
         ends = []
         for seg in blocks:
-            chunks = [None if x is None else to_chunks(x, layout.slot[seg.rows]) for x in padded]
+            slot = layout.slot[seg.rows]
+            chunks = [None if x is None else segment_chunks(x, slot) for x in (q, k, v, g, beta)]
             S_in = None if S is None else S[seg.lo : seg.lo + seg.steps[0]]
             outs, states = scan_steps(chunk_pieces(*chunks), seg.steps, S_in)
             ends.append(states)
-            if q is not None:
-                out_parts.append(from_chunks(torch.cat(outs)))
-                out_rows.append(seg.rows)
+            if o is not None:
+                put_tokens(o, torch.cat(outs), slot)
         exits = torch.cat(ends)  # [active[j0]]: each sequence's state after its last step in the group
         following = _continuing(layout, blocks)
         if output_final_state:
             finished.append(exits[following:])
         S = exits[:following]
-    o = None
-    if q is not None:
-        o = in_token_order([v.new_zeros(0, H, Dv), *out_parts], [layout.slot.new_zeros(0), *out_rows], layout.slot, T)
     final = torch.cat([v.new_zeros(0, H, Dk, Dv), *finished[::-1]]) if output_final_state else None
     return o, final, starts
-
-
-def _token_rows(x: torch.Tensor) -> torch.Tensor:
-    """Chunked [R, H, C, D] -> [R·C, H, D], or chunked gates [R, H, C] -> [R·C, H]."""
-    return from_chunks(x) if x.dim() == 4 else x.transpose(1, 2).reshape(-1, x.shape[1])
 
 
 def _exit_gradient(
@@ -196,12 +192,10 @@ def recompute_scan_backward(
         ``([dq or None, dk, dv, dg, dbeta] each shaped as its input, d(initial_sorted[:active[0]]) or None
         when the first group starts from zeros)``.
     """
-    T, H, Dk = inputs[1].shape
+    H, Dk = inputs[1].shape[1:]
     like = inputs[2].new_zeros(0, H, Dk, inputs[2].shape[-1])  # a state's shape and dtype
-    padded = [None if x is None else with_pad_row(x) for x in inputs]
-    d_o_padded = None if d_o is None or inputs[0] is None else with_pad_row(d_o)
-    grad_parts: list[list[torch.Tensor]] = [[] for _ in inputs]
-    grad_rows: list[torch.Tensor] = []
+    d_o = None if inputs[0] is None else d_o
+    grads_in = [None if x is None else torch.empty_like(x) for x in inputs]  # every token written once
     d_S = None  # d(state) of the sequences that leave the group being processed for the next one
     for gi in range(len(groups) - 1, -1, -1):
         blocks = groups[gi]
@@ -211,39 +205,30 @@ def recompute_scan_backward(
         d_starts = []
         for seg in blocks:
             slot = layout.slot[seg.rows]
+            leaves = [None if x is None else segment_chunks(x, slot).requires_grad_() for x in inputs]
+            S_in = None if start is None else start[seg.lo : seg.lo + seg.steps[0]].detach().requires_grad_()
+            outputs, cotangents = [], []
             with torch.enable_grad():
-                leaves = [None if x is None else to_chunks(x, slot).requires_grad_() for x in padded]
-                S_in = None if start is None else start[seg.lo : seg.lo + seg.steps[0]].detach().requires_grad_()
                 outs, states = scan_steps(chunk_pieces(*leaves), seg.steps, S_in)
-                outputs, cotangents = [], []
-                if d_o_padded is not None:
-                    outputs += outs
-                    cotangents += to_chunks(d_o_padded, slot).split(seg.steps)
-                if d_exit is not None:
-                    outputs.append(states)
-                    cotangents.append(d_exit[seg.lo : seg.lo + seg.steps[0]])
-                wrt = [x for x in (*leaves, S_in) if x is not None]
-                grads = list(
-                    torch.autograd.grad(outputs, wrt, cotangents, allow_unused=True, materialize_grads=True)
-                    if outputs
-                    else [torch.zeros_like(x) for x in wrt]
-                )
-            for parts, leaf in zip(grad_parts, leaves, strict=True):
+            if d_o is not None:
+                outputs += outs
+                cotangents += segment_chunks(d_o, slot).split(seg.steps)
+            if d_exit is not None:
+                outputs.append(states)
+                cotangents.append(d_exit[seg.lo : seg.lo + seg.steps[0]])
+            wrt = [x for x in (*leaves, S_in) if x is not None]
+            grads = list(
+                torch.autograd.grad(outputs, wrt, cotangents, allow_unused=True, materialize_grads=True)
+                if outputs
+                else [torch.zeros_like(x) for x in wrt]
+            )
+            for out, leaf in zip(grads_in, leaves, strict=True):
                 if leaf is not None:
-                    parts.append(_token_rows(grads.pop(0)))
-            grad_rows.append(seg.rows)
+                    put_tokens(out, grads.pop(0), slot)
             if S_in is not None:
                 d_starts.append(grads.pop(0))
         d_S = torch.cat(d_starts) if d_starts else None
-    no_rows = layout.slot.new_zeros(0, dtype=torch.int64)
-    result = []
-    for x, parts in zip(inputs, grad_parts, strict=True):
-        if x is None:
-            result.append(None)
-            continue
-        empty = x.new_zeros(0, *x.shape[1:])
-        result.append(in_token_order([empty, *parts], [no_rows, *grad_rows], layout.slot, T))
-    return result, d_S
+    return grads_in, d_S
 
 
 class _RecomputingScan(torch.autograd.Function):
