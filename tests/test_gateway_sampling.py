@@ -136,7 +136,34 @@ BAD_SAMPLING = {
     "unknown_session": ({"sampling_session_id": "nope"}, "sampling_session_id"),
     "last_n_over_prompt": ({"prompt_logprobs": True, "prompt_logprobs_last_n": 5}, "prompt_logprobs_last_n=5"),
     "last_n_without_prompt_logprobs": ({"prompt_logprobs_last_n": 2}, "needs prompt_logprobs=true"),
-    "target_prompt_logprobs": ({"target_prompt_logprobs": {"data": [1], "dtype": "int64"}}, "target_prompt_logprobs"),
+    "targets_float": (
+        {"target_prompt_logprobs": {"data": [1.0] * 4, "dtype": "float32", "shape": [4, 1]}},
+        "target_prompt_logprobs.dtype='float32'",
+    ),
+    "targets_rows": (
+        {"target_prompt_logprobs": {"data": [1] * 5, "dtype": "int64", "shape": [5, 1]}},
+        "len(prompt) - 1 = 4",
+    ),
+    "targets_k_over_cap": (
+        {"target_prompt_logprobs": {"data": [1] * 4 * 129, "dtype": "int64", "shape": [4, 129]}},
+        "K <= 128",
+    ),
+    "targets_out_of_vocab": (
+        {"target_prompt_logprobs": {"data": [1, 2, 10**6, 3], "dtype": "int64", "shape": [4, 1]}},
+        "token id 1000000",
+    ),
+    "targets_bad_csr": (
+        {
+            "target_prompt_logprobs": {
+                "data": [3],
+                "dtype": "int64",
+                "shape": [4, 2],
+                "sparse_crow_indices": [0, 1, 1, 1],
+                "sparse_col_indices": [0],
+            }
+        },
+        "sparse_crow_indices",
+    ),
 }
 
 
@@ -218,3 +245,41 @@ def test_finishing_the_client_session_frees_its_samplers(gateway):
     assert httpx.post(url, json=finish, headers=headers).status_code == 200
     response = httpx.post(f"{gateway['url']}/api/v1/asample", json=request, headers=headers)
     assert 400 <= response.status_code < 500 and "no such sampling session" in response.json()["error"]
+
+
+def test_target_prompt_logprobs_dense_and_sparse_equal_the_trainer(clients):
+    """K candidate ids per prompt position (the decisions recipe's call): log-probs of the trainer's [N, K]
+    forward at every asked cell, 0.0 elsewhere; a sparse request gets a sparse answer with its indices."""
+    _, tc = clients
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    gen = torch.Generator().manual_seed(4)
+    prompt = torch.randint(0, 90, (12,), generator=gen).tolist()
+    ids = torch.randint(0, 90, (len(prompt) - 1, 3), generator=gen)
+    ids[2, 1] = ids[5, 0] = -1
+    asked = ids >= 0
+    datum = tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(prompt[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tinker.TensorData.from_torch(ids.clamp(min=0)),
+            "weights": tinker.TensorData.from_torch(torch.zeros(ids.shape)),
+        },
+    )
+    want = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
+    params = tinker.SamplingParams(max_tokens=1)
+    dense = sampler.sample(
+        tinker.ModelInput.from_ints(prompt), 1, params, target_prompt_logprobs=tinker.TensorData.from_torch(ids)
+    ).result()
+    got = dense.target_prompt_logprobs.to_torch()
+    assert got.shape == ids.shape and dense.target_prompt_logprobs.sparse_crow_indices is None
+    assert torch.allclose(got[asked], want[asked].float(), atol=1e-5) and (got[~asked] == 0).all()
+    one_row = torch.full_like(ids, -1)
+    one_row[7] = ids[7]  # only the answer position asks, as in tinker_cookbook.recipes.decisions
+    sparse = sampler.sample(
+        tinker.ModelInput.from_ints(prompt),
+        1,
+        params,
+        target_prompt_logprobs=tinker.TensorData.from_torch_sparse(one_row, pad_value=-1),
+    ).result()
+    assert sparse.target_prompt_logprobs.sparse_crow_indices is not None
+    got = sparse.target_prompt_logprobs.to_torch()
+    assert torch.allclose(got[7], want[7].float(), atol=1e-5) and (got[torch.arange(11) != 7] == 0).all()

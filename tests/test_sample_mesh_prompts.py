@@ -1,8 +1,9 @@
 """Prompts through the DP×CP forward (``ringtune.sample.mesh_prompts``) equal the one-rank prefill.
 
-float64, within 1e-10: prompt log-probs, top-k prompt log-probs (same ids), the last token's logits and the
-decode caches (attention K/V, GatedDeltaNet recurrent state and conv window) of packed prompts (1–17
-tokens, lengths not divisible by 2·CP, longer than a GDN chunk, one longer than a row so rows split) at
+float64, within 1e-10: prompt log-probs, top-k prompt log-probs (same ids), target prompt log-probs (K ids
+per position, −1 asks nothing and gets 0), the last token's logits and the decode caches (attention K/V,
+GatedDeltaNet recurrent state and conv window) of packed prompts (1–17 tokens, lengths not divisible by
+2·CP, longer than a GDN chunk, one longer than a row so rows split) at
 (DP, CP) in {(1, 1), (1, 2), (1, 4), (2, 2)}, both GatedDeltaNet CP modes and every attention mode the tiny
 model allows; every prompt is decoded by exactly one rank of its replica. Through :class:`RankExecutor`:
 long-prompt requests routed to the mesh (one-token and multi-token generations) return the same samples
@@ -39,6 +40,17 @@ def _prompts(seed: int = 3) -> list[list[int]]:
     return [torch.randint(0, 96, (n,), generator=g).tolist() for n in PROMPT_LENS]
 
 
+def _targets(seed: int = 8) -> list[torch.Tensor]:
+    """Tinker target_prompt_logprobs per prompt: [n − 1, 3] ids, some −1 (nothing asked)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in PROMPT_LENS:
+        ids = torch.randint(0, 96, (n - 1, 3), generator=g)
+        ids[torch.rand(ids.shape, generator=g) < 0.2] = -1
+        out.append(ids)
+    return out
+
+
 def _cache_tensors(cache) -> list[torch.Tensor]:
     """Every tensor of a SequenceCache, layer by layer (K, V or state, conv window)."""
     return [t for layer in cache.layers for t in vars(layer).values()]
@@ -49,14 +61,15 @@ def _reference(root: str) -> list[dict]:
     model = load_hf(root, dtype=torch.float64)
     out = []
     with torch.inference_mode():
-        for p in _prompts():
-            r = prefill(model, [p], prompt_logprobs=True, topk=TOPK)
+        for p, t in zip(_prompts(), _targets(), strict=True):
+            r = prefill(model, [p], prompt_logprobs=True, topk=TOPK, targets=[t])
             out.append(
                 {
                     "logits": r.last_logits[0],
                     "lp": r.prompt_logprobs[0],
                     "top": r.topk_prompt_logprobs[0],
                     "cache": _cache_tensors(r.caches[0]),
+                    "targets": r.target_logprobs[0],
                 }
             )
     return out
@@ -72,7 +85,9 @@ def mesh_case(ctx, *, root: str):
             mesh = ctx.mesh(dp=dp, cp=cp)
             model = load_hf(root, dtype=torch.float64)
             layout = MeshLayout(max_tokens_per_rank=BUDGET, attention=attention, gated_delta=gated_delta)
-            got = prompts_forward(model, mesh, _prompts(), layout, prompt_logprobs=True, topk=TOPK, capture=True)
+            got = prompts_forward(
+                model, mesh, _prompts(), layout, prompt_logprobs=True, topk=TOPK, capture=True, targets=_targets()
+            )
             results[dp, cp, attention, gated_delta] = [
                 (
                     i,
@@ -81,6 +96,7 @@ def mesh_case(ctx, *, root: str):
                         "lp": f.prompt_logprobs,
                         "top": f.topk_prompt_logprobs,
                         "cache": _cache_tensors(f.cache),
+                        "targets": f.target_logprobs,
                     },
                 )
                 for i, f in sorted(got.items())
@@ -119,6 +135,9 @@ def test_mesh_forward_equals_one_rank_prefill_float64(pool4, checkpoint):
                 assert got_t.shape == want_t.shape and got_t.dtype == want_t.dtype, key
                 assert (got_t - want_t).abs().max().item() <= 1e-10, (key, i)
             assert g["lp"][0] is None and len(g["lp"]) == n, key
+            assert g["targets"].shape == (n - 1, 3), key
+            assert (g["targets"] - w["targets"]).abs().max().item() <= 1e-10 if n > 1 else True, key
+            assert (g["targets"][_targets()[i] < 0] == 0).all(), key
             assert _max_abs(g["lp"], w["lp"]) <= 1e-10, key
             assert (g["logits"] - w["logits"]).abs().max().item() <= 1e-10, key
             assert g["top"][0] is None and len(g["top"]) == n, key

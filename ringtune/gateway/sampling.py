@@ -27,6 +27,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from ringtune.errors import UserInputError
 from ringtune.gateway.futures import FutureStore, Outcome
+from ringtune.gateway.sample_targets import TargetLayout, encode_targets, parse_targets
 from ringtune.sample.params import SamplingParams
 from ringtune.sample.pool import SampleRequest, SamplerSource
 from ringtune.sample.sampler import MAX_NUM_SAMPLES, MAX_TOPK_PROMPT_LOGPROBS, PromptSamples
@@ -89,16 +90,17 @@ def prompt_tokens(prompt: dict[str, Any], vocab_size: int) -> list[int]:
     return tokens
 
 
-def sample_request(body: SampleBody, vocab_size: int, max_prompt_tokens: int) -> SampleRequest:
-    """A validated :class:`SampleRequest`; UserInputError naming the field, the value and the limit."""
+def sample_request(
+    body: SampleBody, vocab_size: int, max_prompt_tokens: int
+) -> tuple[SampleRequest, TargetLayout | None]:
+    """A validated :class:`SampleRequest` and the layout of its ``target_prompt_logprobs`` (None without);
+    UserInputError naming the field, the value and the limit."""
     for field, value in (
         ("topk_sample_logprobs", body.topk_sample_logprobs),
         ("prompt_alt_tokens_k", body.prompt_alt_tokens_k),
     ):
         if value not in (0, None):
             raise UserInputError(f"{field}={value!r} is not supported (use 0)")
-    if body.target_prompt_logprobs is not None:
-        raise UserInputError("target_prompt_logprobs is not supported")
     if not isinstance(body.prompt_logprobs, bool):
         raise UserInputError(f"prompt_logprobs={body.prompt_logprobs!r} must be true or false")
     prompt = prompt_tokens(body.prompt, vocab_size)
@@ -109,6 +111,9 @@ def sample_request(body: SampleBody, vocab_size: int, max_prompt_tokens: int) ->
         if not body.prompt_logprobs:
             raise UserInputError(f"prompt_logprobs_last_n={last_n!r} needs prompt_logprobs=true")
         last_n = _int(last_n, "prompt_logprobs_last_n", 1, max(1, len(prompt) - 1))
+    targets, layout = None, None
+    if body.target_prompt_logprobs is not None:
+        targets, layout = parse_targets(body.target_prompt_logprobs, len(prompt), vocab_size)
     params = body.sampling_params
     if not isinstance(params, dict):
         raise UserInputError("sampling_params: expected an object")
@@ -116,21 +121,26 @@ def sample_request(body: SampleBody, vocab_size: int, max_prompt_tokens: int) ->
     unknown = sorted(set(params) - known)
     if unknown:
         raise UserInputError(f"sampling_params: unknown field(s) {unknown}; known: {sorted(known)}")
-    return SampleRequest(
+    request = SampleRequest(
         prompt=prompt,
         params=SamplingParams(**{k: v for k, v in params.items() if v is not None or k in ("seed", "stop")}),
         num_samples=_int(body.num_samples, "num_samples", 1, MAX_NUM_SAMPLES),
         prompt_logprobs=body.prompt_logprobs,
         topk_prompt_logprobs=_int(body.topk_prompt_logprobs or 0, "topk_prompt_logprobs", 0, MAX_TOPK_PROMPT_LOGPROBS),
         prompt_logprobs_last_n=last_n,
+        target_tokens=targets,
     )
+    return request, layout
 
 
-def encode_sample_response(result: PromptSamples, last_n: int | None = None) -> bytes:
+def encode_sample_response(
+    result: PromptSamples, last_n: int | None = None, targets: TargetLayout | None = None
+) -> bytes:
     """The protobuf ``SampleResponse`` of one request (tokens int32, log-probs float32, NaN where absent).
 
-    ``last_n`` (``prompt_logprobs_last_n``): only the last ``last_n`` prompt log-probs are reported; the
-    entries before them are NaN (None to the SDK), as the SDK checks.
+    ``last_n`` (``prompt_logprobs_last_n``): only the last ``last_n`` prompt log-probs and top-k rows are
+    reported; the entries before them are NaN / empty (None to the SDK), as the SDK checks. ``targets``:
+    the request's ``target_prompt_logprobs`` layout, which the answer repeats.
     """
     out = pb.SampleResponse()
     for seq in result.sequences:
@@ -144,7 +154,9 @@ def encode_sample_response(result: PromptSamples, last_n: int | None = None) -> 
             values[: len(values) - last_n] = [math.nan] * (len(values) - last_n)
         out.prompt_logprobs = struct.pack(f"<{len(values)}f", *values)
     if result.topk_prompt_logprobs is not None:
-        rows = result.topk_prompt_logprobs
+        rows = list(result.topk_prompt_logprobs)
+        if last_n is not None:
+            rows[: len(rows) - last_n] = [None] * (len(rows) - last_n)
         k = max((len(r) for r in rows if r), default=0)
         ids, lps = [], []
         for row in rows:
@@ -156,6 +168,8 @@ def encode_sample_response(result: PromptSamples, last_n: int | None = None) -> 
         out.topk_prompt_logprobs.logprobs = struct.pack(f"<{len(lps)}f", *lps)
         out.topk_prompt_logprobs.k = k
         out.topk_prompt_logprobs.length = len(rows)
+    if targets is not None and result.target_prompt_logprobs is not None:
+        out.target_prompt_logprobs.CopyFrom(encode_targets(result.target_prompt_logprobs, targets))
     return out.SerializeToString()
 
 
@@ -189,7 +203,7 @@ class SamplingService:
         self.max_prompt_tokens = max_prompt_tokens
         self.sessions: dict[str, SamplerSession] = {}
         self._seen: dict[tuple[str, int], dict[str, Any]] = {}
-        self._pending: list[tuple[str, SampleRequest, str]] = []
+        self._pending: list[tuple[str, SampleRequest, str, TargetLayout | None]] = []
         self._lock = threading.Lock()
         self._drain_queued = False
 
@@ -222,7 +236,7 @@ class SamplingService:
         key = (sampler_id, body.seq_id) if isinstance(body.seq_id, int) else None
         if key is not None and key in self._seen:
             return self._seen[key]
-        request = sample_request(body, self.backend.info().vocab_size, self.max_prompt_tokens)
+        request, layout = sample_request(body, self.backend.info().vocab_size, self.max_prompt_tokens)
         request_id = self.futures.create("sample")
         answer = {
             "request_id": request_id,
@@ -231,7 +245,7 @@ class SamplingService:
         if key is not None:
             self._seen[key] = answer
         with self._lock:
-            self._pending.append((sampler_id, request, request_id))
+            self._pending.append((sampler_id, request, request_id, layout))
             queue = not self._drain_queued
             self._drain_queued = True
         if queue:
@@ -243,22 +257,22 @@ class SamplingService:
         with self._lock:
             pending, self._pending = self._pending, []
             self._drain_queued = False
-        by_session: dict[str, list[tuple[SampleRequest, str]]] = {}
-        for sampler_id, request, request_id in pending:
-            by_session.setdefault(sampler_id, []).append((request, request_id))
+        by_session: dict[str, list[tuple[SampleRequest, str, TargetLayout | None]]] = {}
+        for sampler_id, request, request_id, layout in pending:
+            by_session.setdefault(sampler_id, []).append((request, request_id, layout))
         for sampler_id, items in by_session.items():
             try:
-                results = self.backend.sample(sampler_id, [r for r, _ in items])
+                results = self.backend.sample(sampler_id, [r for r, _, _ in items])
                 outcomes = [
-                    Outcome("proto", encode_sample_response(res, request.prompt_logprobs_last_n))
-                    for res, (request, _) in zip(results, items, strict=True)
+                    Outcome("proto", encode_sample_response(res, request.prompt_logprobs_last_n, layout))
+                    for res, (request, _, layout) in zip(results, items, strict=True)
                 ]
             except UserInputError as exc:
                 outcomes = [Outcome.error(str(exc), "user")] * len(items)
             except Exception as exc:
                 log.exception("sampling on %s failed", sampler_id)
                 outcomes = [Outcome.error(f"internal error: {type(exc).__name__}: {exc}", "server")] * len(items)
-            for (_, request_id), outcome in zip(items, outcomes, strict=True):
+            for (_, request_id, _), outcome in zip(items, outcomes, strict=True):
                 self.call_on_loop(lambda rid=request_id, out=outcome: self.futures.resolve(rid, out))
 
 

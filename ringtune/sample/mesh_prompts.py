@@ -4,14 +4,16 @@
 runs datums: packed into rows within the per-rank token budget
 (:func:`ringtune.engine.packing.pack_datums`), rows spread over the DP ranks, each row split over the CP
 group in the zigzag layout and run by :meth:`CausalLM.hidden_states` with the server's CP modes. So a
-128K-token prompt costs each rank ``T/CP`` tokens of activations, as in training, and no rank holds a
-128K KV cache. From each rank's final hidden states:
+128K-token prompt costs each rank ``T/CP`` tokens of the forward, as in training. From each rank's final
+hidden states:
 
 - ``prompt_logprobs``: ``log p(prompt[i] | prompt[:i])`` for i ≥ 1 by the training head
   (:func:`label_logprobs`), zero-padded to the row and summed over CP (:func:`gather_row`; each token has
   one owner, so the sum is exact); entry 0 is None;
 - ``topk_prompt_logprobs``: the k most likely tokens per position on the rank that owns it, gathered the
   same way (ids travel as float64, exact below 2**53);
+- ``target_logprobs`` (Tinker's ``target_prompt_logprobs``: K ids per position) by the head's [T, K]
+  labels, gathered the same way;
 - the hidden state of each prompt's last token (one owner; summed over CP), turned into float32 (float64)
   logits on the rank that decodes the prompt: the distribution of the first sampled token;
 - with ``capture`` (requests that generate more than one token), each layer's decode cache, gathered over
@@ -42,7 +44,7 @@ from ringtune.models.decoder import CausalLM
 from ringtune.models.logprob_head import label_logprobs
 from ringtune.models.shard import PackedShard
 from ringtune.parallel.mesh import ParallelMesh
-from ringtune.sample.prefill import output_logits, topk_logprobs
+from ringtune.sample.prefill import output_logits, target_labels, topk_logprobs
 
 IGNORE = -100
 """Label of a position that is not scored (each prompt's last token, pads)."""
@@ -59,6 +61,7 @@ class PromptForward:
     prompt_logprobs: list[float | None] | None
     topk_prompt_logprobs: TopK | None
     cache: SequenceCache | None = None
+    target_logprobs: torch.Tensor | None = None  # [n−1, K] for targets [n−1, K] (0.0 where the target is −1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,12 +98,14 @@ def prompts_forward(
     prompt_logprobs: bool,
     topk: int = 0,
     capture: bool = False,
+    targets: Sequence[torch.Tensor] | None = None,
 ) -> dict[int, PromptForward]:
     """Run ``prompts`` (validated token lists, each ≥ 1 token) through the DP×CP forward; see the module doc.
 
     Every rank of ``mesh`` calls it with the same arguments and an identical ``model`` (collective over the
     CP groups). Returns ``{prompt index: PromptForward}`` of the prompts this rank decodes
-    (:func:`decoding_rank`); with ``capture`` each carries its decode cache. Raises UserInputError (before
+    (:func:`decoding_rank`); with ``capture`` each carries its decode cache; ``targets`` (one int64
+    [n−1, K] per prompt, the same K) adds their log-probs. Raises UserInputError (before
     any collective, on every rank alike) when a prompt does not fit the per-rank budget at this CP size.
     """
     dp_size, dp_rank, cp_size, cp_rank = _coords(mesh)
@@ -131,8 +136,16 @@ def prompts_forward(
                 gated_delta=layout.gated_delta,
             )
             keep = {g for g in range(len(row)) if decoding_rank(g, cp_size) == cp_rank}
+            row_targets = [targets[i] for i in row] if targets is not None else None
             results = _row_forward(
-                model, members, shard, keep, prompt_logprobs=prompt_logprobs, topk=topk, capture=capture
+                model,
+                members,
+                shard,
+                keep,
+                prompt_logprobs=prompt_logprobs,
+                topk=topk,
+                capture=capture,
+                targets=row_targets,
             )
             mine.update((row[g], result) for g, result in results.items())
     return mine
@@ -158,6 +171,7 @@ def _row_forward(
     prompt_logprobs: bool,
     topk: int,
     capture: bool,
+    targets: list[torch.Tensor] | None = None,
 ) -> dict[int, PromptForward]:
     """One packed row (possibly pad-only) on this CP rank; the results of the row positions in ``keep``.
 
@@ -196,6 +210,14 @@ def _row_forward(
         full = gather_row(local, plan, group)
         tops = (full[:, 0].round().to(torch.int64).tolist(), full[:, 1].tolist())
 
+    target_lps: torch.Tensor | None = None
+    if targets is not None:
+        k = targets[0].shape[1] if targets else 1  # a pad-only row still joins the gather, with any K
+        rows = [target_labels(t) for t in targets]
+        labels = torch.cat([torch.zeros((0, k), dtype=torch.int64), *rows])
+        local = zigzag_slice(labels, plan, pad_value=IGNORE).to(device)
+        target_lps = gather_row(label_logprobs(hidden, weight, local).to(acc), plan, group).cpu()
+
     out = {}
     for g, (start, n) in enumerate(zip(plan.row_starts, plan.seq_lens, strict=True)):
         if g not in keep:
@@ -205,5 +227,6 @@ def _row_forward(
         if tops is not None:
             ids_l, values_l = tops
             ptop = [None] + [list(zip(ids_l[t], values_l[t], strict=True)) for t in range(start, start + n - 1)]
-        out[g] = PromptForward(output_logits(last_hidden[g : g + 1], weight)[0], plp, ptop, caches[g])
+        tlp = target_lps[start : start + n - 1] if target_lps is not None else None
+        out[g] = PromptForward(output_logits(last_hidden[g : g + 1], weight)[0], plp, ptop, caches[g], tlp)
     return out

@@ -16,6 +16,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from ringtune.errors import UserInputError
 from ringtune.models.decoder import CausalLM
 from ringtune.sample.mesh_prompts import PromptForward
@@ -45,6 +47,7 @@ class SampleRequest:
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
     prompt_logprobs_last_n: int | None = None  # only the last n prompt log-probs are reported (the gateway's mask)
+    target_tokens: torch.Tensor | None = None  # int64 [len(prompt) − 1, K]: ids whose prompt log-probs to return
 
 
 def snapshot_of(model: CausalLM) -> CausalLM:
@@ -139,9 +142,17 @@ class SamplerPool:
         out: list[PromptSamples | None] = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):
-            key = (r.params, r.num_samples, r.prompt_logprobs, r.topk_prompt_logprobs, forwards[i] is not None)
+            target_k = 0 if r.target_tokens is None else int(r.target_tokens.shape[-1])
+            key = (
+                r.params,
+                r.num_samples,
+                r.prompt_logprobs,
+                r.topk_prompt_logprobs,
+                target_k,
+                forwards[i] is not None,
+            )
             groups.setdefault(key, []).append(i)
-        for (params, num_samples, prompt_lp, topk, ran), members in groups.items():
+        for (params, num_samples, prompt_lp, topk, target_k, ran), members in groups.items():
             results = generate(
                 model,
                 [requests[i].prompt for i in members],
@@ -151,6 +162,7 @@ class SamplerPool:
                 topk_prompt_logprobs=topk,
                 decode=self.decode,
                 prefilled=[forwards[i] for i in members] if ran else None,  # type: ignore[misc]
+                targets=[requests[i].target_tokens for i in members] if target_k else None,  # type: ignore[misc]
             )
             for i, result in zip(members, results, strict=True):
                 out[i] = result

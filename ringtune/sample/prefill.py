@@ -8,7 +8,10 @@ memory behaviour) of a training forward. From the final hidden states:
 - ``prompt_logprobs``: ``log p(prompt[i] | prompt[:i])`` for i ≥ 1 by the training log-prob head
   (:func:`label_logprobs`, i.e. what :meth:`CausalLM.forward` returns); entry 0 is None;
 - ``topk_prompt_logprobs``: the k most likely tokens and their log-probs at every prompt position i ≥ 1
-  (the distribution the model predicts for position i), computed in tiles of tokens; entry 0 is None.
+  (the distribution the model predicts for position i), computed in tiles of tokens; entry 0 is None;
+- ``target_logprobs`` (Tinker's ``target_prompt_logprobs``): for a prompt of n tokens and targets
+  [n−1, K] of token ids, ``log p(targets[i, j] | prompt[:i+1])`` [n−1, K] by the training head's [T, K]
+  labels (one logits pass for all K); a target of −1 asks for nothing and gets 0.0.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class PrefillResult:
     caches: list[SequenceCache]
     prompt_logprobs: list[list[float | None]] | None
     topk_prompt_logprobs: list[list[list[tuple[int, float]] | None]] | None
+    target_logprobs: list[torch.Tensor] | None = None  # per prompt [n−1, K] float32 (float64), CPU
 
 
 def output_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -61,11 +65,24 @@ def topk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[t
     return torch.cat(ids), torch.cat(lps)
 
 
+def target_labels(targets: torch.Tensor) -> torch.Tensor:
+    """Tinker targets [n−1, K] (−1 = none) -> head labels [n, K]: row i scores position i+1 from the hidden
+    state of position i, so the prompt's last position gets none; −1 becomes the head's ignore label."""
+    labels = torch.where(targets < 0, -100, targets)
+    return torch.cat([labels, torch.full((1, targets.shape[1]), -100, dtype=torch.int64)])
+
+
 def prefill(
-    model: CausalLM, prompts: list[list[int]], *, prompt_logprobs: bool = False, topk: int = 0
+    model: CausalLM,
+    prompts: list[list[int]],
+    *,
+    prompt_logprobs: bool = False,
+    topk: int = 0,
+    targets: list[torch.Tensor] | None = None,
 ) -> PrefillResult:
     """Run ``prompts`` (each at least one token) as one packed row; see the module docstring.
 
+    ``targets``: one int64 [n−1, K] per prompt (the same K for all), or None.
     Must run under ``torch.inference_mode()`` (or ``no_grad``) for sampling; single process.
     """
     lens = [len(p) for p in prompts]
@@ -94,4 +111,11 @@ def prefill(
             rows = [list(zip(ids_l[at + j], lps_l[at + j], strict=True)) for j in range(n - 1)]
             tops.append([None, *rows])
             at += n - 1
-    return PrefillResult(output_logits(hidden[last], weight), capture.sequences(), plps, tops)
+    target_lps = None
+    if targets is not None:
+        labels = torch.full((plan.local_len, targets[0].shape[1]), -100, dtype=torch.int64)
+        for s, n, t in zip(starts, lens, targets, strict=True):
+            labels[s : s + n] = target_labels(t)
+        lp = label_logprobs(hidden, weight, labels.to(device)).cpu()
+        target_lps = [lp[s : s + n - 1] for s, n in zip(starts, lens, strict=True)]
+    return PrefillResult(output_logits(hidden[last], weight), capture.sequences(), plps, tops, target_lps)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ringtune.engine.batch import MAX_TARGET_K
 from ringtune.errors import UserInputError
 from ringtune.models.batch_cache import DecodeBatch
 from ringtune.models.cache import SequenceCache
@@ -74,6 +75,7 @@ class PromptSamples:
     sequences: list[SampledSequence]
     prompt_logprobs: list[float | None] | None = None
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
+    target_prompt_logprobs: torch.Tensor | None = None  # [n−1, K] for the request's targets (0.0 where −1)
 
 
 @dataclass
@@ -139,9 +141,10 @@ class _Sampler:
         max_batch: int,
         prefill_tokens: int,
         prefilled: Sequence[PromptForward] | None = None,
+        targets: Sequence[torch.Tensor] | None = None,
     ) -> None:
         self.model, self.prompts, self.params, self.stop = model, prompts, params, stop
-        self.prefilled = prefilled
+        self.prefilled, self.targets = prefilled, targets
         self.num_samples, self.want_lp, self.topk = num_samples, prompt_logprobs, topk
         self.max_batch, self.prefill_tokens = max_batch, prefill_tokens
         self.max_tokens: int = params.max_tokens or DEFAULT_MAX_TOKENS  # never None after validation
@@ -154,6 +157,7 @@ class _Sampler:
         self.done: list[list[SampledSequence | None]] = [[None] * num_samples for _ in prompts]
         self.prompt_lp: list[list[float | None] | None] = [None] * len(prompts)
         self.prompt_topk: list[list[list[tuple[int, float]] | None] | None] = [None] * len(prompts)
+        self.target_lp: list[torch.Tensor | None] = [None] * len(prompts)
 
     def run(self) -> list[PromptSamples]:
         while self.waiting or self.rows:
@@ -165,6 +169,7 @@ class _Sampler:
                 sequences=[s for s in self.done[i] if s is not None],
                 prompt_logprobs=self.prompt_lp[i],
                 topk_prompt_logprobs=self.prompt_topk[i],
+                target_prompt_logprobs=self.target_lp[i],
             )
             for i in range(len(self.prompts))
         ]
@@ -192,6 +197,8 @@ class _Sampler:
                 self.prompt_lp[i] = result.prompt_logprobs[g]
             if result.topk_prompt_logprobs is not None:
                 self.prompt_topk[i] = result.topk_prompt_logprobs[g]
+            if result.target_logprobs is not None:
+                self.target_lp[i] = result.target_logprobs[g]
             for j in range(self.num_samples):
                 rows.append(_Row(prompt=i, sample=j, generator=sample_generator(self.seeds[i], j)))
                 caches.append(result.caches[g])
@@ -210,7 +217,8 @@ class _Sampler:
         """The prompts' prefill: run here as one packed row, or taken from ``prefilled`` (run on the mesh)."""
         if self.prefilled is None:
             prompts = [self.prompts[i] for i in group]
-            return prefill(self.model, prompts, prompt_logprobs=self.want_lp, topk=self.topk)
+            targets = [self.targets[i] for i in group] if self.targets is not None else None
+            return prefill(self.model, prompts, prompt_logprobs=self.want_lp, topk=self.topk, targets=targets)
         done = [self.prefilled[i] for i in group]
         if self.max_tokens > 1 and any(f.cache is None for f in done):
             raise ValueError("prefilled prompts need their caches to decode more than one token")
@@ -219,6 +227,7 @@ class _Sampler:
             caches=[f.cache for f in done],  # type: ignore[misc]
             prompt_logprobs=[f.prompt_logprobs for f in done] if self.want_lp else None,
             topk_prompt_logprobs=[f.topk_prompt_logprobs for f in done] if self.topk else None,
+            target_logprobs=[f.target_logprobs for f in done] if self.targets is not None else None,  # type: ignore[misc]
         )
 
     def _take(self, rows: list[_Row], logits: torch.Tensor) -> list[int]:
@@ -253,6 +262,30 @@ class _Sampler:
                 self.batch = None
 
 
+def check_targets(
+    targets: Sequence[torch.Tensor] | None, prompts: list[list[int]], vocab: int
+) -> list[torch.Tensor] | None:
+    """Targets as int64 [n−1, K] (the same K ≤ MAX_TARGET_K for all prompts), ids in [−1, vocab)."""
+    if targets is None:
+        return None
+    if len(targets) != len(prompts):
+        raise UserInputError(f"target_prompt_logprobs: {len(targets)} tensors for {len(prompts)} prompts")
+    out = []
+    for i, (t, p) in enumerate(zip(targets, prompts, strict=True)):
+        t = torch.as_tensor(t, dtype=torch.int64)
+        k = targets[0].shape[-1] if targets[0].dim() == 2 else -1
+        if t.dim() != 2 or t.shape[0] != len(p) - 1 or not 1 <= t.shape[1] <= MAX_TARGET_K or t.shape[1] != k:
+            raise UserInputError(
+                f"target_prompt_logprobs[{i}]: shape {list(t.shape)} must be [len(prompt) - 1 = {len(p) - 1}, K] "
+                f"with 1 <= K <= {MAX_TARGET_K} (the same K for every prompt of a call)"
+            )
+        if t.numel() and (int(t.min()) < -1 or int(t.max()) >= vocab):
+            bad = int(t.min()) if int(t.min()) < -1 else int(t.max())
+            raise UserInputError(f"target_prompt_logprobs[{i}]: token id {bad} is outside [-1, vocab_size={vocab})")
+        out.append(t)
+    return out
+
+
 def generate(
     model: CausalLM,
     prompts: Sequence[Sequence[int]],
@@ -266,6 +299,7 @@ def generate(
     max_batch: int = DEFAULT_MAX_BATCH,
     prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
     prefilled: Sequence[PromptForward] | None = None,
+    targets: Sequence[torch.Tensor] | None = None,
 ) -> list[PromptSamples]:
     """Sample ``num_samples`` continuations of every prompt (see the module docstring).
 
@@ -284,6 +318,8 @@ def generate(
         prefilled: prompt i's forward already ran elsewhere (the DP×CP forward of
             :mod:`ringtune.sample.mesh_prompts`): ``prefilled[i]`` gives its last logits, caches (needed when
             ``max_tokens > 1``) and prompt log-probs; decoding then continues exactly as after a prefill here.
+        targets: per prompt an int64 [n−1, K] of token ids (Tinker's ``target_prompt_logprobs``, the same K
+            for all; −1 = none): their log-probs come back as ``PromptSamples.target_prompt_logprobs``.
     Returns:
         One :class:`PromptSamples` per prompt, in order. Raises UserInputError naming a bad field.
     """
@@ -302,6 +338,7 @@ def generate(
         max_batch=max_batch,
         prefill_tokens=prefill_tokens,
         prefilled=prefilled,
+        targets=check_targets(targets, checked, vocab),
     )
     if prefilled is not None and len(prefilled) != len(checked):
         raise ValueError(f"prefilled has {len(prefilled)} entries for {len(checked)} prompts")

@@ -32,7 +32,7 @@ from ringtune.parallel.mesh import ParallelMesh, rebuild_mesh
 from ringtune.sample.mesh_prompts import MeshLayout, PromptForward, prompts_forward, takes_mesh_forward
 from ringtune.sample.params import DEFAULT_MAX_TOKENS
 from ringtune.sample.pool import SampleRequest, SamplerPool, tokenizer_decoder
-from ringtune.sample.sampler import PromptSamples, check_request
+from ringtune.sample.sampler import PromptSamples, check_request, check_targets
 from ringtune.worker.commands import Command
 
 
@@ -202,6 +202,8 @@ class RankExecutor:
         vocab = model.config.vocab_size
         for r in requests:
             check_request([r.prompt], vocab, r.num_samples, r.topk_prompt_logprobs, 1)
+            if r.target_tokens is not None:
+                check_targets([r.target_tokens], [list(r.prompt)], vocab)
         modes = self.spec.modes
         layout = MeshLayout(
             max_tokens_per_rank=self.spec.max_tokens_per_rank,
@@ -209,17 +211,26 @@ class RankExecutor:
             gated_delta=modes["gated_delta"],
             pad_multiplier=modes["pad_multiplier"],
         )
-        groups: dict[tuple[bool, int, bool], list[int]] = {}
+        groups: dict[tuple[bool, int, int, bool], list[int]] = {}
         for i, r in enumerate(requests):
             decodes = (r.params.max_tokens or DEFAULT_MAX_TOKENS) > 1
-            groups.setdefault((r.prompt_logprobs, r.topk_prompt_logprobs, decodes), []).append(i)
+            target_k = 0 if r.target_tokens is None else int(r.target_tokens.shape[-1])
+            groups.setdefault((r.prompt_logprobs, r.topk_prompt_logprobs, target_k, decodes), []).append(i)
         forwards: dict[int, PromptForward] = {}
 
         def run() -> None:
-            for (want_lp, topk, decodes), members in groups.items():
+            for (want_lp, topk, target_k, decodes), members in groups.items():
                 prompts = [requests[i].prompt for i in members]
+                targets = [requests[i].target_tokens for i in members] if target_k else None
                 got = prompts_forward(
-                    model, self.mesh, prompts, layout, prompt_logprobs=want_lp, topk=topk, capture=decodes
+                    model,
+                    self.mesh,
+                    prompts,
+                    layout,
+                    prompt_logprobs=want_lp,
+                    topk=topk,
+                    capture=decodes,
+                    targets=targets,  # type: ignore[arg-type]
                 )
                 forwards.update((members[j], forward) for j, forward in got.items())
 
