@@ -2,8 +2,9 @@
 
 Same math and signature as :func:`ringtune.ops.gated_delta.chunk_scan.gated_delta_chunk_scan` (whose parts it
 runs: :func:`chunk_pieces`, :func:`scan_steps`). Autograd would keep every intermediate of the scan (the
-intra-chunk [C, C] matrices, the WY pieces U/W, a state per chunk: ≈ 25× the layer input per token on the
-benchmark model); this scan, like fla's kernels, keeps the inputs and recomputes the rest in the backward.
+intra-chunk [C, C] matrices, the WY pieces U/W, a state per chunk: 19 KiB per token at 4 heads of 64 in
+float32, 19× the benchmark model's layer input); this scan, like fla's kernels, keeps the inputs (3 KiB per
+token there) and recomputes the rest in the backward (docs/gated_delta.md, benchmarks/gated_delta_memory.py).
 
 **Segments.** The scan's chunks (:class:`ScanLayout`: step ``j`` advances the ``active[j]`` first sorted
 sequences) are tiled into rectangles of (consecutive steps) × (consecutive sorted sequences): steps are
@@ -17,15 +18,17 @@ estimate of what one chunk's recomputed forward holds (e the element size); :dat
 e.g. 22 chunks (1.4K tokens) at 4 heads of 64 in float32.
 
 **Forward** (no autograd): the rectangles in scan order, each computing its pieces and steps from the
-states of its sequences; outputs assembled once at the end (a concatenation and one gather).
+states of its sequences and writing its outputs into the [T, H, Dv] result.
 **Backward**: the groups from the last to the first, carrying d(state) of the sequences that continue past
 the group: each rectangle reruns its forward under autograd from its (detached) inputs and start states
 and back-propagates the output gradient of its chunks and the state gradient at its exit (the carried one,
 or d(final state) for sequences that end inside it); its start states' gradient is what the previous group
-carries. Every rectangle reads and writes only its own rows (gathered by index, gradients concatenated and
-put in token order once at the end): the work and traffic are linear in tokens, and the transient is one
-rectangle's intermediates and gradients. Exact: the same operations on the same values as the whole-row
-scan, up to the order of floating-point sums inside batched products (< 1e-12 in float64, see the tests).
+carries. Every rectangle reads and writes only its own rows (:func:`segment_chunks` gathers them, pads
+masked to zero, with no padded copy of the row; :func:`put_tokens` writes outputs and gradients into the
+preallocated [T, ...] results in place, every token once): the work and traffic are linear in tokens, and
+the transient is one rectangle's intermediates and gradients. Exact: the same operations on the same values
+as the whole-row scan, up to the order of floating-point sums inside batched products (< 1e-12 in float64,
+see the tests).
 """
 
 from __future__ import annotations
