@@ -179,8 +179,11 @@ def _allocation_events(prof: torch.profiler.profile) -> list[tuple[int, int, int
     return sorted(out)
 
 
-def step_memory_worker(rank: int, tokens: int, recompute: str) -> dict[str, Any]:
+def step_memory_worker(rank: int, tokens: int, recompute: str, one_pass: bool = True) -> dict[str, Any]:
     """Peak memory of one training step (forward, backward, AdamW step) of :data:`MODEL` on one ``tokens`` sequence.
+
+    The loss is ``-Σ logprobs`` (cross_entropy with weights 1); with ``one_pass`` its gradient (-1 per token) is
+    handed to the head, which then makes its gradients in its forward tile pass, as the Trainer does.
 
     A warm-up step on 256 tokens first creates the AdamW moments and the gradients' first use (kernels, thread
     pools); gradients are then dropped. Measured from there: peak live tensor bytes over the step, VmHWM - VmRSS
@@ -198,7 +201,8 @@ def step_memory_worker(rank: int, tokens: int, recompute: str) -> dict[str, Any]
         gen = torch.Generator().manual_seed(n)
         ids = torch.randint(0, MODEL["vocab_size"], (shard.plan.local_len,), generator=gen)
         labels = torch.randint(0, MODEL["vocab_size"], (shard.plan.local_len,), generator=gen)
-        loss = -model.label_logprobs(ids, labels, shard).sum()
+        upstream = torch.full(labels.shape, -1.0) if one_pass else None
+        loss = -model(ids, shard, labels, upstream).sum()
         mark = torch.empty(MARKER_ELEMS, dtype=torch.float64) if marker else None
         loss.backward()
         optimizer.step()
@@ -229,7 +233,7 @@ def step_memory_worker(rank: int, tokens: int, recompute: str) -> dict[str, Any]
         "rss_peak_bytes": (peak_kib - base_kib) * 1024,
         "activation_bytes": at_marker[0],
         "seconds": seconds,
-        "local_len": shard_of([tokens], cp_size=cp, cp_rank=rank).plan.local_len,
+        "local_len": shard_of([tokens], cp_size=cp, cp_rank=rank, group=group if cp > 1 else None).plan.local_len,
     }
 
 
