@@ -369,7 +369,7 @@ def test_matches_transformers_fallbacks():
             assert torch.equal(gated_rms_norm(core, gate, norm.weight, eps=1e-6), norm(core, gate))
 
 
-def backward_bytes_per_token(T: int, chunk_size: int = 16) -> float:
+def backward_bytes_per_token(T: int, scan: str) -> float:
     """Bytes of every tensor created during the backward of ``gated_delta_core`` on one T-token sequence, per token.
 
     Counted as the outputs of every aten op autograd runs (a TorchDispatchMode): a deterministic measure of
@@ -392,15 +392,17 @@ def backward_bytes_per_token(T: int, chunk_size: int = 16) -> float:
 
     x = make_inputs((T,), H=2, Hk=1, Dk=4, Dv=4, initial=False, seed=11)
     w = torch.randn(2 * 4 + 2 * 4, 4, dtype=F64, requires_grad=True)
-    o = gated_delta_core(x["q"], x["k"], x["v"], cu_of((T,)), g=x["g"], beta=x["beta"], conv_weight=w)
+    o = gated_delta_core(x["q"], x["k"], x["v"], cu_of((T,)), g=x["g"], beta=x["beta"], conv_weight=w, scan=scan)
     loss = o.square().sum()
     with CountBytes():
         loss.backward()
     return CountBytes.total / T
 
 
-def test_chunked_backward_traffic_is_linear_in_tokens():
+@pytest.mark.parametrize("scan", ["recompute", "autograd"])
+def test_chunked_backward_traffic_is_linear_in_tokens(scan):
     # The scan splits its [chunks, ...] tensors into per-step views once; indexing them at every step instead
     # makes autograd write a zero gradient of the whole tensor per step: bytes per token would grow ~4x here.
-    short, long = backward_bytes_per_token(16 * 16), backward_bytes_per_token(64 * 16)
+    # Both scans (the recomputing one runs the same steps inside its backward; many segments: its own test file).
+    short, long = backward_bytes_per_token(16 * 16, scan), backward_bytes_per_token(64 * 16, scan)
     assert long / short < 1.1, (short, long)
