@@ -29,8 +29,10 @@ until the load returns; DCP adds a read buffer.
 
 Collectives: over ``group`` (a gloo control group is enough, e.g. a mesh's ``control_group``) or, when it is
 None, the default (world) group; every rank of it calls together (with NCCL as the default group, after
-``torch.cuda.set_device``). Without an initialised process group: one process. Sharded (FSDP/DTensor)
-parameters are not supported yet.
+``torch.cuda.set_device``). Without an initialised process group: one process. Sharded (FSDP2 / DTensor)
+models and optimizers save their shards (DCP writes each chunk once) and load only their shards, from a
+checkpoint saved in any layout (templates with the live placements, :mod:`checkpoint_fit`); the caller
+reshards FSDP units first (:func:`ringtune.engine.sharding.reshard_all`).
 """
 
 from __future__ import annotations
@@ -380,13 +382,19 @@ def load_checkpoint(
 
 
 def export_hf_weights(
-    model: CausalLM, path: str | Path, *, group: dist.ProcessGroup | None = None, dtype: torch.dtype | None = None
+    model: CausalLM,
+    path: str | Path,
+    *,
+    group: dist.ProcessGroup | None = None,
+    dtype: torch.dtype | None = None,
+    state: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Write ``model`` as an HF checkpoint directory (``save_hf``, atomic) for sampling, its floating tensors in
     ``dtype`` (None: the parameters' own).
 
     Collective over ``group`` (default: the world group when one is initialised): group rank 0 writes (the
-    parameters are replicated), the others wait for it and raise if it failed.
+    parameters are replicated), the others wait for it and raise if it failed. ``state``: on group rank 0, the
+    whole tensors to write instead of ``model.state_dict()`` (a sharded model's, gathered beforehand).
 
     Raises:
         UserInputError: on every rank, nothing written: the last component of ``path`` is not a valid
@@ -397,6 +405,6 @@ def export_hf_weights(
     def write() -> None:
         check_name(path.name, field="export name")
         make_parent(path)
-        save_hf(model, path, dtype=dtype)
+        save_hf(model, path, dtype=dtype, state=state)
 
     run_on_source(write, _control(group))

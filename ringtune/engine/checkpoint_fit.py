@@ -6,6 +6,9 @@ optimizer state dict of ``get_state_dict(..., flatten_optimizer_state_dict=True)
 ``optim.param_groups.<fqn>.<hyper-parameter>`` (pickled Python values: ``lr``, ``betas``, ...). Moments are
 keyed by parameter FQN, never by parameter id, so any model with the same FQNs, shapes and dtypes loads them.
 
+Sharded (FSDP2 / DTensor) models and optimizers fit the same way (the metadata holds global sizes); their
+templates are DTensors with the live placements, so each rank reads its shard only (:func:`_empty`).
+
 Nothing here changes the model or the optimizer: :func:`plan_load` reads shapes, dtypes and names only, and
 :func:`optimizer_state_dict` builds a new state dict for ``optimizer.load_state_dict`` from loaded copies.
 Local work, no communication.
@@ -88,8 +91,6 @@ def _check_model(path: Path, stored: dict[str, Any], wanted: dict[str, Any]) -> 
         entry = stored[name]
         if not isinstance(tensor, torch.Tensor):
             raise UserInputError(f"checkpoint {path}: model entry {name} is not a tensor in this model")
-        if isinstance(tensor, DTensor):
-            raise NotImplementedError("loading a checkpoint into sharded (FSDP/DTensor) parameters is not supported")
         if not isinstance(entry, TensorStorageMetadata):
             raise UserInputError(f"checkpoint {path}: model tensor {name} is not a tensor in the checkpoint")
         if tuple(entry.size) != tuple(tensor.shape) or entry.properties.dtype != tensor.dtype:
@@ -196,10 +197,19 @@ def _check_optimizer(
     return fqns, {fqn: sorted(s) for fqn, s in state.items()}
 
 
-def _empty(entry: Any) -> torch.Tensor | None:
-    """An uninitialised CPU tensor for a stored tensor (DCP writes every element), None for a pickled value."""
+def _empty(entry: Any, like: Any = None) -> torch.Tensor | None:
+    """An uninitialised tensor for a stored tensor (DCP writes every element), None for a pickled value.
+
+    A CPU tensor of the stored size and dtype; when the live tensor ``like`` is a DTensor (FSDP-sharded) of the
+    stored size, a DTensor on its mesh with its placements whose local shard is fresh (on ``like``'s device):
+    DCP then reads only this rank's shard, whatever layout the checkpoint was saved in.
+    """
     if isinstance(entry, TensorStorageMetadata):
-        return torch.empty(tuple(entry.size), dtype=entry.properties.dtype)
+        size, dtype = tuple(entry.size), entry.properties.dtype
+        if isinstance(like, DTensor) and tuple(like.shape) == size:
+            local = torch.empty(like.to_local().shape, dtype=dtype, device=like.to_local().device)
+            return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride())
+        return torch.empty(size, dtype=dtype)
     if isinstance(entry, BytesStorageMetadata):
         return None
     raise UserInputError(f"unsupported DCP entry type {type(entry).__name__}")
@@ -227,17 +237,27 @@ def plan_load(
     if len(stored_model) + len(stored_optim) != len(stored):
         unknown = sorted(k for k in stored if not k.startswith(("model.", "optim.")))
         raise UserInputError(f"checkpoint {path}: unknown entries {unknown[:_SHOWN]}")
-    _check_model(path, stored_model, get_model_state_dict(model, options=OPTIONS))
-    plan = LoadPlan(template={"model": {k: _empty(v) for k, v in stored_model.items()}})
+    live = get_model_state_dict(model, options=OPTIONS)
+    _check_model(path, stored_model, live)
+    plan = LoadPlan(template={"model": {k: _empty(v, live[k]) for k, v in stored_model.items()}})
     if optimizer is None:
         return plan
     plan.fqns, plan.state_names = _check_optimizer(path, record, stored_optim, model, optimizer)
     plan.restore_optimizer = record.optimizer == OPTIM_SAVED
     if plan.restore_optimizer:
+        params = dict(zip(plan.fqns, (p for g in optimizer.param_groups for p in g["params"]), strict=True))
         plan.template["optim"] = {
-            k: _empty(v) for k, v in stored_optim.items() if k.rpartition(".")[2] not in _GROUP_KEYS
+            k: _empty(v, _state_param(k, params))
+            for k, v in stored_optim.items()
+            if k.rpartition(".")[2] not in _GROUP_KEYS
         }
     return plan
+
+
+def _state_param(key: str, params: dict[str, torch.nn.Parameter]) -> torch.nn.Parameter | None:
+    """The parameter an ``optim.`` key (without the prefix) belongs to: ``state.<fqn>.<name>``; None otherwise."""
+    section, _, rest = key.partition(".")
+    return params.get(rest.rpartition(".")[0]) if section == "state" else None
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -1,33 +1,49 @@
-"""Sharded parameters, gradients and AdamW state (FSDP2 over DP, replicated over CP) with the same numbers.
+"""Sharded parameters, gradients and AdamW state (FSDP2) with the same numbers as the replicated engine.
 
-``shard_params(model, mesh)`` applies ``torch.distributed.fsdp.fully_shard`` to every decoder layer and then to
-the root (embeddings, final norm, ``lm_head``) over a 2-D HSDP DeviceMesh ``("cp", "dp")``: parameters are
-DTensors ``(Replicate(), Shard(0))``, i.e. split along dim 0 over the DP group and identical on the ranks of a
-CP group, and AdamW built on them keeps sharded state. Forward all-gathers a unit's parameters; backward
-reduce-scatters its gradients over DP, all-reduces them over CP and adds them into the sharded ``.grad``, on
-every backward, so accumulation over microbatches and ``forward_backward`` calls stays a sum.
+The sharding is picked by name from :data:`SHARDINGS` (the one place; ``Trainer(shard_params=...)`` and
+``ringtune serve --shard-params``):
+
+- ``none``: replicated parameters (the engine SUMs the gradients at ``optim_step``, :mod:`gradients`);
+- ``dp`` (HSDP): a 2-D DeviceMesh ``("cp", "dp")``; parameters are DTensors ``(Replicate(), Shard(0))``, split
+  along dim 0 over the DP group and identical on the ranks of a CP group. Backward reduce-scatters a unit's
+  gradients over DP and all-reduces them over CP. Per rank: 1/DP of the parameters, gradients and moments;
+- ``dp_cp`` (torchtitan's ``dp_shard_cp``): a 1-D DeviceMesh ``("dp_cp",)`` on the mesh's ``dp_cp_group``;
+  parameters are ``(Shard(0),)`` over all DP·CP ranks (the CP ranks of a row hold identical replicas and the
+  gradient is a SUM over DP×CP anyway, so nothing ties a shard to a DP coordinate). Backward reduce-scatters
+  over DP×CP in one collective. Per rank: 1/(DP·CP) of the parameters, gradients and moments.
+
+``shard_params(model, mesh, sharding=...)`` applies ``torch.distributed.fsdp.fully_shard`` to every decoder layer
+and then to the root (embeddings, final norm, ``lm_head``) over that DeviceMesh, built with
+``DeviceMesh.from_group`` on the mesh's existing groups (no new process group); AdamW built on the DTensor
+parameters keeps sharded state. Forward all-gathers a unit's parameters; backward reduces its gradients into
+the sharded ``.grad`` on every backward, so accumulation over microbatches and ``forward_backward`` calls stays
+a sum.
 
 The gradient rule (context-parallel.md §3) is a plain SUM over DP×CP. FSDP2 divides by the DP×CP size by
 default; every unit is set to ``set_gradient_divide_factor(1.0)`` with ``set_force_sum_reduction_for_comms(True)``
 (reductions are ``ReduceOp.SUM`` only: gloo has no PREMUL_SUM/AVG, and nothing is divided). The rule is
 checked, not trusted: :func:`shard_params` runs one probe backward of a fixed row on the replicated model
 before sharding and again through FSDP after, and every unit's reduced gradient must be DP·CP times the
-local one (:class:`GradientInvariantError` names the unit otherwise). Param gradients never pass through
-:func:`ringtune.engine.gradients.reduce_gradients`; the canary still does, so the per-step invariant keeps
-checking the loss path (no microbatch scaling) and the microbatch count.
+local one, in both shardings (:class:`GradientInvariantError` names the unit otherwise). Param gradients never
+pass through :func:`ringtune.engine.gradients.reduce_gradients`; the canary still does, so the per-step
+invariant keeps checking the loss path (no microbatch scaling) and the microbatch count.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
 from ringtune.engine.gradients import GradientInvariantError
+from ringtune.errors import UserInputError
 from ringtune.models.decoder import CausalLM
 from ringtune.models.logprob_head import label_logprobs
 from ringtune.models.shard import shard_of
@@ -35,6 +51,45 @@ from ringtune.parallel.mesh import ParallelMesh
 
 PROBE_TOKENS = 16
 """Length of the start-up probe row (run whole on every rank, no CP)."""
+
+SHARDINGS = ("none", "dp", "dp_cp")
+"""Parameter shardings by name: replicated, FSDP2 over DP (replicated over CP), FSDP2 over DP x CP."""
+
+LEGACY_SHARDINGS = {False: "none", True: "dp"}
+"""``Trainer(shard_params=False/True)`` as before the registry: True is the DP (HSDP) sharding."""
+
+
+def check_sharding(value: object, field: str = "shard_params") -> str:
+    """The sharding name of ``value`` (a name of :data:`SHARDINGS`, or a bool as :data:`LEGACY_SHARDINGS`);
+    UserInputError naming ``field``, the value and the choices otherwise."""
+    if isinstance(value, bool):
+        return LEGACY_SHARDINGS[value]
+    if not isinstance(value, str) or value not in SHARDINGS:
+        raise UserInputError(f"{field}={value!r}: choose one of {', '.join(SHARDINGS)}")
+    return value
+
+
+@dataclass(frozen=True)
+class ShardGroup:
+    """The ranks a sharding splits each parameter over: ``group`` (a data group of the mesh), its ``size`` and
+    this rank's ``index`` in it (its shard is the dim-0 chunk ``index`` of ``size``)."""
+
+    group: dist.ProcessGroup
+    size: int
+    index: int
+
+
+def shard_group(mesh: ParallelMesh, sharding: str) -> ShardGroup:
+    """The shard group of ``sharding`` on ``mesh``: the DP group (``dp``) or the DP×CP group (``dp_cp``).
+
+    The DP×CP group's ranks are ``mesh.ranks[:, :, tp]`` in (dp, cp) order, so this rank's index is
+    ``dp_rank·cp + cp_rank`` (read from the group itself).
+    """
+    if sharding == "dp":
+        return ShardGroup(mesh.dp_group, mesh.dp_size, mesh.dp_rank)
+    if sharding == "dp_cp":
+        return ShardGroup(mesh.dp_cp_group, mesh.dp_size * mesh.cp_size, dist.get_rank(mesh.dp_cp_group))
+    raise ValueError(f"sharding={sharding!r} shards nothing (choices with a shard group: dp, dp_cp)")
 
 
 def hsdp_mesh(mesh: ParallelMesh) -> DeviceMesh:
@@ -47,6 +102,20 @@ def hsdp_mesh(mesh: ParallelMesh) -> DeviceMesh:
     return DeviceMesh.from_group(
         [mesh.cp_group, mesh.dp_group], mesh.device_type, mesh=ranks, mesh_dim_names=("cp", "dp")
     )
+
+
+def dp_cp_mesh(mesh: ParallelMesh) -> DeviceMesh:
+    """The 1-D DeviceMesh ``("dp_cp",)`` of this replica (shard over all DP×CP ranks) for fully_shard.
+
+    Built with ``DeviceMesh.from_group`` on the mesh's ``dp_cp_group`` (no new process group); its ranks in
+    (dp, cp) order, the group's own order.
+    """
+    ranks = mesh.ranks[:, :, mesh.tp_rank].flatten().contiguous()
+    return DeviceMesh.from_group(mesh.dp_cp_group, mesh.device_type, mesh=ranks, mesh_dim_names=("dp_cp",))
+
+
+DEVICE_MESHES = {"dp": hsdp_mesh, "dp_cp": dp_cp_mesh}
+"""The DeviceMesh each sharding hands to ``fully_shard``."""
 
 
 def layer_policy(compute_dtype: torch.dtype | None) -> MixedPrecisionPolicy:
@@ -66,10 +135,12 @@ def shard_params(
     gated_delta: str,
     fault: str | None = None,
     compute_dtype: torch.dtype | None = None,
+    sharding: str = "dp",
 ) -> list[FSDPModule]:
     """In place: FSDP2 on each decoder layer and on the root, SUM reductions, checked; returns the units.
 
-    Collective over the replica's DP×CP group (every rank calls it with an identical model). The root keeps
+    ``sharding``: ``dp`` or ``dp_cp`` (:data:`SHARDINGS`). Collective over the replica's DP×CP group (every rank
+    calls it with an identical model). The root keeps
     its parameters unsharded after forward (``reshard_after_forward=False``): the trainer reads
     ``model.output_weight`` after ``hidden_states`` returns (the chunked head is outside the forward), and
     the root's gradients are reduced by FSDP's end-of-backward callback. ``hidden_states`` is registered as
@@ -80,10 +151,13 @@ def shard_params(
     the root (embeddings, final norm, head) keeps float32; the caller has set the layers' ``compute_dtype`` so
     the probe before sharding computes as FSDP will.
     """
+    if sharding not in DEVICE_MESHES:
+        raise ValueError(f"sharding={sharding!r}: shard_params takes one of {', '.join(DEVICE_MESHES)}")
+    shards = shard_group(mesh, sharding)
     probe = _probe_gradients(model, attention, gated_delta)
-    local = {name: _dim0_chunk(g, mesh.dp_size, mesh.dp_rank) for name, g in probe.items()}
+    local = {name: _dim0_chunk(g, shards.size, shards.index) for name, g in probe.items()}
     del probe
-    device_mesh = hsdp_mesh(mesh)
+    device_mesh = DEVICE_MESHES[sharding](mesh)
     policy = layer_policy(compute_dtype)
     units: list[FSDPModule] = []
     for layer in model.model.layers:
@@ -97,7 +171,7 @@ def shard_params(
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
     reduced = _probe_gradients(model, attention, gated_delta)
-    _check_sum(model, units, local, reduced, mesh)
+    _check_sum(model, units, local, reduced, mesh, shards)
     return units
 
 
@@ -108,11 +182,39 @@ def reshard_all(units: list[FSDPModule]) -> None:
         unit.reshard()
 
 
-def sharded_grad_norm(params: list[torch.nn.Parameter], shard_group: dist.ProcessGroup) -> float:
-    """Global L2 norm of the sharded gradients, float64: local squared sums, one SUM all-reduce over DP.
+def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    """The FSDP2 units inside ``model`` (empty for a replicated model)."""
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
-    The DP shards of a tensor partition it and the ranks of a CP group hold the same shards, so the
-    all-reduce over ``shard_group`` (the DP group) gives the norm of the full, already summed gradient.
+
+def full_state_dict(model: nn.Module, *, keep: bool = True, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """``model.state_dict()`` with every DTensor gathered whole onto ``device``; a replicated model's as it is.
+
+    Sharded: first reshards every unit (the root stays unsharded after a forward, and its registered tensors
+    would then be the unsharded ones), then gathers tensor by tensor (``full_tensor``: collective over the
+    tensor's mesh, so every rank of the sharded model calls this together, in the same order). ``keep=False``:
+    this rank takes part in the gathers but keeps nothing (returns {}); a writer on one rank then holds the
+    full state once and the others one tensor at a time. Plain tensors are returned as they are (not copied).
+    """
+    units = fsdp_modules(model)
+    if not units:
+        return model.state_dict()
+    reshard_all(units)
+    out: dict[str, Any] = {}
+    for name, value in model.state_dict().items():
+        if isinstance(value, DTensor):
+            value = value.full_tensor().to(device)
+        if keep:
+            out[name] = value
+    return out
+
+
+def sharded_grad_norm(params: list[torch.nn.Parameter], shard_group: dist.ProcessGroup) -> float:
+    """Global L2 norm of the sharded gradients, float64: local squared sums, one SUM all-reduce over the shards.
+
+    ``shard_group`` is :func:`shard_group`'s group: its ranks' shards of a tensor partition it (with ``dp``,
+    the ranks of a CP group hold the same shards and each CP coordinate reduces over its own DP group), so
+    the all-reduce gives the norm of the full, already summed gradient.
     """
     total = torch.zeros((), dtype=torch.float64)
     for p in params:
@@ -154,8 +256,10 @@ def _dim0_chunk(t: torch.Tensor, parts: int, index: int) -> torch.Tensor:
     return chunks[index].clone() if index < len(chunks) else t[:0].clone()
 
 
-def _check_sum(model: CausalLM, units: list[FSDPModule], local: dict, reduced: dict, mesh: ParallelMesh) -> None:
-    """Per unit, over its DP shards: reduced = DP·CP × local (ratio <reduced, local> / <local, local>, and the
+def _check_sum(
+    model: CausalLM, units: list[FSDPModule], local: dict, reduced: dict, mesh: ParallelMesh, shards: ShardGroup
+) -> None:
+    """Per unit, over its shards: reduced = DP·CP × local (ratio <reduced, local> / <local, local>, and the
     relative residual |reduced − DP·CP·local| / |DP·CP·local|); a mean gives ratio 1, a wrong shard a residual."""
     expected = float(mesh.dp_size * mesh.cp_size)
     # float64: sums of DP·CP equal terms are exact or one rounding off; lower precisions round at every add.
@@ -173,13 +277,13 @@ def _check_sum(model: CausalLM, units: list[FSDPModule], local: dict, reduced: d
         if got.numel() != want.numel():
             raise GradientInvariantError(
                 f"FSDP probe: {name}'s local gradient shard has {got.numel()} elements, expected {want.numel()} "
-                f"(the dim-0 chunk {mesh.dp_rank} of {mesh.dp_size}); the sharding layout is not the one checked"
+                f"(the dim-0 chunk {shards.index} of {shards.size}); the sharding layout is not the one checked"
             )
         want, got = want.double().reshape(-1), got.double().reshape(-1)
         scaled = expected * want
         terms = [(got * want).sum(), (want * want).sum(), (got - scaled).pow(2).sum(), scaled.pow(2).sum()]
         sums[owner[id(p)]] += torch.stack(terms)
-    dist.all_reduce(sums, group=mesh.dp_group)
+    dist.all_reduce(sums, group=shards.group)
     for label, (cross, norm2, residual2, scale2) in zip(labels, sums.tolist(), strict=True):
         if norm2 == 0:
             raise GradientInvariantError(f"FSDP probe: unit {label} got no gradient from the probe row")

@@ -106,9 +106,11 @@ class Trainer:
         fault: negative controls only (see :mod:`ringtune.engine.gradients`).
         debug_fault: a parity negative control from :data:`ringtune.engine.faults.DEBUG_FAULTS` (``ringtune serve
             --debug-fault``, hidden); None in normal use.
-        shard_params: FSDP2 over DP, replicated over CP (:mod:`ringtune.engine.sharding`): parameters, gradients
-            and AdamW state are DTensors sharded over the DP group, gradients are SUMMED by FSDP during
-            backward (start-up probe checked); same numbers as the replicated engine.
+        shard_params: a name of :data:`ringtune.engine.sharding.SHARDINGS`: ``"none"`` (replicated), ``"dp"``
+            (FSDP2 over DP, replicated over CP) or ``"dp_cp"`` (FSDP2 over all DP×CP ranks); ``False``/``True``
+            mean ``"none"``/``"dp"`` (as before the registry). Sharded: parameters, gradients and AdamW state are
+            DTensors split over the shard group, gradients are SUMMED by FSDP during backward (start-up probe
+            checked); same numbers as the replicated engine. UserInputError for another value.
         recompute: activation recomputation per decoder layer, ``none`` / ``full`` / ``selective``
             (:mod:`ringtune.models.recompute`); same gradients, less activation memory, more compute.
         compute_dtype: mixed precision (:mod:`ringtune.models.precision`): the decoder layers compute in this
@@ -132,7 +134,7 @@ class Trainer:
         pad_multiplier: int = 8,
         max_target_k: int = MAX_TARGET_K,
         fault: str | None = None,
-        shard_params: bool = False,
+        shard_params: bool | str = False,
         debug_fault: str | None = None,
         recompute: str = DEFAULT_RECOMPUTE,
         compute_dtype: torch.dtype | None = None,
@@ -154,10 +156,13 @@ class Trainer:
         self.max_target_k = max_target_k
         model.config.check_parallel(cp_size=self.cp_size, attention=attention, gated_delta=gated_delta)
         self.fsdp_units: list = []
-        if shard_params:
+        self.shard_params = sharding.check_sharding(shard_params)
+        if self.shard_params != "none":
             if mesh is None:
-                raise ParallelConfigError("shard_params=True needs a mesh (it shards over the DP group); got None")
-            modes = {"attention": attention, "gated_delta": gated_delta}
+                raise ParallelConfigError(
+                    f"shard_params={self.shard_params!r} needs a mesh (it shards over it); got None"
+                )
+            modes = {"attention": attention, "gated_delta": gated_delta, "sharding": self.shard_params}
             self.fsdp_units = sharding.shard_params(model, mesh, **modes, fault=fault, compute_dtype=self.compute_dtype)
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -434,7 +439,7 @@ class Trainer:
             if self.fsdp_units:  # FSDP summed the param grads in backward; the canary is still reduced and checked
                 self.invariant.reduce_and_check([])
                 sharding.reshard_all(self.fsdp_units)
-                norm = sharding.sharded_grad_norm(self.params, self.mesh.dp_group)
+                norm = sharding.sharded_grad_norm(self.params, sharding.shard_group(self.mesh, self.shard_params).group)
             else:
                 with faults.injecting(self.debug_fault, cp_size=self.cp_size, cp_rank=self.cp_rank):  # DEBUG-FAULT HOOK
                     self.invariant.reduce_and_check([p.grad for p in self.params])
@@ -479,6 +484,7 @@ class Trainer:
         """Weights + AdamW state + step, atomically (torch.distributed.checkpoint, manifest-checked on load);
         collective over the mesh's control group."""
         self._check_usable()
+        sharding.reshard_all(self.fsdp_units)  # the registered parameters are the shards (the root may be unsharded)
         save_checkpoint(
             path, model=self.model, optimizer=self.optimizer, step=self.step, extra=extra, group=self.control_group
         )
@@ -490,6 +496,7 @@ class Trainer:
         Accumulated gradients are dropped by a successful load.
         """
         self._check_usable()
+        sharding.reshard_all(self.fsdp_units)  # loaded into the shards: the next forward all-gathers them
         step, extra = load_checkpoint(
             path, model=self.model, optimizer=self.optimizer if optimizer else None, group=self.control_group
         )
@@ -504,4 +511,7 @@ class Trainer:
         """The current weights as an HF checkpoint directory (for sampling; in ``export_dtype`` when mixed);
         written by global rank 0."""
         self._check_usable()
-        export_hf_weights(self.model, path, group=self.control_group, dtype=self.export_dtype)
+        state = None
+        if self.fsdp_units:  # gathered whole on every rank in turn, kept only by the writer (control rank 0)
+            state = sharding.full_state_dict(self.model, keep=self.is_result_rank)
+        export_hf_weights(self.model, path, group=self.control_group, dtype=self.export_dtype, state=state)

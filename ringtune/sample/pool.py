@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ringtune.engine.sharding import full_state_dict
 from ringtune.errors import UserInputError
 from ringtune.models.decoder import CausalLM
 from ringtune.sample.mesh_prompts import PromptForward
@@ -51,9 +52,13 @@ class SampleRequest:
 
 
 def snapshot_of(model: CausalLM) -> CausalLM:
-    """An inference copy of ``model`` (same config, dtype and device; no gradients)."""
-    copy = CausalLM(model.config).to(dtype=model.output_weight.dtype, device=model.output_weight.device)
-    copy.load_state_dict(model.state_dict())
+    """An inference copy of ``model`` (same config, dtype and device; no gradients), whole on this rank.
+
+    An FSDP-sharded model's tensors are gathered first (collective over its mesh: every rank of it calls this
+    together, as every rank runs ``create_sampler``)."""
+    device = model.output_weight.device
+    copy = CausalLM(model.config).to(dtype=model.output_weight.dtype, device=device)
+    copy.load_state_dict(full_state_dict(model, device=device))
     copy.requires_grad_(False)
     return copy.eval()
 

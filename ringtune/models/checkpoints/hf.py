@@ -90,17 +90,25 @@ def load_hf(path: str | Path, *, dtype: torch.dtype | None = None) -> CausalLM:
 
 
 def save_hf(
-    model: CausalLM, path: str | Path, *, max_shard_bytes: int = 5 * 2**30, dtype: torch.dtype | None = None
+    model: CausalLM,
+    path: str | Path,
+    *,
+    max_shard_bytes: int = 5 * 2**30,
+    dtype: torch.dtype | None = None,
+    state: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Write ``model`` as an HF checkpoint directory that ``transformers`` loads; atomic (rename into place).
 
     Tensors go to ``model.safetensors``, or to numbered shards with ``model.safetensors.index.json`` when
     larger than ``max_shard_bytes``. Tied embeddings are saved once (no ``lm_head.weight``). ``dtype``: the
     floating tensors are written in it (rounded to nearest), and ``config.json`` says so; None keeps the model's.
+    ``state``: the tensors to write (whole, keyed like ``model.state_dict()``, e.g. an FSDP model's gathered by
+    :func:`ringtune.engine.sharding.full_state_dict`); None: ``model.state_dict()``.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    state = {n: t.detach().contiguous().cpu() for n, t in model.state_dict().items()}
+    source = model.state_dict() if state is None else state
+    state = {n: t.detach().contiguous().cpu() for n, t in source.items()}
     if dtype is not None:
         state = {n: t.to(dtype) if t.is_floating_point() else t for n, t in state.items()}
     shards: list[dict[str, torch.Tensor]] = [{}]
