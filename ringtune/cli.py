@@ -97,6 +97,15 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--recompute", default=RECOMPUTE_MODES[0], choices=RECOMPUTE_MODES, help="activation recomputation per layer"
     )
+    from ringtune.engine.sharding import SHARDINGS
+
+    p.add_argument(
+        "--shard-params",
+        default=SHARDINGS[0],
+        choices=SHARDINGS,
+        help="FSDP2 sharding of parameters, gradients and AdamW state: none (replicated), dp (over DP, replicated "
+        "over CP) or dp_cp (over all DP x CP ranks, least memory)",
+    )
     p.add_argument(
         "--mesh-prompt-tokens",
         type=int,
@@ -140,6 +149,10 @@ def _run_serve(args: argparse.Namespace) -> int:
     )
     config.validate()
     options = {"attention": args.attention, "gated_delta": args.linear_cp_mode, "recompute": args.recompute}
+    if args.shard_params != "none":
+        if args.dp * args.cp == 1:
+            raise UserInputError(f"--shard-params={args.shard_params} needs more than one rank (--dp x --cp > 1)")
+        options["shard_params"] = args.shard_params
     if args.debug_fault is not None:  # parity negative control (hidden flag)
         options["debug_fault"] = args.debug_fault
     names = {"model_name": args.model_name, "tokenizer_dir": args.tokenizer, "tokenizer_cache": root / ".tokenizers"}

@@ -18,6 +18,7 @@ import torch
 from test_engine import ADAM, make_data, max_diff
 from torch.distributed.tensor import DTensor
 
+from ringtune.cli import build_parser
 from ringtune.engine.gradients import GradientInvariantError
 from ringtune.engine.sharding import check_sharding
 from ringtune.engine.trainer import Trainer
@@ -25,6 +26,7 @@ from ringtune.errors import UserInputError
 from ringtune.models.checkpoints.hf import load_hf
 from ringtune.sample.pool import snapshot_of
 from ringtune.testing.tiny_models import hf_model
+from ringtune.worker.executor import ModelSpec, RankExecutor
 
 # (DP, CP, shard_params) per loss; (1, 1) unsharded is the reference. True is the legacy name of "dp". The
 # sharding touches only the gradient path, which every loss shares: the second loss runs one layout of each.
@@ -142,6 +144,16 @@ def test_sharding_names_are_checked(checkpoint):
             check_sharding(bad)
     with pytest.raises(UserInputError, match="needs a mesh"):
         Trainer(load_hf(checkpoint, dtype=torch.float64), None, max_tokens_per_rank=BUDGET, shard_params="dp_cp")
+    spec = ModelSpec(
+        source=checkpoint, dtype="float64", max_tokens_per_rank=BUDGET, trainer_options={"shard_params": "x"}
+    )
+    with pytest.raises(UserInputError, match=r"trainer_options.shard_params='x': choose one of none, dp, dp_cp"):
+        RankExecutor(spec, None)
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).shard_params == "none"
+    assert parser.parse_args(["serve", "--shard-params", "dp_cp"]).shard_params == "dp_cp"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--shard-params", "zero3"])
 
 
 # ------------------------------------------------------------------------------ checkpoints, export, snapshots

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ringtune.engine.sharding import check_sharding
 from ringtune.engine.trainer import Trainer
 from ringtune.errors import UserInputError
 from ringtune.models.checkpoints.load import load_model
@@ -99,6 +100,7 @@ class RankExecutor:
         spare: CausalLM | None = None,
     ) -> None:
         self.precision = check_precision(spec.dtype)
+        check_sharding(spec.trainer_options.get("shard_params", False), field="trainer_options.shard_params")
         self.spec, self.mesh = spec, mesh
         self.trainers: dict[str, Trainer] = {}
         self._spare = spare
