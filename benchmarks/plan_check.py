@@ -103,7 +103,7 @@ def check(cp: int, recompute: str, tokens: int) -> tuple[bool, str]:
     measured = max(r["step_peak"] + r["before"] for r in results)
     local = max(r["local_len"] for r in results)
     cfg = DecoderConfig.from_hf(MODEL)
-    est = estimate(cfg, Layout(cp=cp, dp=1, sharded=False, recompute=recompute, precision="float32"), local)
+    est = estimate(cfg, Layout(cp=cp, dp=1, shard="none", recompute=recompute, precision="float32"), local)
     ratio = est.peak / measured
     ok = abs(ratio - 1) <= GOAL
     line = (

@@ -130,7 +130,7 @@ def test_measured_step_within_tolerance() -> None:
         trainer.forward_backward([datum(tokens)], "cross_entropy")
         trainer.optim_step(AdamParams(learning_rate=1e-5))
     measured = before + _peak_allocated(prof)
-    est = estimate(CFG, Layout(cp=1, dp=1, sharded=False, recompute=recompute, precision="float32"), tokens)
+    est = estimate(CFG, Layout(cp=1, dp=1, shard="none", recompute=recompute, precision="float32"), tokens)
     # benchmarks/plan_check.py's goal (10%); measured 0.99 here. The peak is at the head's backward (every
     # layer's kept activations + one logits tile), i.e. the inventory and the tile rule, no empirical constant.
     assert est.phase == "head"
@@ -144,15 +144,22 @@ def test_ranking_fits_first_and_cheapest() -> None:
     assert [p.cost for p in fitting] == sorted(p.cost for p in fitting)
     assert all(p.estimate.peak <= 0.9 * 2**30 for p in fitting)
     assert {p.estimate.layout.cp * p.estimate.layout.dp for p in planned} == {4}
-    # Sharding over DP divides the optimizer state; recompute full keeps less than none.
+    # Sharding over DP (or DP·CP) divides the optimizer state by DP (DP·CP); recompute full keeps less than none.
     by = {
-        (p.estimate.layout.cp, p.estimate.layout.sharded, p.estimate.layout.recompute, p.estimate.layout.precision): p
+        (p.estimate.layout.cp, p.estimate.layout.shard, p.estimate.layout.recompute, p.estimate.layout.precision): p
         for p in planned
     }
-    assert by[1, True, "none", "float32"].estimate.moments == pytest.approx(
-        by[1, False, "none", "float32"].estimate.moments / 4
-    )
-    assert by[2, False, "full", "float32"].estimate.activations < by[2, False, "none", "float32"].estimate.activations
+    replicated = by[1, "none", "none", "float32"].estimate
+    assert by[1, "dp", "none", "float32"].estimate.moments == pytest.approx(replicated.moments / 4)
+    assert by[2, "dp", "none", "float32"].estimate.moments == pytest.approx(replicated.moments / 2)
+    for cp in (2, 4):  # dp_cp: parameters, gradients and moments over all 4 ranks, the same at any CP
+        got = by[cp, "dp_cp", "none", "float32"].estimate
+        assert got.moments == pytest.approx(replicated.moments / 4)
+        assert (got.parameters, got.gradients) == pytest.approx(
+            (by[1, "dp", "none", "float32"].estimate.parameters, by[1, "dp", "none", "float32"].estimate.gradients)
+        )
+    assert (1, "dp_cp", "none", "float32") not in by and (4, "dp", "none", "float32") not in by  # = dp / shards nothing
+    assert by[2, "none", "full", "float32"].estimate.activations < by[2, "none", "none", "float32"].estimate.activations
 
 
 @pytest.mark.parametrize(

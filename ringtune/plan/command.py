@@ -61,7 +61,7 @@ def _row(p: Planned) -> list[str]:
     return [
         str(lay.cp),
         str(lay.dp),
-        "sharded" if lay.sharded else "replicated",
+        lay.shard,
         lay.recompute,
         lay.precision,
         *(f"{v / GIB:.1f}" for v in (e.parameters, e.gradients, e.moments, e.activations, e.constants)),
@@ -75,7 +75,7 @@ def _row(p: Planned) -> list[str]:
 HEADER = [
     "CP",
     "DP",
-    "params",
+    "shard",
     "recompute",
     "precision",
     "param",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from ringtune.engine.sharding import SHARDINGS as SHARD_NAMES
 from ringtune.errors import UserInputError
 from ringtune.models.config import DecoderConfig
 from ringtune.models.logprob_tiles import tile_shape
@@ -40,13 +41,22 @@ benchmarks/plan_check.py."""
 
 @dataclass(frozen=True, kw_only=True)
 class Layout:
-    """One way to run: CP·DP ranks, sharded (FSDP2 over DP) or replicated parameters, recompute, precision."""
+    """One way to run: CP·DP ranks, a parameter sharding, recompute, precision.
+
+    ``shard``: a name of :data:`ringtune.engine.sharding.SHARDINGS` (``ringtune serve --shard-params``):
+    ``none`` (replicated), ``dp`` (FSDP2 over DP, replicated over CP), ``dp_cp`` (FSDP2 over all DP·CP ranks).
+    """
 
     cp: int
     dp: int
-    sharded: bool
+    shard: str
     recompute: str
     precision: str
+
+    @property
+    def shard_ways(self) -> int:
+        """How many ranks split each parameter, gradient and moment (1: replicated)."""
+        return {"none": 1, "dp": self.dp, "dp_cp": self.dp * self.cp}[self.shard]
 
 
 @dataclass(frozen=True)
@@ -140,11 +150,15 @@ def estimate(cfg: DecoderConfig, layout: Layout, tokens: int) -> Estimate:
     total = sum(per_layer) + root
     mixed = layout.precision == "bf16-mixed"
     detail: dict[str, float] = {"parameter_count": float(total)}
-    if layout.sharded and layout.dp > 1:
-        shard = total / layout.dp
+    if layout.shard not in SHARD_NAMES:
+        raise UserInputError(f"shard={layout.shard!r}: choose one of {', '.join(SHARD_NAMES)}")
+    ways = layout.shard_ways
+    if ways > 1:
+        shard = total / ways
         biggest = max(per_layer, default=0)
-        # FSDP2: own shards (fp32 masters under bf16-mixed) plus unsharded compute-dtype copies of the root
-        # (kept after forward) and of two layers (the current one and the prefetched next).
+        # FSDP2 (over DP or over DP·CP alike): own shards (fp32 masters under bf16-mixed) plus unsharded
+        # compute-dtype copies of the root (kept after forward) and of two layers (the current one's all-gather
+        # buffer and the prefetched next).
         parameters = shard * pb + (root + 2 * biggest) * e
         # Sharded gradients, plus one layer's unsharded gradient before its reduce-scatter (fp32 reduce
         # under bf16-mixed) and the root's, reduced at the end of the backward.
@@ -169,7 +183,7 @@ def estimate(cfg: DecoderConfig, layout: Layout, tokens: int) -> Estimate:
             transient += act.gdn_scan_transient(cfg, w, tokens)
         comm = comm_per_token(cfg, t, layout.cp, e, a) * tokens
         phases[f"layer {i}"] = (sum(kept[: i + 1]) + rebuilt + bookkeeping, transient, comm)
-    optimizer_transient = (total / layout.dp if layout.sharded and layout.dp > 1 else total) * pb
+    optimizer_transient = total / ways * pb
     phases["optimizer"] = (0.0, optimizer_transient, 0.0)
     phase = max(phases, key=lambda k: sum(phases[k]))
     activations, constants, communication = phases[phase]

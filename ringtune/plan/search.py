@@ -1,8 +1,9 @@
 """Every layout of a GPU count, its predicted peak, and the layouts that fit, best first.
 
 A layout is CP·DP = GPUs (CP a divisor of the GPU count that the model's heads allow with the default CP
-modes: ring attention, headwise GatedDeltaNet when CP divides its heads, else chunkwise), replicated or
-FSDP2-sharded parameters (sharded only when DP > 1: FSDP2 shards over DP), a recompute mode and a precision.
+modes: ring attention, headwise GatedDeltaNet when CP divides its heads, else chunkwise), a parameter sharding
+(:func:`shardings`: replicated; FSDP2 over DP when DP > 1; FSDP2 over DP·CP when CP > 1), a recompute mode
+and a precision.
 Order: layouts that fit with :data:`MARGIN` of the GPU memory free first, then those that fit at all; within
 each, the highest throughput proxy (:func:`throughput_cost`, lowest first), then the most memory left. Layouts
 that do not fit follow, smallest peak first (the nearest to fitting).
@@ -65,6 +66,12 @@ def cp_sizes(cfg: DecoderConfig, gpus: int, context: int) -> list[int]:
     return [c for c in sizes if context // c >= 64 or c == 1]
 
 
+def shardings(cp: int, dp: int) -> tuple[str, ...]:
+    """The distinct shardings of a CP x DP layout: ``none``; ``dp`` when DP > 1; ``dp_cp`` when CP > 1 (at CP 1
+    it is ``dp``, at DP 1 ``dp`` shards nothing)."""
+    return ("none",) + (("dp",) if dp > 1 else ()) + (("dp_cp",) if cp > 1 else ())
+
+
 def plan_layouts(
     cfg: DecoderConfig,
     *,
@@ -88,10 +95,10 @@ def plan_layouts(
     for cp in cp_sizes(cfg, gpus, context):
         dp = gpus // cp
         tokens = rank_token_budget(context, cp, pad_multiplier=PAD_MULTIPLIER)
-        for sharded in (False, True) if dp > 1 else (False,):
+        for shard in shardings(cp, dp):
             for rc in recompute:
                 for precision in precisions:
-                    layout = Layout(cp=cp, dp=dp, sharded=sharded, recompute=rc, precision=precision)
+                    layout = Layout(cp=cp, dp=dp, shard=shard, recompute=rc, precision=precision)
                     est = estimate(cfg, layout, tokens)
                     out.append(
                         Planned(
