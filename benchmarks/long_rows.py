@@ -179,11 +179,14 @@ def _allocation_events(prof: torch.profiler.profile) -> list[tuple[int, int, int
     return sorted(out)
 
 
-def step_memory_worker(rank: int, tokens: int, recompute: str, one_pass: bool = True) -> dict[str, Any]:
+def step_memory_worker(
+    rank: int, tokens: int, recompute: str, one_pass: bool = True, gated_delta: str = "headwise"
+) -> dict[str, Any]:
     """Peak memory of one training step (forward, backward, AdamW step) of :data:`MODEL` on one ``tokens`` sequence.
 
     The loss is ``-Σ logprobs`` (cross_entropy with weights 1); with ``one_pass`` its gradient (-1 per token) is
     handed to the head, which then makes its gradients in its forward tile pass, as the Trainer does.
+    ``gated_delta``: the GDN CP mode (headwise needs the key heads divisible by CP).
 
     A warm-up step on 256 tokens first creates the AdamW moments and the gradients' first use (kernels, thread
     pools); gradients are then dropped. Measured from there: peak live tensor bytes over the step, VmHWM - VmRSS
@@ -197,7 +200,7 @@ def step_memory_worker(rank: int, tokens: int, recompute: str, one_pass: bool = 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
     def step(n: int, marker: bool = False) -> torch.Tensor | None:
-        shard = shard_of([n], cp_size=cp, cp_rank=rank, group=group if cp > 1 else None)
+        shard = shard_of([n], cp_size=cp, cp_rank=rank, group=group if cp > 1 else None, gated_delta=gated_delta)
         gen = torch.Generator().manual_seed(n)
         ids = torch.randint(0, MODEL["vocab_size"], (shard.plan.local_len,), generator=gen)
         labels = torch.randint(0, MODEL["vocab_size"], (shard.plan.local_len,), generator=gen)

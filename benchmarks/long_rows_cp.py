@@ -53,6 +53,11 @@ def mem_available_gib() -> float:
     raise RuntimeError("/proc/meminfo has no MemAvailable")
 
 
+def gdn_mode(cp: int) -> str:
+    """headwise where :data:`MODEL`'s key heads split over ``cp`` ranks, else chunkwise (CP=4: 2 key heads)."""
+    return "headwise" if MODEL["linear_num_key_heads"] % cp == 0 else "chunkwise"
+
+
 def tile_mib(local_tokens: int) -> float:
     """MiB of the head's float32 logits tile on a rank of ``local_tokens`` tokens of :data:`MODEL`."""
     vocab, dim = MODEL["vocab_size"], MODEL["hidden_size"]
@@ -62,12 +67,13 @@ def tile_mib(local_tokens: int) -> float:
 
 def figure_cp_memory(tokens_list: list[int], cps: list[int]) -> list[bool]:
     print("\n[A] per-rank peak of a training step, recompute full, one sequence, one-pass head; MiB, max over ranks")
-    print("    (tile = the head's logits tile at that shard, models/logprob_tiles.py; 1 thread per rank)")
+    print("    (tile = the head's logits tile at that shard, models/logprob_tiles.py; 1 thread per rank; GDN headwise,")
+    print("    chunkwise where the 2 key heads do not split: CP=4)")
     print(f"    {'CP':>3} {'tokens':>7} {'local':>6} {'tile':>6} {'tensor':>8} {'RSS':>8} {'act':>7} {'s':>6}")
     runs = {}
     for cp in cps:
         for tokens in tokens_list:
-            res = spawn(step_memory_worker, cp, tokens, "full", True, threads=1)
+            res = spawn(step_memory_worker, cp, tokens, "full", True, gdn_mode(cp), threads=1)
             runs[cp, tokens] = res
             print(
                 f"    {cp:>3} {tokens:>7} {res[0]['local_len']:>6} {tile_mib(res[0]['local_len']):6.1f} "
@@ -86,7 +92,10 @@ def figure_cp_memory(tokens_list: list[int], cps: list[int]) -> list[bool]:
             f"    CP={cp}: slope per 1K tokens of the row ({lo}..{hi}): tensor {slopes[cp, 'tensor'] / MIB:6.2f} MiB, "
             f"RSS {slopes[cp, 'RSS'] / MIB:6.2f} MiB"
         )
-    ok = []
+    ok: list[bool] = []
+    if 1 not in cps:
+        print("    (no CP=1 in --cps: no ratios)")
+        return ok
     for cp in [c for c in cps if c > 1]:
         for label in ("tensor", "RSS"):
             ratio = slopes[cp, label] / slopes[1, label]
@@ -112,10 +121,10 @@ def figure_cp_memory(tokens_list: list[int], cps: list[int]) -> list[bool]:
 
 
 def figure_long_row(tokens: int, cp: int) -> list[bool]:
-    print(f"\n[B] one {tokens}-token row at CP={cp}, recompute full, forward + backward + AdamW step")
+    print(f"\n[B] one {tokens}-token row at CP={cp} (GDN {gdn_mode(cp)}), recompute full, forward + backward + AdamW")
     print(f"    MemAvailable before: {mem_available_gib():.1f} GiB")
     try:
-        res = spawn(step_memory_worker, cp, tokens, "full", True, threads=1)
+        res = spawn(step_memory_worker, cp, tokens, "full", True, gdn_mode(cp), threads=1)
     except RuntimeError as exc:
         print(f"    FAILED: {str(exc).strip().splitlines()[-1]}")
         return [False]

@@ -26,16 +26,6 @@ import torch
 from ringtune.errors import UserInputError
 from ringtune.models.logprob_tiles import DEFAULT_MAX_CHUNK_BYTES, TilePlan, accumulator_dtype, plan_tiles
 
-__all__ = [
-    "DEFAULT_MAX_CHUNK_BYTES",
-    "TilePlan",
-    "accumulator_dtype",
-    "label_logprobs",
-    "plan_tiles",
-    "reference_label_logprobs",
-    "takes_one_pass",
-]
-
 
 def _check_inputs(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None, ignore_index: int
