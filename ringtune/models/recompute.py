@@ -6,10 +6,11 @@
 - ``selective``: keep what is expensive to recompute, recompute the rest. Attention layers keep their
   attention core (the CP attention op saves its q/k/v, output and log-sum-exp, and its ring / all-gather /
   all-to-all is not rerun) and recompute the norm, projections, rotary, output gate, ``o_proj`` and the MLP.
-  GatedDeltaNet layers are recomputed whole, as in ``full``: their scan is linear in tokens and their
-  intermediates (the per-chunk [C, C] matrices, ~37× the hidden state per token) are what long rows
-  cannot keep; their CP all-to-alls (headwise) or relayouts, halo shift and summary all-gather
-  (chunkwise) run again in the backward.
+  GatedDeltaNet layers are recomputed whole, as in ``full``: they are linear in tokens and what they keep
+  (conv, norms, projections and the chunked scan's inputs, ~15× the hidden state per token on the benchmark
+  model; the scan itself recomputes its [C, C] intermediates in its backward) is what long rows cannot keep;
+  their CP all-to-alls (headwise) or relayouts, halo shift and summary all-gather (chunkwise) run again in
+  the backward.
 
 Recomputation uses ``torch.utils.checkpoint`` with ``use_reentrant=False`` and ``early_stop=False``: the
 rerun executes the whole recorded function, so every rank reruns the same collectives in the same order
