@@ -26,7 +26,8 @@ class LocalBackend(DistributedBackend):
     Args:
         source: what :func:`load_model` reads (HF dir, ``.gguf`` file, or ``smollm2-135m``).
         max_tokens_per_rank: the engine's per-rank budget.
-        dtype: ``float32`` / ``bfloat16`` / ``float64``.
+        dtype: a precision of :data:`ringtune.models.precision.PRECISIONS` (``float32``, ``bfloat16``, ``float64``,
+            ``bf16-mixed``).
         model_name: the name clients pass as ``base_model`` (default: ``source``); ``source`` is accepted too.
         tokenizer_dir, tokenizer_cache: see :func:`ringtune.worker.describe.find_tokenizer_dir`.
         trainer_options: extra keyword arguments of :class:`Trainer` (``attention``, ``gated_delta``, ...).
