@@ -7,7 +7,9 @@ function (it is looked up by module and name in the workers). ``ctx`` is a :clas
 caches meshes, so a case asks ``ctx.mesh(dp=2, cp=2)`` without re-creating groups.
 
 A case that raises on any rank, or does not finish within ``timeout`` seconds (a hang in a
-collective), fails the call with the rank's traceback; the pool is then restarted for the next case.
+collective), fails the call with every rank's report; the pool is then restarted for the next case. A
+failure of the transport alone (a rank process crashed, its peers lost their connections) is retried once,
+with a warning (see :meth:`RankPool.run`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import queue as queue_mod
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +34,9 @@ from ringtune.parallel.mesh import DEFAULT_TIMEOUT_S, ParallelMesh, build_mesh
 
 FAILURE_GRACE_S = 3.0
 """After one rank fails, how long the pool still listens for the others (their errors, or exit codes)."""
+
+TRANSPORT_SYMPTOMS = ("Connection reset by peer", "Connection closed by peer")
+"""What gloo raises on the ranks whose peer process went away (the echo of a crash, not a cause)."""
 
 
 @dataclass
@@ -119,7 +125,29 @@ class RankPool:
 
         ``allow_dead``: a rank process that dies (a SIGKILL test) gives None instead of failing the call;
         the others are still waited for, and the pool restarts afterwards.
+
+        A failure that is only the transport's (a rank process crashed without a Python error, and every
+        error the others raised is a lost connection: :data:`TRANSPORT_SYMPTOMS`) is retried once on the
+        restarted pool, with a RuntimeWarning that carries the first attempt's report; a case that fails
+        the same way twice fails. Python errors, assertion failures and hangs are never retried.
         """
+        values, failures, transport_only = self._run_once(fn, args, kwargs, allow_dead)
+        if failures and transport_only:
+            warnings.warn(
+                f"{fn.__qualname__}: the rank pool lost a rank or a connection; retrying once on a fresh pool. "
+                "First attempt:\n" + "\n".join(failures),
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            values, failures, _ = self._run_once(fn, args, kwargs, allow_dead)
+        if failures:
+            raise RuntimeError(f"{fn.__qualname__} failed on the rank pool:\n" + "\n".join(failures))
+        return values
+
+    def _run_once(
+        self, fn: Callable[..., Any], args: tuple, kwargs: dict[str, Any], allow_dead: bool
+    ) -> tuple[list[Any], list[str], bool]:
+        """One attempt: (per-rank values, failure reports, whether the failure is only the transport's)."""
         module = fn.__module__
         path = getattr(sys.modules.get(module), "__file__", None)
         for q in self._tasks:
@@ -152,15 +180,16 @@ class RankPool:
         if not allow_dead:
             failures += [f"rank {r} died (exit code {code})" for r, code in sorted(dead.items())]
         pending = [r for r in range(self.world_size) if r not in got and r not in dead and r not in failed]
-        if pending and not failures:
+        timed_out = bool(pending) and not failures
+        if timed_out:
             failures.append(f"timed out after {self.timeout}s with ranks {sorted(got)} done (a hang?)")
         if failures:
             failures.append(f"ranks done: {sorted(got)}; no answer from: {pending}")
         if failures or dead:
             self._restart()
-        if failures:
-            raise RuntimeError(f"{fn.__qualname__} failed on the rank pool:\n" + "\n".join(failures))
-        return [got.get(r) for r in range(self.world_size)]
+        symptoms_only = all(any(s in tb for s in TRANSPORT_SYMPTOMS) for tb in failed.values())
+        transport_only = bool(failures) and not timed_out and symptoms_only and (bool(failed) or not allow_dead)
+        return [got.get(r) for r in range(self.world_size)], failures, transport_only
 
     def _restart(self) -> None:
         self.close(graceful=False)
