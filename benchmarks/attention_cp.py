@@ -33,6 +33,7 @@ from ringtune.layout.zigzag import ZigzagPlan, zigzag_plan, zigzag_slice
 from ringtune.ops.attention import cp_attention_fn, ring_attention
 from ringtune.ops.attention.schedule import contiguous_split_work, ring_work
 from ringtune.parallel import measure_comm, spawn
+from ringtune.testing.profiled_memory import tensor_peak_bytes
 
 MIB = 1024 * 1024
 QUICK_TOKENS = 4096
@@ -90,24 +91,6 @@ def _quiet_stderr() -> Iterator[None]:
     finally:
         os.dup2(saved, 2)
         os.close(saved)
-
-
-def tensor_peak_bytes(prof: torch.profiler.profile) -> int:
-    """Peak bytes of live CPU tensor storage allocated inside a ``profile(profile_memory=True)`` block.
-
-    torch's CPU allocator reports every allocation and free while memory profiling is on, with its running
-    total of the bytes allocated since profiling started and still live; the peak is the max of that total.
-    Blocks allocated before the block (and freed in it) are not counted.
-    """
-    from torch._C._profiler import _EventType
-
-    peak, stack = 0, list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
-        if event.typed[0] == _EventType.Allocation:
-            peak = max(peak, event.typed[1].total_allocated)
-    return peak
 
 
 def _random_shard(plan: ZigzagPlan, heads: int, head_dim: int, gen: torch.Generator) -> torch.Tensor:

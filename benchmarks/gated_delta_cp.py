@@ -27,13 +27,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from attention_cp import MIB, _proc_status_kib, _quiet_stderr, reset_peak_rss, tensor_peak_bytes, verdict
+from attention_cp import MIB, _proc_status_kib, _quiet_stderr, reset_peak_rss, verdict
 
 from ringtune.layout.contiguous import relayout_plan
 from ringtune.layout.zigzag import ZigzagPlan, zigzag_plan
 from ringtune.ops.gated_delta.cp import gdn_cp_fn
 from ringtune.ops.gated_delta.inputs import compute_dtype
 from ringtune.parallel import all_gather, measure_comm, spawn
+from ringtune.testing.profiled_memory import tensor_peak_bytes
 
 QUICK_TOKENS = 4096
 MMAP_THRESHOLD = 4 * 1024 * 1024

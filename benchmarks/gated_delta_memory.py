@@ -36,6 +36,7 @@ from long_rows import MODEL, build_model, describe_model
 from ringtune.models.layers.gated_deltanet import GatedDeltaNet
 from ringtune.ops.gated_delta.chunked import chunk_scan_fn
 from ringtune.ops.gated_delta.core import gated_delta_core
+from ringtune.testing.profiled_memory import allocation_events
 
 SCANS = ("autograd", "recompute")
 SAVED_GOAL, PEAK_GOAL, TIME_GOAL = 0.25, 0.5, 1.5
@@ -98,8 +99,6 @@ def peak_bytes(run: Run) -> int:
     The profiler's running total carries over from earlier profiles (blocks freed while it is off are never
     subtracted), so the peak is taken relative to the total just before this profile's first allocation.
     """
-    from torch._C._profiler import _EventType
-
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
     with _quiet_stderr():
         prof.start()
@@ -107,13 +106,7 @@ def peak_bytes(run: Run) -> int:
     out.backward(dout)
     with _quiet_stderr():
         prof.stop()
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
-        if event.typed[0] == _EventType.Allocation:
-            events.append((event.start_time_ns, event.typed[1].alloc_size, event.typed[1].total_allocated))
-    events.sort()
+    events = allocation_events(prof)
     return max(total for _, _, total in events) - (events[0][2] - events[0][1])
 
 

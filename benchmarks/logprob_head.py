@@ -21,7 +21,7 @@ import time
 import torch
 
 # The memory probes of the attention benchmark (same directory, on sys.path when run as a script).
-from attention_cp import _proc_status_kib, _quiet_stderr, reset_peak_rss, tensor_peak_bytes, verdict
+from attention_cp import _proc_status_kib, _quiet_stderr, reset_peak_rss, verdict
 
 from ringtune.models.logprob_head import (
     DEFAULT_MAX_CHUNK_BYTES,
@@ -29,6 +29,7 @@ from ringtune.models.logprob_head import (
     plan_tiles,
     reference_label_logprobs,
 )
+from ringtune.testing.profiled_memory import tensor_peak_bytes
 
 MIB = 1024 * 1024
 QWEN35_VOCAB = 248_320

@@ -27,12 +27,13 @@ import torch
 import torch.distributed as dist
 from attention_cp import MIB, _quiet_stderr, verdict
 from gated_delta_cp import fix_mmap_threshold
-from long_rows import _allocation_events, build_model, describe_model
+from long_rows import build_model, describe_model
 
 from ringtune.parallel import spawn
 from ringtune.parallel.mesh import build_mesh
 from ringtune.sample.mesh_prompts import MeshLayout, prompts_forward
 from ringtune.sample.prefill import prefill
+from ringtune.testing.profiled_memory import tensor_peak_bytes
 
 GOAL = 0.5
 """CP=4 ``compute_logprobs`` per-rank peak over the one-rank prefill's."""
@@ -49,8 +50,7 @@ def _measure(fn) -> tuple[int, float]:
     seconds = time.perf_counter() - start
     with _quiet_stderr():
         prof.stop()
-    events = _allocation_events(prof)
-    return (max((total for _, _, total in events), default=0), seconds)
+    return tensor_peak_bytes(prof), seconds
 
 
 def worker(rank: int, tokens: int, kinds: list[str]) -> dict[str, tuple[int, float]]:

@@ -41,6 +41,7 @@ from ringtune.models.recompute import RECOMPUTE_MODES, set_recompute
 from ringtune.models.shard import shard_of
 from ringtune.ops.cp_modes import GATED_DELTA_MODES
 from ringtune.parallel import spawn
+from ringtune.testing.profiled_memory import allocation_events
 
 MODEL: dict[str, Any] = {
     "model_type": "qwen3_5_text",
@@ -166,19 +167,6 @@ def figure_gdn_time(tokens_list: list[int], rounds: int, cp2: bool) -> list[bool
 # ---------------------------------------------------------------- figure 2: step memory
 
 
-def _allocation_events(prof: torch.profiler.profile) -> list[tuple[int, int, int]]:
-    """(start ns, bytes allocated (< 0: freed), running total of live bytes) of every CPU allocation event."""
-    from torch._C._profiler import _EventType
-
-    out, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
-        if event.typed[0] == _EventType.Allocation:
-            out.append((event.start_time_ns, event.typed[1].alloc_size, event.typed[1].total_allocated))
-    return sorted(out)
-
-
 def step_memory_worker(
     rank: int, tokens: int, recompute: str, one_pass: bool = True, gated_delta: str = "headwise"
 ) -> dict[str, Any]:
@@ -226,7 +214,7 @@ def step_memory_worker(
     peak_kib = _proc_status_kib("VmHWM")
     with _quiet_stderr():
         prof.stop()
-    events = _allocation_events(prof)
+    events = allocation_events(prof)
     marker_bytes = MARKER_ELEMS * 8
     at_marker = [total - size for _, size, total in events if size == marker_bytes]
     if len(at_marker) != 1:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from attention_cp import MIB, _quiet_stderr
 from gated_delta_cp import fix_mmap_threshold
-from long_rows import MODEL, _allocation_events, build_model, describe_model
+from long_rows import MODEL, build_model, describe_model
 from torch.distributed.tensor import DTensor
 
 from ringtune.engine.batch import TrainDatum
@@ -37,6 +37,7 @@ from ringtune.models.config import DecoderConfig
 from ringtune.parallel import spawn
 from ringtune.parallel.mesh import build_mesh
 from ringtune.plan.estimate import Layout, estimate
+from ringtune.testing.profiled_memory import allocation_events
 
 GOAL = 0.10
 ADAM = AdamParams(learning_rate=1e-5)
@@ -91,7 +92,7 @@ def step_worker(rank: int, tokens: int, recompute: str, shard: str) -> dict[str,
     seconds = time.perf_counter() - start
     with _quiet_stderr():
         prof.stop()
-    events = _allocation_events(prof)
+    events = allocation_events(prof)
     batch = trainer.build_batch([_datum(tokens, 2)], "cross_entropy", None)
     return {
         "step_peak": max(total for _, _, total in events),

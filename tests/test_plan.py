@@ -18,6 +18,7 @@ from ringtune.models.shard import shard_of
 from ringtune.plan import activations as act
 from ringtune.plan.estimate import Layout, estimate, layer_parameters, root_parameters
 from ringtune.plan.search import plan_layouts
+from ringtune.testing.profiled_memory import tensor_peak_bytes
 
 # Distinct sizes so that a term counted with the wrong dimension shows (no two of them equal, none = 64).
 TINY = {
@@ -96,19 +97,6 @@ def test_parameter_counts() -> None:
         assert sum(layer_parameters(cfg, t) for t in cfg.layer_types) + root_parameters(cfg) == want
 
 
-def _peak_allocated(prof: torch.profiler.profile) -> int:
-    """Peak live CPU tensor bytes allocated while ``prof`` ran (as benchmarks/long_rows.py reads them)."""
-    from torch._C._profiler import _EventType
-
-    peak, stack = 0, list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        event = stack.pop()
-        stack.extend(event.children)
-        if event.typed[0] == _EventType.Allocation:
-            peak = max(peak, event.typed[1].total_allocated)
-    return peak
-
-
 def test_measured_step_within_tolerance() -> None:
     """One Trainer step (forward_backward + optim_step, CP 1, recompute none) of the tiny model vs the prediction."""
     recompute = "none"
@@ -129,7 +117,7 @@ def test_measured_step_within_tolerance() -> None:
     with prof:
         trainer.forward_backward([datum(tokens)], "cross_entropy")
         trainer.optim_step(AdamParams(learning_rate=1e-5))
-    measured = before + _peak_allocated(prof)
+    measured = before + tensor_peak_bytes(prof)
     est = estimate(CFG, Layout(cp=1, dp=1, shard="none", recompute=recompute, precision="float32"), tokens)
     # benchmarks/plan_check.py's goal (10%); measured 0.99 here. The peak is at the head's backward (every
     # layer's kept activations + one logits tile), i.e. the inventory and the tile rule, no empirical constant.
