@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -20,13 +18,7 @@ T, D, V = 23, 16, 41
 IGNORE = -100
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiles here are tiny: one intra-op thread avoids OpenMP spin-waits that cost ~10x on a busy 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tiles (conftest.one_thread)
 
 
 def make_case(

@@ -4,8 +4,6 @@ using it for cross_entropy."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -22,13 +20,7 @@ T, D, V = 29, 16, 53
 IGNORE = -100
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread() -> Iterator[None]:
-    """Tiny tiles: one intra-op thread avoids OpenMP spin-waits on a busy 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tiles (conftest.one_thread)
 
 
 def case(k: int | None, bias: bool, seed: int = 0):
