@@ -38,11 +38,11 @@ import torch.distributed as dist
 
 from ringtune.engine.gather import gather_row
 from ringtune.engine.packing import pack_datums
-from ringtune.layout.zigzag import ZigzagPlan, zigzag_plan, zigzag_slice
+from ringtune.layout.zigzag import ZigzagPlan, zigzag_slice
 from ringtune.models.cache import PrefillCapture, SequenceCache
 from ringtune.models.decoder import CausalLM
 from ringtune.models.logprob_head import label_logprobs
-from ringtune.models.shard import PackedShard
+from ringtune.models.shard import PackedShard, shard_of
 from ringtune.parallel.mesh import ParallelMesh
 from ringtune.sample.prefill import output_logits, target_labels, topk_logprobs
 
@@ -121,19 +121,15 @@ def prompts_forward(
     with torch.no_grad():
         for row, local_len in zip(packing.rows[dp_rank], packing.local_lens[dp_rank], strict=True):
             members = [list(prompts[i]) for i in row]
-            plan = zigzag_plan(
+            shard = shard_of(
                 [len(p) for p in members],
                 cp_size=cp_size,
                 cp_rank=cp_rank,
-                pad_multiplier=layout.pad_multiplier,
-                pad_to=local_len,
-            )
-            shard = PackedShard(
-                plan=plan,
-                positions=plan.positions,
                 group=mesh.cp_group if mesh else None,
                 attention=layout.attention,
                 gated_delta=layout.gated_delta,
+                pad_multiplier=layout.pad_multiplier,
+                pad_to=local_len,
             )
             keep = {g for g in range(len(row)) if decoding_rank(g, cp_size) == cp_rank}
             row_targets = [targets[i] for i in row] if targets is not None else None

@@ -270,10 +270,9 @@ def check_targets(
         return None
     if len(targets) != len(prompts):
         raise UserInputError(f"target_prompt_logprobs: {len(targets)} tensors for {len(prompts)} prompts")
-    out = []
-    for i, (t, p) in enumerate(zip(targets, prompts, strict=True)):
-        t = torch.as_tensor(t, dtype=torch.int64)
-        k = targets[0].shape[-1] if targets[0].dim() == 2 else -1
+    out = [torch.as_tensor(t, dtype=torch.int64) for t in targets]
+    k = out[0].shape[-1] if out and out[0].dim() == 2 else -1  # every prompt's K must be the first one's
+    for i, (t, p) in enumerate(zip(out, prompts, strict=True)):
         if t.dim() != 2 or t.shape[0] != len(p) - 1 or not 1 <= t.shape[1] <= MAX_TARGET_K or t.shape[1] != k:
             raise UserInputError(
                 f"target_prompt_logprobs[{i}]: shape {list(t.shape)} must be [len(prompt) - 1 = {len(p) - 1}, K] "
@@ -282,7 +281,6 @@ def check_targets(
         if t.numel() and (int(t.min()) < -1 or int(t.max()) >= vocab):
             bad = int(t.min()) if int(t.min()) < -1 else int(t.max())
             raise UserInputError(f"target_prompt_logprobs[{i}]: token id {bad} is outside [-1, vocab_size={vocab})")
-        out.append(t)
     return out
 
 

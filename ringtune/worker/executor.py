@@ -172,8 +172,9 @@ class RankExecutor:
         size = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
         limit = self.spec.min_mesh_prompt_tokens
-        on_mesh = [i for i, r in enumerate(requests) if takes_mesh_forward(len(r.prompt), min_prompt_tokens=limit)]
-        spread = [i for i in range(len(requests)) if i not in set(on_mesh)]
+        long = [takes_mesh_forward(len(r.prompt), min_prompt_tokens=limit) for r in requests]
+        on_mesh = [i for i, is_long in enumerate(long) if is_long]
+        spread = [i for i, is_long in enumerate(long) if not is_long]
         prefilled = self._prefill_on_mesh(sampler_id, [requests[i] for i in on_mesh]) if on_mesh else {}
         mine = [on_mesh[j] for j in sorted(prefilled)] + [i for n, i in enumerate(spread) if n % size == rank]
         try:
