@@ -19,13 +19,14 @@ At CP > 1 (a long prompt prefilled by the whole CP group, :mod:`ringtune.sample.
 holds a zigzag shard. An attention layer's K/V shards are put back in row order by one SUM all-reduce over
 the CP group (:func:`ringtune.engine.gather.gather_row`: each token has one owner, so the sum is exact). A
 GatedDeltaNet layer's raw inputs (q, k, v, g, beta before the conv) are gathered the same way and the rank
-runs :func:`gated_delta_prefill` over the whole row for the final states and conv windows (linear in the
-row; the layer's output still comes from its CP mode). Every rank of the group takes part; a rank keeps
+runs :func:`gated_delta_prefill` over the sequences it keeps for their final states and conv windows (linear
+in their tokens; the layer's output still comes from its CP mode). Every rank of the group takes part; a rank keeps
 only the sequences it will decode (``keep``), so the full caches of the others are transient.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -103,17 +104,23 @@ class LayerCapture:
         conv_weight: torch.Tensor,
     ) -> None:
         """CP > 1: a GDN layer's raw inputs of this rank's zigzag shard (q, k [T_local, Hk, Dk], v [T_local,
-        Hv, Dv], g, beta [T_local, Hv]); gathered to the row (collective over the CP group), then the row's
-        final states and conv windows by :func:`gated_delta_prefill`, one segment per sequence."""
+        Hv, Dv], g, beta [T_local, Hv]); gathered to the row (collective over the CP group), then the final
+        states and conv windows of the kept sequences by :func:`gated_delta_prefill` on them alone (each
+        rank scans only what it decodes), one segment per sequence."""
         owner = self._owner
         plan, group = owner.plan, owner.group
         q, k, v, g, beta = (gather_row(x.detach(), plan, group) for x in (q, k, v, g, beta))
-        bounds = torch.tensor([0, *(s + n for s, n in zip(plan.row_starts, plan.seq_lens, strict=True))])
+        kept = sorted(owner.keep)
+        self.states = [None] * len(plan.seq_lens)  # type: ignore[list-item]
+        if not kept:
+            return
+        spans = [owner.spans[i] for i in kept]
+        rows = torch.cat([torch.arange(s, e) for s, e in spans]).to(q.device)
+        bounds = torch.tensor([0, *itertools.accumulate(e - s for s, e in spans)])
+        q, k, v, g, beta = (x.index_select(0, rows) for x in (q, k, v, g, beta))
         _, final, window = gated_delta_prefill(q, k, v, bounds, g=g, beta=beta, conv_weight=conv_weight)
-        self.states = [
-            GatedDeltaState(state=final[i], conv=window[i]) if i in owner.keep else None  # type: ignore[misc]
-            for i in range(len(plan.seq_lens))
-        ]
+        for j, i in enumerate(kept):
+            self.states[i] = GatedDeltaState(state=final[j], conv=window[j])
 
 
 class PrefillCapture:
