@@ -50,6 +50,11 @@ class SampleRequest:
     prompt_logprobs_last_n: int | None = None  # only the last n prompt log-probs are reported (the gateway's mask)
     target_tokens: torch.Tensor | None = None  # int64 [len(prompt) − 1, K]: ids whose prompt log-probs to return
 
+    @property
+    def target_k(self) -> int:
+        """K of ``target_tokens`` (0 without): requests prefilled together share it."""
+        return 0 if self.target_tokens is None else int(self.target_tokens.shape[-1])
+
 
 def snapshot_of(model: CausalLM) -> CausalLM:
     """An inference copy of ``model`` (same config, dtype and device; no gradients), whole on this rank.
@@ -147,13 +152,12 @@ class SamplerPool:
         out: list[PromptSamples | None] = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):
-            target_k = 0 if r.target_tokens is None else int(r.target_tokens.shape[-1])
             key = (
                 r.params,
                 r.num_samples,
                 r.prompt_logprobs,
                 r.topk_prompt_logprobs,
-                target_k,
+                r.target_k,
                 forwards[i] is not None,
             )
             groups.setdefault(key, []).append(i)

@@ -217,8 +217,7 @@ class RankExecutor:
         groups: dict[tuple[bool, int, int, bool], list[int]] = {}
         for i, r in enumerate(requests):
             decodes = (r.params.max_tokens or DEFAULT_MAX_TOKENS) > 1
-            target_k = 0 if r.target_tokens is None else int(r.target_tokens.shape[-1])
-            groups.setdefault((r.prompt_logprobs, r.topk_prompt_logprobs, target_k, decodes), []).append(i)
+            groups.setdefault((r.prompt_logprobs, r.topk_prompt_logprobs, r.target_k, decodes), []).append(i)
         forwards: dict[int, PromptForward] = {}
 
         def run() -> None:
