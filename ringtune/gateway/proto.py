@@ -103,21 +103,36 @@ def decode_tensor(msg: pb.Tensor, where: str) -> np.ndarray:
 def _decode_csr(csr: pb.SparseCsr, dtype: np.dtype, shape: list[int], where: str) -> np.ndarray:
     if len(shape) != 2:
         raise UserInputError(f"{where}: a sparse_csr tensor needs a 2-D shape, got {shape}")
-    rows, cols = shape
     values = _flat_values(csr.values, dtype, f"{where}.sparse_csr.values")
     crow = _flat_values(csr.crow_indices, np.dtype("<i8"), f"{where}.sparse_csr.crow_indices")
     col = _flat_values(csr.col_indices, np.dtype("<i8"), f"{where}.sparse_csr.col_indices")
+    fields = (f"{where}.sparse_csr.crow_indices", f"{where}.sparse_csr.col_indices")
+    return csr_to_dense(values.astype(dtype.newbyteorder("=")), crow, col, (shape[0], shape[1]), fields)
+
+
+def csr_to_dense(
+    values: np.ndarray,
+    crow: np.ndarray,
+    col: np.ndarray,
+    shape: tuple[int, int],
+    fields: tuple[str, str],
+    *,
+    fill: float = 0,
+) -> np.ndarray:
+    """A checked CSR tensor (``values`` [nnz], ``crow`` [rows + 1], ``col`` [nnz]) -> dense ``shape``, ``fill``
+    where no value is listed. ``fields`` name the two index arrays in the UserInputError of a bad one."""
+    rows, cols = shape
     if crow.size != rows + 1 or crow[0] != 0 or np.any(np.diff(crow) < 0) or crow[-1] != values.size:
         raise UserInputError(
-            f"{where}.sparse_csr.crow_indices: need {rows + 1} non-decreasing offsets from 0 to "
+            f"{fields[0]}: need {rows + 1} non-decreasing offsets from 0 to "
             f"{values.size} (the number of values); got {crow.size} offsets ending at {crow[-1] if crow.size else None}"
         )
     if col.size != values.size or (col.size and (col.min() < 0 or col.max() >= cols)):
         raise UserInputError(
-            f"{where}.sparse_csr.col_indices: need {values.size} column indices in [0, {cols}); got {col.size} "
+            f"{fields[1]}: need {values.size} column indices in [0, {cols}); got {col.size} "
             f"in [{col.min() if col.size else None}, {col.max() if col.size else None}]"
         )
-    dense = np.zeros((rows, cols), dtype=dtype.newbyteorder("="))
+    dense = np.full((rows, cols), fill, dtype=values.dtype)
     row_of = np.repeat(np.arange(rows), np.diff(crow))
     dense[row_of, col] = values
     return dense

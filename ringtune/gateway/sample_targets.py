@@ -13,16 +13,17 @@ head's [T, K] labels in the prefill (:mod:`ringtune.sample.prefill`, :mod:`ringt
 
 from __future__ import annotations
 
-import itertools
 import struct
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from tinker.proto import tinker_public_pb2 as pb
 
 from ringtune.engine.batch import MAX_TARGET_K
 from ringtune.errors import UserInputError
+from ringtune.gateway.proto import csr_to_dense
 
 FIELD = "target_prompt_logprobs"
 
@@ -67,17 +68,15 @@ def parse_targets(value: Any, prompt_len: int, vocab_size: int) -> tuple[torch.T
         layout = TargetLayout((rows, k))
     else:
         crow, col = _int_list(crow_raw, "sparse_crow_indices"), _int_list(col_raw, "sparse_col_indices")
-        steps_ok = all(a <= b for a, b in itertools.pairwise(crow))
-        if len(crow) != rows + 1 or not crow or crow[0] != 0 or crow[-1] != len(data) or not steps_ok:
-            raise UserInputError(
-                f"{FIELD}.sparse_crow_indices: need {rows + 1} non-decreasing offsets from 0 to {len(data)}"
-            )
-        if len(col) != len(data) or any(not 0 <= c < k for c in col):
-            raise UserInputError(f"{FIELD}.sparse_col_indices: need {len(data)} column indices in [0, {k})")
-        ids = torch.full((rows, k), -1, dtype=torch.int64)
-        for r in range(rows):
-            for at in range(crow[r], crow[r + 1]):
-                ids[r, col[at]] = data[at]
+        dense = csr_to_dense(
+            np.array(data, dtype=np.int64),
+            np.array(crow, dtype=np.int64),
+            np.array(col, dtype=np.int64),
+            (rows, k),
+            (f"{FIELD}.sparse_crow_indices", f"{FIELD}.sparse_col_indices"),
+            fill=-1,
+        )
+        ids = torch.from_numpy(dense)
         layout = TargetLayout((rows, k), tuple(crow), tuple(col))
     if ids.numel() and (int(ids.min()) < -1 or int(ids.max()) >= vocab_size):
         bad = int(ids.min()) if int(ids.min()) < -1 else int(ids.max())
