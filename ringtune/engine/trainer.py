@@ -58,6 +58,9 @@ from ringtune.parallel.mesh import ParallelMesh, rebuild_mesh
 
 IGNORE = -100
 
+SHARDED_GROUPS_LOST = "a rank failed mid-request and FSDP-sharded parameters cannot move to new groups"
+"""Why a sharded trainer is broken once the mesh's data groups were rebuilt (its DeviceMesh holds the old ones)."""
+
 __all__ = ["ForwardBackwardResult", "TrainDatum", "Trainer"]
 
 
@@ -410,7 +413,7 @@ class Trainer:
         if self.mesh is None:
             return
         if self.fsdp_units:
-            self.broken = "a rank failed mid-request and FSDP-sharded parameters cannot move to new groups"
+            self.broken = SHARDED_GROUPS_LOST
             return
         try:
             rebuild_mesh(self.mesh)

@@ -44,10 +44,7 @@ from ringtune.models.decoder import CausalLM
 from ringtune.models.logprob_head import label_logprobs
 from ringtune.models.shard import PackedShard, shard_of
 from ringtune.parallel.mesh import ParallelMesh
-from ringtune.sample.prefill import output_logits, target_labels, topk_logprobs
-
-IGNORE = -100
-"""Label of a position that is not scored (each prompt's last token, pads)."""
+from ringtune.sample.prefill import IGNORE, output_logits, target_labels, topk_logprobs
 
 TopK = list[list[tuple[int, float]] | None]
 

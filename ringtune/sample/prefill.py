@@ -26,6 +26,9 @@ from ringtune.models.decoder import CausalLM
 from ringtune.models.logprob_head import label_logprobs
 from ringtune.models.shard import shard_of
 
+IGNORE = -100
+"""The head's label for a position that is not scored (each prompt's last token, pads, a -1 target)."""
+
 TOPK_TILE_BYTES = 64 * 1024 * 1024
 """Byte budget of one tile of float32 logits when computing top-k prompt log-probs."""
 
@@ -68,8 +71,8 @@ def topk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, k: int) -> tuple[t
 def target_labels(targets: torch.Tensor) -> torch.Tensor:
     """Tinker targets [n−1, K] (−1 = none) -> head labels [n, K]: row i scores position i+1 from the hidden
     state of position i, so the prompt's last position gets none; −1 becomes the head's ignore label."""
-    labels = torch.where(targets < 0, -100, targets)
-    return torch.cat([labels, torch.full((1, targets.shape[1]), -100, dtype=torch.int64)])
+    labels = torch.where(targets < 0, IGNORE, targets)
+    return torch.cat([labels, torch.full((1, targets.shape[1]), IGNORE, dtype=torch.int64)])
 
 
 def prefill(
@@ -97,7 +100,7 @@ def prefill(
     last = torch.tensor([s + n - 1 for s, n in zip(starts, lens, strict=True)], dtype=torch.int64, device=device)
     plps = tops = None
     if prompt_logprobs:
-        labels = torch.full((plan.local_len,), -100, dtype=torch.int64, device=device)
+        labels = torch.full((plan.local_len,), IGNORE, dtype=torch.int64, device=device)
         for s, p in zip(starts, prompts, strict=True):
             labels[s : s + len(p) - 1] = torch.tensor(p[1:], dtype=torch.int64)
         lp = label_logprobs(hidden, weight, labels).tolist()
@@ -113,7 +116,7 @@ def prefill(
             at += n - 1
     target_lps = None
     if targets is not None:
-        labels = torch.full((plan.local_len, targets[0].shape[1]), -100, dtype=torch.int64)
+        labels = torch.full((plan.local_len, targets[0].shape[1]), IGNORE, dtype=torch.int64)
         for s, n, t in zip(starts, lens, targets, strict=True):
             labels[s : s + n] = target_labels(t)
         lp = label_logprobs(hidden, weight, labels.to(device)).cpu()

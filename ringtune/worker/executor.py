@@ -16,7 +16,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ringtune.engine.sharding import check_sharding
-from ringtune.engine.trainer import Trainer
+from ringtune.engine.trainer import SHARDED_GROUPS_LOST, Trainer
 from ringtune.errors import UserInputError
 from ringtune.models.checkpoints.load import load_model
 from ringtune.models.decoder import CausalLM
@@ -255,7 +255,7 @@ class RankExecutor:
         rebuild_mesh(self.mesh)
         for trainer in self.trainers.values():
             if trainer.fsdp_units:
-                trainer.broken = "a rank failed mid-request and FSDP-sharded parameters cannot move to new groups"
+                trainer.broken = SHARDED_GROUPS_LOST
 
     def _forward_backward(self, command: Command):
         a = command.args
