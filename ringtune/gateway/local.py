@@ -13,11 +13,11 @@ from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 
-from ringtune.errors import UserInputError
 from ringtune.models.checkpoints.load import load_model
+from ringtune.models.precision import check_precision
 from ringtune.worker.backend import DistributedBackend
 from ringtune.worker.describe import describe
-from ringtune.worker.executor import DTYPES, ModelSpec, RankExecutor
+from ringtune.worker.executor import ModelSpec, RankExecutor
 
 
 class LocalBackend(DistributedBackend):
@@ -47,8 +47,7 @@ class LocalBackend(DistributedBackend):
         trainer_options: Mapping[str, object] | None = None,
         mesh_prompt_tokens: int | None = None,
     ) -> None:
-        if dtype not in DTYPES:
-            raise UserInputError(f"dtype={dtype!r} must be one of {list(DTYPES)}")
+        precision = check_precision(dtype)
         spec = ModelSpec(
             source=str(source),
             dtype=dtype,
@@ -56,7 +55,7 @@ class LocalBackend(DistributedBackend):
             trainer_options=dict(trainer_options or {}),
             mesh_prompt_tokens=mesh_prompt_tokens,
         )
-        model = load_model(spec.source, dtype=DTYPES[dtype])
+        model = load_model(spec.source, dtype=precision.param_dtype)
         info = describe(
             spec, model, model_name=model_name, tokenizer_dir=tokenizer_dir, tokenizer_cache=tokenizer_cache
         )

@@ -105,7 +105,7 @@ class RankExecutor:
         self.trainers: dict[str, Trainer] = {}
         self._spare = spare
         self.samplers = SamplerPool(
-            lambda path: load_model(path or spec.source, dtype=DTYPES[spec.dtype]),
+            lambda path: load_model(path or spec.source, dtype=self.precision.param_dtype),
             decode=tokenizer_decoder(spec.tokenizer_dir),
         )
         self.handlers: dict[str, Callable[[Command], Any]] = {
@@ -146,7 +146,7 @@ class RankExecutor:
             raise UserInputError(f"run {command.run_id!r} exists already")
         spare, self._spare = self._spare, None  # rank 0 loaded one copy to describe the model: the first run takes it
         model = agreed_call(
-            lambda: spare if spare is not None else load_model(self.spec.source, dtype=DTYPES[self.spec.dtype]),
+            lambda: spare if spare is not None else load_model(self.spec.source, dtype=self.precision.param_dtype),
             self.mesh.control_group if self.mesh else None,
         )
         options = {**self.spec.trainer_options, **trainer_dtype_options(self.precision)}
