@@ -146,6 +146,27 @@ def test_frozen_weight_gives_only_hidden_gradient() -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_logits_spread_past_subnormal_exp(one_pass: bool) -> None:
+    """Logits of every token spread over more than 100 nats (~300-550): exp(l - max) of most columns would be subnormal or 0 in float32 (below
+    -87.3) and the head floors its argument at log(tiny) + 1 (a subnormal result is slow on x86). The floored
+    terms add < V · 3e-38 to a sum >= 1, so the values and gradients still equal the float64 reference: float64
+    to 1e-10; float32 within 1e-3, its own rounding at this scale (logits of size ~500 carry ~1e-4 of float32
+    error, which the softmax turns into ~1e-4 relative in gradients of size ~3: measured 3.3e-4)."""
+    for dtype, atol in ((torch.float64, 1e-10), (torch.float32, 1e-3)):
+        hidden, weight, b, labels, grad_out = make_case(dtype, bias=True, seed=3)
+        with torch.no_grad():
+            weight.mul_(100.0)  # logits of std ~100 across the 41-word vocabulary
+        up = {"upstream": grad_out.to(dtype)} if one_pass else {}
+        got = values_and_grads(label_logprobs, hidden, weight, b, labels, grad_out, chunk_tokens=4, **up)
+        leaves64 = [x.detach().double().requires_grad_() for x in (hidden, weight, b)]
+        want = values_and_grads(reference_label_logprobs, *leaves64, labels, grad_out)
+        spread = (hidden.double() @ weight.double().T).detach().aminmax(dim=1)
+        assert float((spread.max - spread.min).min()) > 100  # many columns far past the subnormal range
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g.double(), w, rtol=1e-6, atol=atol)
+
+
 def test_float32_against_float64() -> None:
     # float32 rounding (eps 1.2e-7) of D=16-term logits of O(1) size, a 41-term log-sum-exp and the gradient
     # sums: measured <= 6e-7 against float64 here; 5e-6 leaves ~10x headroom and is still far below 1e-3.

@@ -85,7 +85,7 @@ def test_every_tile_of_forward_and_backward_within_budget(monkeypatch: pytest.Mo
     out = label_logprobs(hidden, weight, labels, max_chunk_bytes=budget, upstream=grad_out if upstream else None)
     got = torch.autograd.grad(out, (hidden, weight), grad_out)
     assert len(shapes) == (5 if upstream else 10)  # ceil(300 / 64) tiles per logits pass
-    assert max(t * v * 8 for t, v in shapes) <= budget and all(v == vocab for _, v in shapes)
+    assert max(t * v * 8 for v, t in shapes) <= budget and all(v == vocab for v, _ in shapes)  # [vocab, tokens]
     want_out = reference_label_logprobs(hidden, weight, labels)
     want = torch.autograd.grad(want_out, (hidden, weight), grad_out)
     torch.testing.assert_close(out, want_out, rtol=0, atol=1e-12)
