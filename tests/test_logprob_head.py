@@ -148,11 +148,12 @@ def test_frozen_weight_gives_only_hidden_gradient() -> None:
 
 @pytest.mark.parametrize("one_pass", [False, True])
 def test_logits_spread_past_subnormal_exp(one_pass: bool) -> None:
-    """Logits of every token spread over more than 100 nats (~300-550): exp(l - max) of most columns would be subnormal or 0 in float32 (below
-    -87.3) and the head floors its argument at log(tiny) + 1 (a subnormal result is slow on x86). The floored
-    terms add < V · 3e-38 to a sum >= 1, so the values and gradients still equal the float64 reference: float64
-    to 1e-10; float32 within 1e-3, its own rounding at this scale (logits of size ~500 carry ~1e-4 of float32
-    error, which the softmax turns into ~1e-4 relative in gradients of size ~3: measured 3.3e-4)."""
+    """Logits of every token spread over more than 100 nats (~300-550): exp(l - max) of most columns would be
+    subnormal or 0 in float32 (below -87.3) and the head floors its argument at log(tiny) + 1 (a subnormal result
+    is slow on x86). The floored terms add < V · 3e-38 to a sum >= 1, so the values and gradients still equal the
+    float64 reference: float64 to 1e-10; float32 within 1e-3, its own rounding at this scale (logits of size ~500
+    carry ~1e-4 of float32 error, which the softmax turns into ~1e-4 relative in gradients of size ~3: measured
+    3.3e-4)."""
     for dtype, atol in ((torch.float64, 1e-10), (torch.float32, 1e-3)):
         hidden, weight, b, labels, grad_out = make_case(dtype, bias=True, seed=3)
         with torch.no_grad():
