@@ -116,6 +116,27 @@ def test_concurrent_requests_all_complete(clients):
     assert all(len(r.sequences[0].tokens) == 6 for r in results)
 
 
+def test_topk_sample_logprobs_through_the_sdk(clients):
+    """``topk_sample_logprobs=3``: per generated token 3 ``(id, logprob)`` best first, the sampled token's
+    log-prob among them exactly when listed (same float32 value) and at most the 3rd otherwise."""
+    sc, _ = clients
+    sampler = sc.create_sampling_client(base_model=MODEL_NAME).result()
+    params = tinker.SamplingParams(max_tokens=7, temperature=0.8, seed=11, stop=[])
+    prompt = tinker.ModelInput.from_ints(PROMPT)
+    result = sampler.sample(prompt, 2, params, topk_sample_logprobs=3).result()
+    assert len(result.sequences) == 2
+    for seq in result.sequences:
+        assert len(seq.topk_logprobs) == len(seq.tokens) == len(seq.logprobs) == 7
+        for token, lp, entry in zip(seq.tokens, seq.logprobs, seq.topk_logprobs, strict=True):
+            assert len(entry) == 3 and len({t for t, _ in entry}) == 3
+            values = [v for _, v in entry]
+            assert values == sorted(values, reverse=True) and all(v <= 0.0 for v in values)
+            assert dict(entry)[token] == lp if token in dict(entry) else lp <= values[-1]
+    plain = sampler.sample(prompt, 2, params).result()
+    assert [s.tokens for s in plain.sequences] == [s.tokens for s in result.sequences]
+    assert all(s.topk_logprobs is None for s in plain.sequences)
+
+
 BAD_SAMPLING = {
     "temperature_negative": ({"sampling_params": {"max_tokens": 4, "temperature": -1.0}}, "temperature"),
     "temperature_nan": ({"sampling_params": {"max_tokens": 4, "temperature": "nan"}}, "temperature"),
@@ -131,7 +152,8 @@ BAD_SAMPLING = {
     "prompt_out_of_vocab": ({"prompt": {"chunks": [{"type": "encoded_text", "tokens": [1, 10**6]}]}}, "tokens[1]"),
     "prompt_empty": ({"prompt": {"chunks": []}}, "prompt.chunks"),
     "prompt_image": ({"prompt": {"chunks": [{"type": "image", "data": "", "format": "png"}]}}, "image"),
-    "topk_sample_logprobs": ({"topk_sample_logprobs": 3}, "topk_sample_logprobs"),
+    "topk_sample_negative": ({"topk_sample_logprobs": -1}, "topk_sample_logprobs=-1 must be an int in [0, 100]"),
+    "topk_sample_too_many": ({"topk_sample_logprobs": 101}, "topk_sample_logprobs=101 must be an int in [0, 100]"),
     "topk_prompt_too_many": ({"topk_prompt_logprobs": 10**6}, "topk_prompt_logprobs"),
     "unknown_session": ({"sampling_session_id": "nope"}, "sampling_session_id"),
     "last_n_over_prompt": ({"prompt_logprobs": True, "prompt_logprobs_last_n": 5}, "prompt_logprobs_last_n=5"),

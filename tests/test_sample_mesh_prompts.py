@@ -160,7 +160,8 @@ def _requests() -> list[SampleRequest]:
     # Long prompts that generate several tokens: prefilled on the mesh, decoded from the gathered caches.
     decode = SamplingParams(max_tokens=6, temperature=0.9, top_p=0.95, seed=5, stop=[])
     out += [SampleRequest(prompt=prompts[i], params=decode, num_samples=2, prompt_logprobs=True) for i in (2, 4, 7)]
-    out.append(SampleRequest(prompt=prompts[6], params=SamplingParams(max_tokens=5, temperature=0.0, stop=[])))
+    greedy = SamplingParams(max_tokens=5, temperature=0.0, stop=[])
+    out.append(SampleRequest(prompt=prompts[6], params=greedy, topk_sample_logprobs=3))  # top-3 per token too
     return out
 
 
@@ -207,7 +208,14 @@ def _base_source():
 def test_executor_routes_long_one_token_requests_to_the_mesh(pool4, checkpoint, dp, cp):
     model = load_hf(checkpoint, dtype=torch.float64)
     want = [
-        generate(model, [r.prompt], r.params, num_samples=r.num_samples, prompt_logprobs=r.prompt_logprobs)[0]
+        generate(
+            model,
+            [r.prompt],
+            r.params,
+            num_samples=r.num_samples,
+            prompt_logprobs=r.prompt_logprobs,
+            topk_sample_logprobs=r.topk_sample_logprobs,
+        )[0]
         for r in _requests()
     ]
     answers = [a for a in pool4.run(executor_case, root=checkpoint, dp=dp, cp=cp) if a["results"] is not None]
@@ -224,6 +232,10 @@ def test_executor_routes_long_one_token_requests_to_the_mesh(pool4, checkpoint, 
             assert [s.stop_reason for s in got.sequences] == [s.stop_reason for s in ref.sequences]
             for gs, rs in zip(got.sequences, ref.sequences, strict=True):
                 assert max(abs(a - b) for a, b in zip(gs.logprobs, rs.logprobs, strict=True)) <= 1e-10
+                assert (gs.topk_logprobs is None) == (rs.topk_logprobs is None)
+                for g_row, r_row in zip(gs.topk_logprobs or [], rs.topk_logprobs or [], strict=True):
+                    assert [t for t, _ in g_row] == [t for t, _ in r_row] and len(g_row) == 3
+                    assert _max_abs([v for _, v in g_row], [v for _, v in r_row]) <= 1e-10
             if ref.prompt_logprobs is None:
                 assert got.prompt_logprobs is None
             else:

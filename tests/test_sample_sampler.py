@@ -163,6 +163,39 @@ def test_prompt_logprobs_are_the_training_forward(model64):
         assert all(r.topk_prompt_logprobs[i + 1][0][1] >= r.prompt_logprobs[i + 1] for i in range(len(prompt) - 1))
 
 
+def test_topk_sample_logprobs_are_the_training_forward(model64):
+    """Per generated position, the k best of log_softmax(full forward logits), float64 within 1e-10 (the
+    tolerance of the sampled log-probs above, same arithmetic in another order); the sampled token's own
+    log-prob equals its entry bit for bit (one subtraction of the same logsumexp). Tempered top-k/p sampling
+    does not change them: they describe the untempered distribution the reported log-prob comes from."""
+    k = 4
+    prompts = random_prompts((5, 1, 23), VOCAB, seed=9)
+    params = SamplingParams(max_tokens=9, temperature=0.7, top_k=6, top_p=0.95, seed=3, stop=[])
+    results = generate(model64, prompts, params, num_samples=2, max_batch=3, topk_sample_logprobs=k)
+    listed = 0
+    for prompt, r in zip(prompts, results, strict=True):
+        for s in r.sequences:
+            assert s.topk_logprobs is not None and len(s.topk_logprobs) == len(s.tokens)
+            seq = prompt + s.tokens
+            shard = shard_of([len(seq)])
+            with torch.no_grad():
+                lp = torch.log_softmax(model64.logits(zigzag_slice(torch.tensor(seq), shard.plan), shard), -1)
+            top = lp[len(prompt) - 1 : len(seq) - 1].topk(k, dim=-1)
+            for t, (token, token_lp, entry) in enumerate(zip(s.tokens, s.logprobs, s.topk_logprobs, strict=True)):
+                assert [i for i, _ in entry] == top.indices[t].tolist()
+                values = [v for _, v in entry]
+                assert values == sorted(values, reverse=True)
+                assert max(abs(a - b) for a, b in zip(values, top.values[t].tolist(), strict=True)) < 1e-10
+                if token in dict(entry):
+                    assert dict(entry)[token] == token_lp
+                    listed += 1
+                else:
+                    assert token_lp <= values[-1]
+    assert listed > 10, listed  # the equality above really ran
+    plain = generate(model64, prompts[:1], params)[0].sequences[0]
+    assert plain.topk_logprobs is None and plain.tokens == results[0].sequences[0].tokens
+
+
 def test_results_and_arguments_pickle(model64):
     params = SamplingParams(max_tokens=3, seed=1, stop=["x"])
     prompts = random_prompts((4,), VOCAB, seed=7)
@@ -180,6 +213,8 @@ BAD_REQUESTS = [
     ({"num_samples": MAX_NUM_SAMPLES + 1}, "num_samples"),
     ({"topk_prompt_logprobs": -1}, "topk_prompt_logprobs=-1"),
     ({"topk_prompt_logprobs": VOCAB + 1}, "topk_prompt_logprobs"),
+    ({"topk_sample_logprobs": -1}, "topk_sample_logprobs=-1"),
+    ({"topk_sample_logprobs": VOCAB + 1}, r"topk_sample_logprobs=97 must be an int in \[0, 96\]"),
     ({"params": SamplingParams(stop=[VOCAB])}, r"stop\[0\]=96"),
     ({"params": SamplingParams(stop=["a"])}, "tokenizer"),
     ({"max_batch": 0}, "max_batch"),

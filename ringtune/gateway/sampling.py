@@ -30,7 +30,12 @@ from ringtune.gateway.futures import FutureStore, Outcome
 from ringtune.gateway.sample_targets import TargetLayout, encode_targets, parse_targets
 from ringtune.sample.params import SamplingParams
 from ringtune.sample.pool import SampleRequest, SamplerSource
-from ringtune.sample.sampler import MAX_NUM_SAMPLES, MAX_TOPK_PROMPT_LOGPROBS, PromptSamples
+from ringtune.sample.sampler import (
+    MAX_NUM_SAMPLES,
+    MAX_TOPK_PROMPT_LOGPROBS,
+    MAX_TOPK_SAMPLE_LOGPROBS,
+    PromptSamples,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,12 +100,8 @@ def sample_request(
 ) -> tuple[SampleRequest, TargetLayout | None]:
     """A validated :class:`SampleRequest` and the layout of its ``target_prompt_logprobs`` (None without);
     UserInputError naming the field, the value and the limit."""
-    for field, value in (
-        ("topk_sample_logprobs", body.topk_sample_logprobs),
-        ("prompt_alt_tokens_k", body.prompt_alt_tokens_k),
-    ):
-        if value not in (0, None):
-            raise UserInputError(f"{field}={value!r} is not supported (use 0)")
+    if body.prompt_alt_tokens_k not in (0, None):
+        raise UserInputError(f"prompt_alt_tokens_k={body.prompt_alt_tokens_k!r} is not supported (use 0)")
     if not isinstance(body.prompt_logprobs, bool):
         raise UserInputError(f"prompt_logprobs={body.prompt_logprobs!r} must be true or false")
     prompt = prompt_tokens(body.prompt, vocab_size)
@@ -127,16 +128,34 @@ def sample_request(
         num_samples=_int(body.num_samples, "num_samples", 1, MAX_NUM_SAMPLES),
         prompt_logprobs=body.prompt_logprobs,
         topk_prompt_logprobs=_int(body.topk_prompt_logprobs or 0, "topk_prompt_logprobs", 0, MAX_TOPK_PROMPT_LOGPROBS),
+        topk_sample_logprobs=_int(body.topk_sample_logprobs or 0, "topk_sample_logprobs", 0, MAX_TOPK_SAMPLE_LOGPROBS),
         prompt_logprobs_last_n=last_n,
         target_tokens=targets,
     )
     return request, layout
 
 
+def _pack_topk(out: pb.TopkLogprobs, rows: list[list[tuple[int, float]] | None]) -> None:
+    """Write ``rows`` (per position None or up to k ``(token, logprob)``) into ``out`` as the SDK reads it:
+    row-major [length, k] int32 ids and float32 log-probs, short rows padded with (0, −99999.0)."""
+    k = max((len(r) for r in rows if r), default=0)
+    ids, lps = [], []
+    for row in rows:
+        row = list(row or [])
+        row += [(0, -99999.0)] * (k - len(row))
+        ids += [t for t, _ in row]
+        lps += [lp for _, lp in row]
+    out.token_ids = struct.pack(f"<{len(ids)}i", *ids)
+    out.logprobs = struct.pack(f"<{len(lps)}f", *lps)
+    out.k = k
+    out.length = len(rows)
+
+
 def encode_sample_response(
     result: PromptSamples, last_n: int | None = None, targets: TargetLayout | None = None
 ) -> bytes:
-    """The protobuf ``SampleResponse`` of one request (tokens int32, log-probs float32, NaN where absent).
+    """The protobuf ``SampleResponse`` of one request (tokens int32, log-probs float32, NaN where absent;
+    each sequence's ``topk_sampled_logprobs`` when the request asked for ``topk_sample_logprobs``).
 
     ``last_n`` (``prompt_logprobs_last_n``): only the last ``last_n`` prompt log-probs and top-k rows are
     reported; the entries before them are NaN / empty (None to the SDK), as the SDK checks. ``targets``:
@@ -148,6 +167,8 @@ def encode_sample_response(
         s.stop_reason = pb.STOP_REASON_STOP if seq.stop_reason == "stop" else pb.STOP_REASON_LENGTH
         s.tokens = struct.pack(f"<{len(seq.tokens)}i", *seq.tokens)
         s.logprobs = struct.pack(f"<{len(seq.logprobs)}f", *seq.logprobs)
+        if seq.topk_logprobs is not None:
+            _pack_topk(s.topk_sampled_logprobs, list(seq.topk_logprobs))
     if result.prompt_logprobs is not None:
         values = [math.nan if v is None else v for v in result.prompt_logprobs]
         if last_n is not None:
@@ -157,17 +178,7 @@ def encode_sample_response(
         rows = list(result.topk_prompt_logprobs)
         if last_n is not None:
             rows[: len(rows) - last_n] = [None] * (len(rows) - last_n)
-        k = max((len(r) for r in rows if r), default=0)
-        ids, lps = [], []
-        for row in rows:
-            row = list(row or [])
-            row += [(0, -99999.0)] * (k - len(row))
-            ids += [t for t, _ in row]
-            lps += [lp for _, lp in row]
-        out.topk_prompt_logprobs.token_ids = struct.pack(f"<{len(ids)}i", *ids)
-        out.topk_prompt_logprobs.logprobs = struct.pack(f"<{len(lps)}f", *lps)
-        out.topk_prompt_logprobs.k = k
-        out.topk_prompt_logprobs.length = len(rows)
+        _pack_topk(out.topk_prompt_logprobs, rows)
     if targets is not None and result.target_prompt_logprobs is not None:
         out.target_prompt_logprobs.CopyFrom(encode_targets(result.target_prompt_logprobs, targets))
     return out.SerializeToString()

@@ -40,13 +40,14 @@ class SamplerSource:
 
 @dataclass(frozen=True, kw_only=True)
 class SampleRequest:
-    """One ``asample`` call: a prompt, how to sample, how many, and which prompt log-probs to return."""
+    """One ``asample`` call: a prompt, how to sample, how many, and which prompt and top-k log-probs to return."""
 
     prompt: list[int]
     params: SamplingParams
     num_samples: int = 1
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0  # per generated token, the k most likely tokens and log-probs (0: off)
     prompt_logprobs_last_n: int | None = None  # only the last n prompt log-probs are reported (the gateway's mask)
     target_tokens: torch.Tensor | None = None  # int64 [len(prompt) − 1, K]: ids whose prompt log-probs to return
 
@@ -157,11 +158,12 @@ class SamplerPool:
                 r.num_samples,
                 r.prompt_logprobs,
                 r.topk_prompt_logprobs,
+                r.topk_sample_logprobs,
                 r.target_k,
                 forwards[i] is not None,
             )
             groups.setdefault(key, []).append(i)
-        for (params, num_samples, prompt_lp, topk, target_k, ran), members in groups.items():
+        for (params, num_samples, prompt_lp, topk, sample_topk, target_k, ran), members in groups.items():
             results = generate(
                 model,
                 [requests[i].prompt for i in members],
@@ -169,6 +171,7 @@ class SamplerPool:
                 num_samples=num_samples,
                 prompt_logprobs=prompt_lp,
                 topk_prompt_logprobs=topk,
+                topk_sample_logprobs=sample_topk,
                 decode=self.decode,
                 prefilled=[forwards[i] for i in members] if ran else None,  # type: ignore[misc]
                 targets=[requests[i].target_tokens for i in members] if target_k else None,  # type: ignore[misc]

@@ -10,7 +10,9 @@ GatedDeltaNet layers), chooses the next tokens, and rows that stopped leave the 
 Log-probs: every sampled token comes with the model's own **untempered** log-prob,
 ``log_softmax(logits)[token]`` of the raw logits (float32, float64 for a float64 model), whatever the
 temperature, top_k or top_p: the quantity the trainer's ``forward`` returns for that token, so an RL
-importance ratio ``exp(trainer − sampler)`` is 1 up to numerics when the weights agree.
+importance ratio ``exp(trainer − sampler)`` is 1 up to numerics when the weights agree. With
+``topk_sample_logprobs = k`` every generated position also reports the k largest entries of that same
+``log_softmax(logits)`` (largest first): the sampled token's log-prob is bit-equal to its entry when listed.
 
 Randomness: sample j of a prompt draws one uniform per token from its own generator seeded by
 ``(seed, j)`` (``seed`` from the request, or fresh entropy per call and prompt): the same seed, prompt and
@@ -47,6 +49,9 @@ MAX_NUM_SAMPLES = 128
 MAX_TOPK_PROMPT_LOGPROBS = 100
 """Largest ``topk_prompt_logprobs``."""
 
+MAX_TOPK_SAMPLE_LOGPROBS = 100
+"""Largest ``topk_sample_logprobs``."""
+
 DEFAULT_MAX_BATCH = 64
 """Rows decoded together by default."""
 
@@ -60,11 +65,14 @@ DEFAULT_PREFILL_TOKENS = 16384
 @dataclass(frozen=True)
 class SampledSequence:
     """One generated sequence: ``tokens`` (the stop token last, once, if it stopped on one), the untempered
-    log-prob of each, and ``stop_reason`` "stop" or "length"."""
+    log-prob of each, ``stop_reason`` "stop" or "length" and, if asked (``topk_sample_logprobs`` = k > 0),
+    per token the k most likely ``(token, logprob)`` of the untempered step distribution ``logprobs`` reports
+    from (not the tempered, filtered one it was drawn from), best first."""
 
     tokens: list[int]
     logprobs: list[float]
     stop_reason: str
+    topk_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +93,7 @@ class _Row:
     generator: torch.Generator
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    topk: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 def config_eos_token_ids(model: CausalLM) -> tuple[int, ...]:
@@ -103,14 +112,23 @@ def sample_generator(seed: int, sample: int) -> torch.Generator:
 
 
 def check_request(
-    prompts: Sequence[Sequence[int]], vocab: int, num_samples: int, topk_prompt_logprobs: int, max_batch: int
+    prompts: Sequence[Sequence[int]],
+    vocab: int,
+    num_samples: int,
+    topk_prompt_logprobs: int,
+    max_batch: int,
+    topk_sample_logprobs: int = 0,
 ) -> list[list[int]]:
+    """The prompts as lists; UserInputError naming the first bad field, its value and the limit."""
     if not isinstance(num_samples, int) or isinstance(num_samples, bool) or not 1 <= num_samples <= MAX_NUM_SAMPLES:
         raise UserInputError(f"num_samples={num_samples!r} must be an int in [1, {MAX_NUM_SAMPLES}]")
-    limit = min(MAX_TOPK_PROMPT_LOGPROBS, vocab)
-    k = topk_prompt_logprobs
-    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= limit:
-        raise UserInputError(f"topk_prompt_logprobs={k!r} must be an int in [0, {limit}]")
+    for name, k, most in (
+        ("topk_prompt_logprobs", topk_prompt_logprobs, MAX_TOPK_PROMPT_LOGPROBS),
+        ("topk_sample_logprobs", topk_sample_logprobs, MAX_TOPK_SAMPLE_LOGPROBS),
+    ):
+        limit = min(most, vocab)
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= limit:
+            raise UserInputError(f"{name}={k!r} must be an int in [0, {limit}]")
     if not isinstance(max_batch, int) or max_batch < 1:
         raise UserInputError(f"max_batch={max_batch!r} must be an int >= 1")
     out = []
@@ -138,6 +156,7 @@ class _Sampler:
         num_samples: int,
         prompt_logprobs: bool,
         topk: int,
+        sample_topk: int = 0,
         max_batch: int,
         prefill_tokens: int,
         prefilled: Sequence[PromptForward] | None = None,
@@ -145,7 +164,7 @@ class _Sampler:
     ) -> None:
         self.model, self.prompts, self.params, self.stop = model, prompts, params, stop
         self.prefilled, self.targets = prefilled, targets
-        self.num_samples, self.want_lp, self.topk = num_samples, prompt_logprobs, topk
+        self.num_samples, self.want_lp, self.topk, self.sample_topk = num_samples, prompt_logprobs, topk, sample_topk
         self.max_batch, self.prefill_tokens = max_batch, prefill_tokens
         self.max_tokens: int = params.max_tokens or DEFAULT_MAX_TOKENS  # never None after validation
         weight = model.output_weight
@@ -236,14 +255,25 @@ class _Sampler:
         if not self.params.greedy:
             uniforms = torch.stack([torch.rand((), generator=r.generator, dtype=torch.float64) for r in rows])
         chosen = choose_tokens(logits, self.params, uniforms)
-        lps = (logits.gather(1, chosen[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)).tolist()
+        norm = torch.logsumexp(logits, dim=-1)
+        lps = (logits.gather(1, chosen[:, None])[:, 0] - norm).tolist()
+        tops: list[list[tuple[int, float]]] = [[] for _ in rows]
+        if self.sample_topk:  # the same subtraction as lps: a listed sampled token's entry is bit-equal
+            values, ids = logits.topk(self.sample_topk, dim=-1)
+            top_lps = (values - norm[:, None]).tolist()
+            tops = [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), top_lps, strict=True)]
         alive = []
         for b, (row, token, lp) in enumerate(zip(rows, chosen.tolist(), lps, strict=True)):
             row.tokens.append(token)
             row.logprobs.append(lp)
+            if self.sample_topk:
+                row.topk.append(tops[b])
             stopped = self.stop.check(row.tokens)
             if stopped or len(row.tokens) >= self.max_tokens:
-                self.done[row.prompt][row.sample] = SampledSequence(row.tokens, row.logprobs, stop_reason(stopped))
+                topk = row.topk if self.sample_topk else None
+                self.done[row.prompt][row.sample] = SampledSequence(
+                    row.tokens, row.logprobs, stop_reason(stopped), topk
+                )
             else:
                 alive.append(b)
         return alive
@@ -292,6 +322,7 @@ def generate(
     num_samples: int = 1,
     prompt_logprobs: bool = False,
     topk_prompt_logprobs: int = 0,
+    topk_sample_logprobs: int = 0,
     eos_token_ids: Sequence[int] | None = None,
     decode: Decode | None = None,
     max_batch: int = DEFAULT_MAX_BATCH,
@@ -309,6 +340,8 @@ def generate(
         num_samples: sequences per prompt, in [1, MAX_NUM_SAMPLES].
         prompt_logprobs: also return ``log p(prompt[i] | prompt[:i])`` (entry 0 None), by the training head.
         topk_prompt_logprobs: also return the k most likely tokens and log-probs per prompt position (0: off).
+        topk_sample_logprobs: also return, per generated token, the k most likely tokens and their untempered
+            log-probs at that step (``SampledSequence.topk_logprobs``; 0: off).
         eos_token_ids: what ``stop=None`` stops at (and a non-empty stop list too); default the config's EOS.
         decode: token ids -> text (a tokenizer's ``decode``), required when ``params.stop`` holds strings.
         max_batch: rows decoded together; a prompt's samples join together (one prompt may exceed it alone).
@@ -322,7 +355,7 @@ def generate(
         One :class:`PromptSamples` per prompt, in order. Raises UserInputError naming a bad field.
     """
     vocab = model.config.vocab_size
-    checked = check_request(prompts, vocab, num_samples, topk_prompt_logprobs, max_batch)
+    checked = check_request(prompts, vocab, num_samples, topk_prompt_logprobs, max_batch, topk_sample_logprobs)
     eos = eos_token_ids if eos_token_ids is not None else config_eos_token_ids(model)
     stop = stop_condition(params, eos_token_ids=eos, vocab_size=vocab, decode=decode)
     sampler = _Sampler(
@@ -333,6 +366,7 @@ def generate(
         num_samples=num_samples,
         prompt_logprobs=prompt_logprobs,
         topk=topk_prompt_logprobs,
+        sample_topk=topk_sample_logprobs,
         max_batch=max_batch,
         prefill_tokens=prefill_tokens,
         prefilled=prefilled,

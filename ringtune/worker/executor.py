@@ -204,7 +204,7 @@ class RankExecutor:
         model = self.samplers.model(sampler_id)
         vocab = model.config.vocab_size
         for r in requests:
-            check_request([r.prompt], vocab, r.num_samples, r.topk_prompt_logprobs, 1)
+            check_request([r.prompt], vocab, r.num_samples, r.topk_prompt_logprobs, 1, r.topk_sample_logprobs)
             if r.target_tokens is not None:
                 check_targets([r.target_tokens], [list(r.prompt)], vocab)
         modes = self.spec.modes
