@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from ringtune.engine.gradients import GradientInvariantError
 from ringtune.errors import UserInputError
 from ringtune.models.decoder import CausalLM
-from ringtune.models.logprob_head import label_logprobs
+from ringtune.models.logprob_head import IGNORE_INDEX, label_logprobs
 from ringtune.models.shard import shard_of
 from ringtune.parallel.mesh import ParallelMesh
 
@@ -237,7 +237,7 @@ def _probe_gradients(model: CausalLM, attention: str, gated_delta: str) -> dict[
     vocab = model.config.vocab_size
     ids = (torch.arange(PROBE_TOKENS, dtype=torch.int64) * 7 + 3) % vocab
     labels = torch.roll(ids, -1)
-    labels[-1] = -100
+    labels[-1] = IGNORE_INDEX
     shard = shard_of((PROBE_TOKENS,), attention=attention, gated_delta=gated_delta, pad_multiplier=8)
     hidden = model.hidden_states(ids, shard)
     label_logprobs(hidden, model.output_weight, labels).sum().backward()

@@ -39,12 +39,13 @@ from ringtune.engine.gradients import GradientInvariant
 from ringtune.engine.memory import peak_memory_bytes
 from ringtune.engine.optimizer import AdamParams, adamw_step, global_grad_norm
 from ringtune.errors import NonFiniteError, ParallelConfigError
-from ringtune.layout.zigzag import ZigzagPlan, zigzag_plan, zigzag_slice
+from ringtune.layout.zigzag import zigzag_slice
 from ringtune.losses import PER_TARGET_KEYS, fixed_logprob_gradient, local_token_losses
 from ringtune.models.decoder import CausalLM
+from ringtune.models.logprob_head import IGNORE_INDEX
 from ringtune.models.precision import check_compute_dtype, export_dtype, set_compute_dtype
 from ringtune.models.recompute import DEFAULT_RECOMPUTE, check_recompute_mode, set_recompute
-from ringtune.models.shard import PackedShard
+from ringtune.models.shard import shard_of
 from ringtune.ops.cp_modes import DEFAULT_ATTENTION, DEFAULT_GATED_DELTA
 from ringtune.parallel.control import (
     NOT_CAUGHT,
@@ -55,8 +56,6 @@ from ringtune.parallel.control import (
     gather_object_to,
 )
 from ringtune.parallel.mesh import ParallelMesh, rebuild_mesh
-
-IGNORE = -100
 
 SHARDED_GROUPS_LOST = "a rank failed mid-request and FSDP-sharded parameters cannot move to new groups"
 """Why a sharded trainer is broken once the mesh's data groups were rebuilt (its DeviceMesh holds the old ones)."""
@@ -283,11 +282,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ one microbatch
 
-    def _row_plan(self, lens: list[int], local_len: int) -> ZigzagPlan:
-        return zigzag_plan(
-            lens, cp_size=self.cp_size, cp_rank=self.cp_rank, pad_multiplier=self.pad_multiplier, pad_to=local_len
-        )
-
     def _microbatch(
         self, batch: Batch, row: tuple[int, ...], local_len: int, *, backward: bool, flagged: bool
     ) -> tuple[dict[int, dict[str, torch.Tensor]], set[int], set[int]]:
@@ -299,14 +293,17 @@ class Trainer:
         """
         members = [batch.datums[i] for i in row]
         lens = [d.num_tokens for d in members]
-        plan = self._row_plan(lens, local_len)
-        shard = PackedShard(
-            plan=plan,
-            positions=plan.positions,
+        shard = shard_of(
+            lens,
+            cp_size=self.cp_size,
+            cp_rank=self.cp_rank,
             group=self.cp_group,
             attention=self.attention,
             gated_delta=self.gated_delta,
+            pad_multiplier=self.pad_multiplier,
+            pad_to=local_len,
         )
+        plan = shard.plan
         # Every datum carries exactly batch.input_keys (a pad-only row: empty tensors of the same trailing
         # shapes), so every rank runs the same loss code and the same collectives.
         k_shape = () if batch.target_k is None else (batch.target_k,)
@@ -323,7 +320,7 @@ class Trainer:
         values = {k: column(k, torch.float64) for k in batch.input_keys if k != "target_tokens"}
         datum_index = torch.repeat_interleave(torch.arange(len(row)), torch.tensor(lens, dtype=torch.int64))
         local_ids = zigzag_slice(ids, plan).to(device)
-        local_targets = zigzag_slice(targets, plan, pad_value=IGNORE).to(device)
+        local_targets = zigzag_slice(targets, plan, pad_value=IGNORE_INDEX).to(device)
         local_inputs = {k: zigzag_slice(v, plan).to(device) for k, v in values.items()}
         local_datum = zigzag_slice(datum_index, plan, pad_value=-1).to(device)
         bad_loss: set[int] = set()

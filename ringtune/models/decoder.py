@@ -172,7 +172,7 @@ class CausalLM(nn.Module):
             input_ids: int64 [T_local], this rank's zigzag shard of a packed row.
             shard: the row's plan, positions (checked against the plan), CP group and modes.
             targets: int64 [T_local] or [T_local, K] (K candidates per position, one logits pass for all);
-                -100 marks an unscored entry (pads), which gets 0 and no gradient.
+                IGNORE_INDEX (-100) marks an unscored entry (pads), which gets 0 and no gradient.
             upstream: the loss's gradient in the returned log-probs when known before the forward (targets'
                 shape), or None: the head then makes its gradients in its forward tile pass
                 (:func:`~ringtune.models.logprob_head.label_logprobs`; recomputed if the backward's differs).

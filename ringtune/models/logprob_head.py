@@ -28,6 +28,12 @@ import torch
 from ringtune.errors import UserInputError
 from ringtune.models.logprob_tiles import DEFAULT_MAX_CHUNK_BYTES, TilePlan, accumulator_dtype, plan_tiles
 
+IGNORE_INDEX = -100
+"""The label of a position that is not scored (pads, each sequence's last token): log-prob 0, no gradient.
+
+The same value as ``torch.nn.functional.cross_entropy``'s default; every caller reads it from here.
+"""
+
 
 def _check_inputs(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None, ignore_index: int
@@ -63,7 +69,7 @@ def reference_label_logprobs(
     labels: torch.Tensor,
     *,
     bias: torch.Tensor | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
     """Plain ``log_softmax(hidden @ weight.T + bias, -1)[t, labels[t]]``, materialising the [T, V] logits.
 
@@ -369,7 +375,7 @@ def label_logprobs(
     labels: torch.Tensor,
     *,
     bias: torch.Tensor | None = None,
-    ignore_index: int = -100,
+    ignore_index: int = IGNORE_INDEX,
     chunk_tokens: int | None = None,
     chunk_vocab: int | None = None,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,

@@ -23,10 +23,10 @@ import torch
 from ringtune.layout import zigzag_slice
 from ringtune.models.cache import PrefillCapture, SequenceCache
 from ringtune.models.decoder import CausalLM
-from ringtune.models.logprob_head import label_logprobs
+from ringtune.models.logprob_head import IGNORE_INDEX, label_logprobs
 from ringtune.models.shard import shard_of
 
-IGNORE = -100
+IGNORE = IGNORE_INDEX
 """The head's label for a position that is not scored (each prompt's last token, pads, a -1 target)."""
 
 TOPK_TILE_BYTES = 64 * 1024 * 1024

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ringtune.models.logprob_head import IGNORE_INDEX
+
 # Packed row of many datums: 1-17-token ones, lengths not divisible by 2C, one longer than a chunk.
 LENGTHS = (1, 2, 17, 5, 40, 3, 1, 9)
 
@@ -75,8 +77,8 @@ def packed_tokens(lens: tuple[int, ...], vocab: int, *, seed: int) -> torch.Tens
 
 
 def next_token_labels(ids: torch.Tensor, lens: tuple[int, ...]) -> torch.Tensor:
-    """int64 [T]: the next token inside each sequence of the packed row, -100 at each sequence's last token."""
-    labels = torch.full_like(ids, -100)
+    """int64 [T]: the next token inside each sequence of the packed row, IGNORE_INDEX at each one's last token."""
+    labels = torch.full_like(ids, IGNORE_INDEX)
     start = 0
     for n in lens:
         labels[start : start + n - 1] = ids[start + 1 : start + n]
