@@ -3,7 +3,9 @@
 One module-scoped matrix on a tiny random Qwen3.5 (row budget 512 tokens): CP=1 reference, CP=2 headwise and
 chunkwise (float32), and every debug fault at CP=2. Clean layouts must pass ``compare`` (step-1 grad-norm ratio
 within 1e-5), each fault must fail it naming the figure, the CLI exits 0 / 1 / 2, and the report and PNGs exist.
-Plus the window math against :mod:`ringtune.layout` and the row-budget refusal, without servers.
+Every server samples, so every dump holds its KL(sampler ‖ trainer): clean layouts pass it, and a trainer that
+reads wrong positions fails it. Plus the window math against :mod:`ringtune.layout`, the KL estimators and the
+row-budget refusal, without servers.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import copy
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from ringtune.cli import main
@@ -21,6 +24,7 @@ from ringtune.layout.zigzag import chunk_len, zigzag_plan
 from ringtune.parity.compare import ComparisonRefusedError, compare_dumps
 from ringtune.parity.datums import build_datum_set, text_token_stream
 from ringtune.parity.matrix import MatrixConfig, run_matrix
+from ringtune.parity.sampler_kl import PROMPT_CAP, SAMPLE_TOKENS, kl_estimates, sampler_prompts
 from ringtune.parity.windows import Layout, request_positions
 
 ROW_TOKENS = 512
@@ -68,6 +72,24 @@ def test_datum_set_is_fixed_and_sized_to_the_context():
     assert build_datum_set(seed=1, vocab_size=96, context_length=1024, stream=stream).digest() != a.digest()
 
 
+def test_kl_estimates_and_prompts():
+    sampler = np.log(np.array([0.5, 0.25, 0.125]))
+    same = kl_estimates(sampler, sampler.copy())
+    assert same == {"k1": 0.0, "k3": 0.0, "max_abs": 0.0}
+    delta = np.array([1e-3, -2e-3, 4e-3])
+    got = kl_estimates(sampler, sampler + delta)
+    assert got["k1"] == pytest.approx(-delta.mean(), rel=1e-12)
+    assert got["k3"] == pytest.approx(np.mean(np.exp(delta) - 1 - delta), rel=1e-12)
+    assert got["k3"] == pytest.approx(np.mean(delta**2) / 2, rel=1e-2) and got["max_abs"] == pytest.approx(4e-3)
+    with pytest.raises(ValueError, match="must match"):
+        kl_estimates(sampler, sampler[:2])
+    data = build_datum_set(seed=0, vocab_size=96, context_length=1024, stream=text_token_stream(96, None))
+    prompts = dict(sampler_prompts(data, 1024))
+    assert (len(prompts["lone"]), len(prompts["short17"])) == (7, 17)
+    assert max(map(len, prompts.values())) == PROMPT_CAP and len(prompts) == 2 + 4
+    assert max(map(len, dict(sampler_prompts(data, 100)).values())) == 100 - SAMPLE_TOKENS
+
+
 # ------------------------------------------------------------------------------------------------ the matrix
 
 
@@ -100,9 +122,15 @@ def test_clean_layouts_pass_and_faults_fail(matrix):
     for name, row in faults.items():
         names = [f.name for f in row.result.failures]
         assert any(n.startswith(EXPECTED[name]) for n in names), (name, names)
+    # KL(sampler ‖ trainer) was measured on every server; the off-by-one trainer disagrees with its own sampler.
+    for row in clean:
+        assert row.result.figure("sampler_kl.k3").value <= 1e-10
+    wrong = faults["position_off_by_one"].result
+    assert not wrong.figure("sampler_kl.k3").ok and not wrong.figure("sampler_kl.max_abs").ok
     assert report.ok
     text = config.doc.read_text()
     assert "| tiny-qwen3.5 | float32 | CP2 chunkwise | pass |" in text
+    assert "sampler KL" in text and "not measured" not in text
     assert all(f"`{name}`" in text for name in DEBUG_FAULTS)
 
 
@@ -127,6 +155,19 @@ def test_compare_cli_exit_codes_and_noise(matrix, tmp_path, capsys):
     assert main(["parity", "compare", str(ref), str(hw), "--noise", str(cw)]) == 0
     bad = _dump(config, "cp2-headwise-dp1-float32-fault-position_off_by_one")
     assert main(["parity", "compare", str(ref), str(bad), "--noise", str(cw)]) == 1
+
+
+def test_a_dump_without_samples_has_no_sampler_figures(matrix):
+    """A server that does not sample (an older dump, another server) is compared on everything else."""
+    config, _ = matrix
+    a = json.loads(_dump(config, "cp1-dp1-float32").read_text())
+    b = json.loads(_dump(config, "cp2-headwise-dp1-float32").read_text())
+    assert b["sampler_kl"]["status"] == "measured" and b["sampler_kl"]["tokens"] > 0
+    unsampled = copy.deepcopy(b)
+    unsampled["sampler_kl"] = {"status": "skipped", "reason": "the server does not sample"}
+    result = compare_dumps(a, unsampled)
+    assert not result.failures
+    assert not [f for f in result.figures if f.name.startswith("sampler_kl.")]
 
 
 def test_a_reference_at_another_row_budget_is_refused(matrix, tmp_path, capsys):

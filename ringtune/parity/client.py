@@ -14,8 +14,9 @@ Requests, in order, on one fresh training run (LoRA rank 0 = full fine-tuning):
 
 Each record keeps per-datum log-probs and summed losses; ``grad_norms`` the four steps' ``grad_norm:mean``.
 The server's layout (CP, DP, dtype, per-rank budget, CP modes, debug fault) comes from the ``ringtune`` key of
-``GET /api/v1/get_server_capabilities``. KL(sampler ‖ trainer) needs a sampling server: skipped and recorded so
-while ringtune does not sample.
+``GET /api/v1/get_server_capabilities``. Last, when the server samples (``sampleable``), the on-policy check
+KL(sampler ‖ trainer) on the weights after the steps (:mod:`ringtune.parity.sampler_kl`); otherwise the dump
+records it as skipped, with the reason.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import numpy as np
 import tinker
 
 from ringtune.parity.datums import DatumSet, ParityDatum, build_datum_set, text_token_stream
+from ringtune.parity.sampler_kl import measure_sampler_kl, sampler_prompts, skipped_sampler_kl
 
 FORMAT = "ringtune-parity/1"
 ADAM = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
@@ -137,11 +139,12 @@ def run_parity(
         step("long_step")
         forward("after.main", main)
         forward("after.long", long)
-    sampler_kl = {
-        "status": "skipped",
-        "reason": "the server does not sample (get_server_capabilities: sampleable="
-        f"{model.get('sampleable')}); KL(sampler || trainer) needs a sampling server",
-    }
+        if model.get("sampleable"):
+            sampler_kl = measure_sampler_kl(tc, sampler_prompts(data, context), seed=seed + 2)
+        else:
+            sampler_kl = skipped_sampler_kl(
+                f"the server does not sample (get_server_capabilities: sampleable={model.get('sampleable')})"
+            )
     dump = {
         "format": FORMAT,
         "label": label or url,

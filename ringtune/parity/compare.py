@@ -16,7 +16,11 @@ Log-prob deltas ``Δ = lp_B - lp_A`` per scored position. Figures (``value <= li
 - ``loss.<record>.per_token``: the largest ``|ΔL_i| / n_i`` over the datums of a request (per-datum summed loss,
   per token); ``grad_norm.<step>``: ``|gn_B / gn_A - 1|`` of each optimizer step;
 - ``lp.<record>.mean`` / ``.p99`` for the requests after the first optimizer step (looser: AdamW's first steps
-  are sign-like, so layout noise in a near-zero gradient component moves that weight by up to ±lr).
+  are sign-like, so layout noise in a near-zero gradient component moves that weight by up to ±lr);
+- ``sampler_kl.k3`` / ``sampler_kl.max_abs``: the candidate's own KL(sampler ‖ trainer) on its samples (k3 estimate)
+  and largest ``|lp_trainer - lp_sampler|`` (:mod:`ringtune.parity.sampler_kl`), when its dump measured them; the
+  reference's figures are shown beside them. Not a difference of two servers: each server's decode path must
+  agree with its own training forward.
 
 ``--noise C`` (another correct layout against the same reference) widens each limit to 1.5× the figure C shows
 (windows: 1.5× C's window/interior ratio at the same rows).
@@ -62,6 +66,8 @@ class Limits:
     post_mean: float
     post_p99: float
     post_loss_per_token: float
+    sampler_k3: float
+    sampler_max: float
 
 
 LIMITS: dict[str, Limits] = {
@@ -82,6 +88,8 @@ LIMITS: dict[str, Limits] = {
         post_mean=1e-6,
         post_p99=2e-6,
         post_loss_per_token=4e-6,
+        sampler_k3=1e-12,
+        sampler_max=2e-6,  # measured 0: decode and training forward in float64, both rounded to float32
     ),
     # float32: each CP layout sums attention blocks, GDN chunks and gradient partials in another order. Measured
     # (docs/validation.md): the tiny Qwen3.5 at CP 2/4 moves log-probs by mean 5e-8, p99 4.8e-7 (1 ulp at
@@ -104,6 +112,8 @@ LIMITS: dict[str, Limits] = {
         post_mean=2e-5,
         post_p99=1e-4,
         post_loss_per_token=2e-4,
+        sampler_k3=1e-10,  # measured 2e-14 (CP 1 and 2); the off-by-one fault 3e-6, the GDN state drop 3e-9
+        sampler_max=1e-4,  # measured 9.5e-7 (1-2 ulps); the faults 1e-2 and 4.5e-4
     ),
     # bfloat16 keeps 8 significant bits (relative rounding 2^-9 ≈ 2e-3 per op): a different reduction order moves
     # hidden states and log-probs. Measured on the tiny Qwen3.5 at CP 2 and 4 (docs/validation.md): mean |Δlp|
@@ -123,6 +133,8 @@ LIMITS: dict[str, Limits] = {
         post_mean=2e-3,
         post_p99=7e-3,
         post_loss_per_token=1e-2,
+        sampler_k3=1e-6,  # measured 2e-9 at CP 1, 6e-8 at CP 2 (bf16 decode vs bf16 packed forward)
+        sampler_max=7e-3,  # measured 6.7e-4 at CP 1, 1.2e-3 at CP 2: bf16 hidden states rounded in another order
     ),
 }
 # bf16-mixed computes the decoder layers in bfloat16 (ringtune.models.precision): a CP layout changes the same bf16
@@ -280,6 +292,8 @@ def compute_figures(a: Mapping[str, Any], b: Mapping[str, Any], *, window_layout
         figures.append(Figure(f"lp.{name}.mean", _stat(d, "mean"), limits.lp_mean if pre_step else limits.post_mean))
         figures.append(Figure(f"lp.{name}.p99", _stat(d, "p99"), limits.lp_p99 if pre_step else limits.post_p99))
 
+    figures += _sampler_figures(a.get("sampler_kl", {}), b.get("sampler_kl", {}), limits)
+
     deltas = [{"datum": datum, "abs": d, "boundaries": p.boundaries, "splits": p.splits} for datum, d, p in rows]
     return Comparison(
         reference=str(a.get("label")),
@@ -289,6 +303,22 @@ def compute_figures(a: Mapping[str, Any], b: Mapping[str, Any], *, window_layout
         figures=figures,
         deltas=deltas,
     )
+
+
+def _sampler_figures(ref: Mapping[str, Any], cand: Mapping[str, Any], limits: Limits) -> list[Figure]:
+    """``sampler_kl.k3`` and ``sampler_kl.max_abs`` of the candidate (none if it did not measure them)."""
+    if cand.get("status") != "measured":
+        return []
+    measured = ref.get("status") == "measured"
+    return [
+        Figure(
+            f"sampler_kl.{key}",
+            float(cand[key]),
+            limit,
+            note=f"reference {float(ref[key]):.3g}" if measured else "reference: not measured",
+        )
+        for key, limit in (("k3", limits.sampler_k3), ("max_abs", limits.sampler_max))
+    ]
 
 
 def compare_dumps(a: Mapping[str, Any], b: Mapping[str, Any], noise: Mapping[str, Any] | None = None) -> Comparison:
@@ -320,7 +350,7 @@ def format_report(result: Comparison, *, verbose: bool = False) -> str:
         f"parity: candidate {result.candidate} vs reference {result.reference} ({result.dtype} limits, windows at "
         f"CP={result.layout.cp_size})"
     ]
-    summary = ("lp.mean", "lp.p99", "lp.trimmed_kl", "grad_norm.", "loss.", "lp.after")
+    summary = ("lp.mean", "lp.p99", "lp.trimmed_kl", "grad_norm.", "loss.", "lp.after", "sampler_kl.")
     worst_window = max((f for f in result.figures if f.kind == "ratio"), key=lambda f: f.value, default=None)
     for f in result.figures:
         shown = verbose or not f.ok or f.name.startswith(summary) or f is worst_window

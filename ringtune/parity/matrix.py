@@ -153,6 +153,14 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}"
 
 
+def _sampler_cell(result: Comparison) -> str:
+    """The candidate's ``sampler_kl.k3 (max_abs)``, or "not measured"."""
+    figures = {f.name: f for f in result.figures}
+    if "sampler_kl.k3" not in figures:
+        return "not measured"
+    return f"{_fmt(figures['sampler_kl.k3'].value)} ({_fmt(figures['sampler_kl.max_abs'].value)})"
+
+
 def write_report(report: MatrixReport, config: MatrixConfig) -> None:
     """The Markdown validation report at ``config.doc`` (PNG links relative to it)."""
     doc = config.doc
@@ -167,11 +175,13 @@ def write_report(report: MatrixReport, config: MatrixConfig) -> None:
         "`ringtune/parity/compare.py`, with their reasoning). `|Δlp|`: the starting-weight forwards;",
         "worst window: the largest window/interior ratio over zigzag chunks, chunk boundaries and GDN split rows;",
         "grad norm: `gn_CP / gn_CP1` of the first optimizer step (cross_entropy), and the largest",
-        "`|gn_CP / gn_CP1 - 1|` of all four steps; s: seconds of the client run (server start-up excluded).",
+        "`|gn_CP / gn_CP1 - 1|` of all four steps; sampler KL: the layout's own KL(sampler ‖ trainer) (k3",
+        "estimate, and the largest `|lp_trainer - lp_sampler|`) on its samples after the steps",
+        "(`ringtune/parity/sampler_kl.py`); s: seconds of the client run (server start-up excluded).",
         "",
         "| model | dtype | layout | result | mean \\|Δlp\\| | p99 \\|Δlp\\| | worst window | step-1 grad norm ratio "
-        "| max \\|ratio-1\\| (4 steps) | plot | s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| max \\|ratio-1\\| (4 steps) | sampler KL (max \\|Δ\\|) | plot | s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     faults = []
     for row in report.rows:
@@ -189,8 +199,8 @@ def write_report(report: MatrixReport, config: MatrixConfig) -> None:
         lines.append(
             f"| {row.model} | {row.spec.dtype} | CP{row.spec.cp} {row.spec.linear_cp_mode} | {verdict} "
             f"| {_fmt(r.figure('lp.mean').value)} | {_fmt(r.figure('lp.p99').value)} "
-            f"| {window.name} {window.value:.2f}x | {gn_ratio:.12f} | {_fmt(worst_gn)} | [png]({png}) "
-            f"| {row.seconds:.0f} |"
+            f"| {window.name} {window.value:.2f}x | {gn_ratio:.12f} | {_fmt(worst_gn)} | {_sampler_cell(r)} "
+            f"| [png]({png}) | {row.seconds:.0f} |"
         )
     if faults:
         lines += [
@@ -210,11 +220,7 @@ def write_report(report: MatrixReport, config: MatrixConfig) -> None:
             lines.append(
                 f"| `{row.spec.debug_fault}` | CP2 {row.spec.linear_cp_mode} | {verdict} | {names} | [png]({png}) |"
             )
-    lines += [
-        "",
-        "KL(sampler ‖ trainer): skipped in every run (the server does not sample yet; recorded in each dump).",
-        "",
-    ]
+    lines.append("")
     doc.write_text("\n".join(lines))
 
 
