@@ -22,12 +22,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from pydantic import BaseModel, ConfigDict
 from tinker.proto import tinker_public_pb2 as pb
 
 from ringtune.errors import UserInputError
 from ringtune.gateway.futures import FutureStore, Outcome
 from ringtune.gateway.sample_targets import TargetLayout, encode_targets, parse_targets
+from ringtune.sample.alt_tokens import MAX_PROMPT_ALT_TOKENS_K
 from ringtune.sample.params import SamplingParams
 from ringtune.sample.pool import SampleRequest, SamplerSource
 from ringtune.sample.sampler import (
@@ -100,8 +102,6 @@ def sample_request(
 ) -> tuple[SampleRequest, TargetLayout | None]:
     """A validated :class:`SampleRequest` and the layout of its ``target_prompt_logprobs`` (None without);
     UserInputError naming the field, the value and the limit."""
-    if body.prompt_alt_tokens_k not in (0, None):
-        raise UserInputError(f"prompt_alt_tokens_k={body.prompt_alt_tokens_k!r} is not supported (use 0)")
     if not isinstance(body.prompt_logprobs, bool):
         raise UserInputError(f"prompt_logprobs={body.prompt_logprobs!r} must be true or false")
     prompt = prompt_tokens(body.prompt, vocab_size)
@@ -131,6 +131,7 @@ def sample_request(
         topk_sample_logprobs=_int(body.topk_sample_logprobs or 0, "topk_sample_logprobs", 0, MAX_TOPK_SAMPLE_LOGPROBS),
         prompt_logprobs_last_n=last_n,
         target_tokens=targets,
+        prompt_alt_tokens_k=_int(body.prompt_alt_tokens_k or 0, "prompt_alt_tokens_k", 0, MAX_PROMPT_ALT_TOKENS_K),
     )
     return request, layout
 
@@ -155,7 +156,8 @@ def encode_sample_response(
     result: PromptSamples, last_n: int | None = None, targets: TargetLayout | None = None
 ) -> bytes:
     """The protobuf ``SampleResponse`` of one request (tokens int32, log-probs float32, NaN where absent;
-    each sequence's ``topk_sampled_logprobs`` when the request asked for ``topk_sample_logprobs``).
+    each sequence's ``topk_sampled_logprobs`` when the request asked for ``topk_sample_logprobs``; the
+    ``prompt_alt_tokens`` draws, int64 ids and float32 log-probs [len(prompt) − 1, k], when it asked for them).
 
     ``last_n`` (``prompt_logprobs_last_n``): only the last ``last_n`` prompt log-probs and top-k rows are
     reported; the entries before them are NaN / empty (None to the SDK), as the SDK checks. ``targets``:
@@ -181,6 +183,15 @@ def encode_sample_response(
         _pack_topk(out.topk_prompt_logprobs, rows)
     if targets is not None and result.target_prompt_logprobs is not None:
         out.target_prompt_logprobs.CopyFrom(encode_targets(result.target_prompt_logprobs, targets))
+    if result.prompt_alt_tokens is not None:
+        ids, lps = result.prompt_alt_tokens
+        shape = list(ids.shape)
+        out.prompt_alt_tokens.tokens.CopyFrom(
+            pb.Tensor(dense=ids.to(torch.int64).numpy().astype("<i8").tobytes(), dtype=pb.DTYPE_INT64, shape=shape)
+        )
+        out.prompt_alt_tokens.logprobs.CopyFrom(
+            pb.Tensor(dense=lps.to(torch.float32).numpy().astype("<f4").tobytes(), dtype=pb.DTYPE_FLOAT32, shape=shape)
+        )
     return out.SerializeToString()
 
 

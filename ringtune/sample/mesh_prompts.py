@@ -14,6 +14,9 @@ hidden states:
   same way (ids travel as float64, exact below 2**53);
 - ``target_logprobs`` (Tinker's ``target_prompt_logprobs``: K ids per position) by the head's [T, K]
   labels, gathered the same way;
+- ``prompt_alt_tokens`` (Tinker's ``prompt_alt_tokens_k``): k draws per position on the rank that owns it, each
+  with the uniforms of its row of the prompt (:func:`~ringtune.sample.alt_tokens.row_uniforms`, sliced like the
+  tokens), so the draws are those of the one-rank prefill; gathered the same way;
 - the hidden state of each prompt's last token (one owner; summed over CP), turned into float32 (float64)
   logits on the rank that decodes the prompt: the distribution of the first sampled token;
 - with ``capture`` (requests that generate more than one token), each layer's decode cache, gathered over
@@ -44,6 +47,7 @@ from ringtune.models.decoder import CausalLM
 from ringtune.models.logprob_head import label_logprobs
 from ringtune.models.shard import PackedShard, shard_of
 from ringtune.parallel.mesh import ParallelMesh
+from ringtune.sample.alt_tokens import AltDraws, AltTokens, draw_alt_tokens, row_uniforms
 from ringtune.sample.prefill import IGNORE, output_logits, target_labels, topk_logprobs
 
 TopK = list[list[tuple[int, float]] | None]
@@ -59,6 +63,7 @@ class PromptForward:
     topk_prompt_logprobs: TopK | None
     cache: SequenceCache | None = None
     target_logprobs: torch.Tensor | None = None  # [n−1, K] for targets [n−1, K] (0.0 where the target is −1)
+    prompt_alt_tokens: AltTokens | None = None  # (ids [n−1, k], log-probs [n−1, k]) when asked
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,13 +101,15 @@ def prompts_forward(
     topk: int = 0,
     capture: bool = False,
     targets: Sequence[torch.Tensor] | None = None,
+    alt: AltDraws | None = None,
 ) -> dict[int, PromptForward]:
     """Run ``prompts`` (validated token lists, each ≥ 1 token) through the DP×CP forward; see the module doc.
 
     Every rank of ``mesh`` calls it with the same arguments and an identical ``model`` (collective over the
     CP groups). Returns ``{prompt index: PromptForward}`` of the prompts this rank decodes
     (:func:`decoding_rank`); with ``capture`` each carries its decode cache; ``targets`` (one int64
-    [n−1, K] per prompt, the same K) adds their log-probs. Raises UserInputError (before
+    [n−1, K] per prompt, the same K) adds their log-probs; ``alt`` (one seed per prompt, the same on every
+    rank) adds the prompt alt-token draws. Raises UserInputError (before
     any collective, on every rank alike) when a prompt does not fit the per-rank budget at this CP size.
     """
     dp_size, dp_rank, cp_size, cp_rank = _coords(mesh)
@@ -139,6 +146,7 @@ def prompts_forward(
                 topk=topk,
                 capture=capture,
                 targets=row_targets,
+                alt=alt.for_prompts(row) if alt is not None else None,
             )
             mine.update((row[g], result) for g, result in results.items())
     return mine
@@ -165,12 +173,13 @@ def _row_forward(
     topk: int,
     capture: bool,
     targets: list[torch.Tensor] | None = None,
+    alt: AltDraws | None = None,
 ) -> dict[int, PromptForward]:
     """One packed row (possibly pad-only) on this CP rank; the results of the row positions in ``keep``.
 
     Collectives over ``shard.group``, the same sequence on every rank: the model's (with the capture's
     gathers), then one all-reduce per gathered quantity (last hidden states; log-probs if asked; top-k ids
-    and log-probs if asked).
+    and log-probs if asked; target log-probs if asked; alt-token ids and log-probs if asked).
     """
     plan, group = shard.plan, shard.group
     device = model.output_weight.device
@@ -211,6 +220,15 @@ def _row_forward(
         local = zigzag_slice(labels, plan, pad_value=IGNORE).to(device)
         target_lps = gather_row(label_logprobs(hidden, weight, local).to(acc), plan, group).cpu()
 
+    alts: torch.Tensor | None = None
+    if alt is not None:
+        uniforms = zigzag_slice(row_uniforms([len(p) for p in members], alt.seeds, alt.k), plan).to(device)
+        real = plan.is_real.to(device)
+        local = torch.zeros((plan.local_len, 2, alt.k), dtype=torch.float64, device=device)
+        ids, values = draw_alt_tokens(hidden[real], weight, uniforms[real], alt.temperature)
+        local[real] = torch.stack([ids.to(torch.float64), values.to(torch.float64)], dim=1)
+        alts = gather_row(local, plan, group).cpu()
+
     out = {}
     for g, (start, n) in enumerate(zip(plan.row_starts, plan.seq_lens, strict=True)):
         if g not in keep:
@@ -221,5 +239,9 @@ def _row_forward(
             ids_l, values_l = tops
             ptop = [None] + [list(zip(ids_l[t], values_l[t], strict=True)) for t in range(start, start + n - 1)]
         tlp = target_lps[start : start + n - 1] if target_lps is not None else None
-        out[g] = PromptForward(output_logits(last_hidden[g : g + 1], weight)[0], plp, ptop, caches[g], tlp)
+        palt: AltTokens | None = None
+        if alts is not None:
+            rows = alts[start : start + n - 1]
+            palt = (rows[:, 0].round().to(torch.int64), rows[:, 1].to(acc))
+        out[g] = PromptForward(output_logits(last_hidden[g : g + 1], weight)[0], plp, ptop, caches[g], tlp, palt)
     return out

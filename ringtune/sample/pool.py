@@ -12,9 +12,10 @@ an evicted run snapshot is gone (the run moved on): sampling it is a user error 
 
 from __future__ import annotations
 
+import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -50,6 +51,19 @@ class SampleRequest:
     topk_sample_logprobs: int = 0  # per generated token, the k most likely tokens and log-probs (0: off)
     prompt_logprobs_last_n: int | None = None  # only the last n prompt log-probs are reported (the gateway's mask)
     target_tokens: torch.Tensor | None = None  # int64 [len(prompt) − 1, K]: ids whose prompt log-probs to return
+    prompt_alt_tokens_k: int = 0  # draws per prompt position from the model's distribution (0: off)
+
+    def with_fixed_seed(self) -> SampleRequest:
+        """This request, its seed drawn now when it has none and it asks for prompt alt tokens.
+
+        A long prompt's alt-token draws are made on the ranks that hold its rows (:mod:`ringtune.sample.mesh_prompts`),
+        each reading its rows of the uniforms of the request's seed, so every rank must see the same seed: the
+        backend fixes it before the command is replicated. Other requests keep ``seed=None`` (decoding draws on
+        one rank).
+        """
+        if not self.prompt_alt_tokens_k or self.params.seed is not None:
+            return self
+        return replace(self, params=replace(self.params, seed=secrets.randbits(63)))
 
     @property
     def target_k(self) -> int:
@@ -160,10 +174,11 @@ class SamplerPool:
                 r.topk_prompt_logprobs,
                 r.topk_sample_logprobs,
                 r.target_k,
+                r.prompt_alt_tokens_k,
                 forwards[i] is not None,
             )
             groups.setdefault(key, []).append(i)
-        for (params, num_samples, prompt_lp, topk, sample_topk, target_k, ran), members in groups.items():
+        for (params, num_samples, prompt_lp, topk, sample_topk, target_k, alt_k, ran), members in groups.items():
             results = generate(
                 model,
                 [requests[i].prompt for i in members],
@@ -172,6 +187,7 @@ class SamplerPool:
                 prompt_logprobs=prompt_lp,
                 topk_prompt_logprobs=topk,
                 topk_sample_logprobs=sample_topk,
+                prompt_alt_tokens_k=alt_k,
                 decode=self.decode,
                 prefilled=[forwards[i] for i in members] if ran else None,  # type: ignore[misc]
                 targets=[requests[i].target_tokens for i in members] if target_k else None,  # type: ignore[misc]

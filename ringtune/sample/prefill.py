@@ -11,7 +11,9 @@ memory behaviour) of a training forward. From the final hidden states:
   (the distribution the model predicts for position i), computed in tiles of tokens; entry 0 is None;
 - ``target_logprobs`` (Tinker's ``target_prompt_logprobs``): for a prompt of n tokens and targets
   [n−1, K] of token ids, ``log p(targets[i, j] | prompt[:i+1])`` [n−1, K] by the training head's [T, K]
-  labels (one logits pass for all K); a target of −1 asks for nothing and gets 0.0.
+  labels (one logits pass for all K); a target of −1 asks for nothing and gets 0.0;
+- ``prompt_alt_tokens`` (Tinker's ``prompt_alt_tokens_k``): k draws per prompt position i ≥ 1 from the model's
+  distribution at the request's temperature, with their log-probs (:mod:`ringtune.sample.alt_tokens`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from ringtune.models.cache import PrefillCapture, SequenceCache
 from ringtune.models.decoder import CausalLM
 from ringtune.models.logprob_head import IGNORE_INDEX, label_logprobs
 from ringtune.models.shard import shard_of
+from ringtune.sample.alt_tokens import AltDraws, AltTokens, alt_uniforms, draw_alt_tokens, split_rows
 
 IGNORE = IGNORE_INDEX
 """The head's label for a position that is not scored (each prompt's last token, pads, a -1 target)."""
@@ -42,6 +45,7 @@ class PrefillResult:
     prompt_logprobs: list[list[float | None]] | None
     topk_prompt_logprobs: list[list[list[tuple[int, float]] | None]] | None
     target_logprobs: list[torch.Tensor] | None = None  # per prompt [n−1, K] float32 (float64), CPU
+    prompt_alt_tokens: list[AltTokens] | None = None  # per prompt (ids [n−1, k], log-probs [n−1, k]), CPU
 
 
 def output_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -82,10 +86,12 @@ def prefill(
     prompt_logprobs: bool = False,
     topk: int = 0,
     targets: list[torch.Tensor] | None = None,
+    alt: AltDraws | None = None,
 ) -> PrefillResult:
     """Run ``prompts`` (each at least one token) as one packed row; see the module docstring.
 
-    ``targets``: one int64 [n−1, K] per prompt (the same K for all), or None.
+    ``targets``: one int64 [n−1, K] per prompt (the same K for all), or None. ``alt``: the prompt alt-token
+    draws to make (one seed per prompt), or None.
     Must run under ``torch.inference_mode()`` (or ``no_grad``) for sampling; single process.
     """
     lens = [len(p) for p in prompts]
@@ -98,7 +104,10 @@ def prefill(
     weight = model.output_weight
     starts = plan.local_starts
     last = torch.tensor([s + n - 1 for s, n in zip(starts, lens, strict=True)], dtype=torch.int64, device=device)
-    plps = tops = None
+    plps = tops = alts = None
+    draw_rows = torch.tensor(
+        [i for s, n in zip(starts, lens, strict=True) for i in range(s, s + n - 1)], dtype=torch.int64, device=device
+    )
     if prompt_logprobs:
         labels = torch.full((plan.local_len,), IGNORE, dtype=torch.int64, device=device)
         for s, p in zip(starts, prompts, strict=True):
@@ -106,8 +115,7 @@ def prefill(
         lp = label_logprobs(hidden, weight, labels).tolist()
         plps = [[None, *lp[s : s + n - 1]] for s, n in zip(starts, lens, strict=True)]
     if topk:
-        pos = [i for s, n in zip(starts, lens, strict=True) for i in range(s, s + n - 1)]
-        ids, lps = topk_logprobs(hidden[torch.tensor(pos, dtype=torch.int64, device=device)], weight, topk)
+        ids, lps = topk_logprobs(hidden[draw_rows], weight, topk)
         ids_l, lps_l = ids.tolist(), lps.tolist()
         tops, at = [], 0
         for n in lens:
@@ -121,4 +129,10 @@ def prefill(
             labels[s : s + n] = target_labels(t)
         lp = label_logprobs(hidden, weight, labels.to(device)).cpu()
         target_lps = [lp[s : s + n - 1] for s, n in zip(starts, lens, strict=True)]
-    return PrefillResult(output_logits(hidden[last], weight), capture.sequences(), plps, tops, target_lps)
+    if alt is not None:
+        uniforms = torch.cat(
+            [torch.zeros(0, alt.k, dtype=torch.float64)]
+            + [alt_uniforms(seed, n - 1, alt.k) for seed, n in zip(alt.seeds, lens, strict=True)]
+        )
+        alts = split_rows(*draw_alt_tokens(hidden[draw_rows], weight, uniforms, alt.temperature), lens)
+    return PrefillResult(output_logits(hidden[last], weight), capture.sequences(), plps, tops, target_lps, alts)

@@ -14,6 +14,9 @@ importance ratio ``exp(trainer − sampler)`` is 1 up to numerics when the weigh
 ``topk_sample_logprobs = k`` every generated position also reports the k largest entries of that same
 ``log_softmax(logits)`` (largest first): the sampled token's log-prob is bit-equal to its entry when listed.
 
+With ``prompt_alt_tokens_k = k`` the prefill also draws k alternatives per prompt position from the model's
+distribution at the request's temperature (:mod:`ringtune.sample.alt_tokens`; its own generator per prompt).
+
 Randomness: sample j of a prompt draws one uniform per token from its own generator seeded by
 ``(seed, j)`` (``seed`` from the request, or fresh entropy per call and prompt): the same seed, prompt and
 parameters give the same tokens whatever else is in the batch.
@@ -37,6 +40,7 @@ from ringtune.errors import UserInputError
 from ringtune.models.batch_cache import DecodeBatch
 from ringtune.models.cache import SequenceCache
 from ringtune.models.decoder import CausalLM
+from ringtune.sample.alt_tokens import MAX_PROMPT_ALT_TOKENS_K, AltDraws, AltTokens
 from ringtune.sample.choose import choose_tokens
 from ringtune.sample.mesh_prompts import PromptForward
 from ringtune.sample.params import DEFAULT_MAX_TOKENS, SamplingParams
@@ -84,6 +88,7 @@ class PromptSamples:
     prompt_logprobs: list[float | None] | None = None
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
     target_prompt_logprobs: torch.Tensor | None = None  # [n−1, K] for the request's targets (0.0 where −1)
+    prompt_alt_tokens: AltTokens | None = None  # (ids int64 [n−1, k], log-probs [n−1, k]) when asked
 
 
 @dataclass
@@ -118,6 +123,7 @@ def check_request(
     topk_prompt_logprobs: int,
     max_batch: int,
     topk_sample_logprobs: int = 0,
+    prompt_alt_tokens_k: int = 0,
 ) -> list[list[int]]:
     """The prompts as lists; UserInputError naming the first bad field, its value and the limit."""
     if not isinstance(num_samples, int) or isinstance(num_samples, bool) or not 1 <= num_samples <= MAX_NUM_SAMPLES:
@@ -125,8 +131,9 @@ def check_request(
     for name, k, most in (
         ("topk_prompt_logprobs", topk_prompt_logprobs, MAX_TOPK_PROMPT_LOGPROBS),
         ("topk_sample_logprobs", topk_sample_logprobs, MAX_TOPK_SAMPLE_LOGPROBS),
+        ("prompt_alt_tokens_k", prompt_alt_tokens_k, None),
     ):
-        limit = min(most, vocab)
+        limit = min(most, vocab) if most is not None else MAX_PROMPT_ALT_TOKENS_K  # draws repeat: no vocab bound
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= limit:
             raise UserInputError(f"{name}={k!r} must be an int in [0, {limit}]")
     if not isinstance(max_batch, int) or max_batch < 1:
@@ -157,6 +164,7 @@ class _Sampler:
         prompt_logprobs: bool,
         topk: int,
         sample_topk: int = 0,
+        alt_k: int = 0,
         max_batch: int,
         prefill_tokens: int,
         prefilled: Sequence[PromptForward] | None = None,
@@ -165,7 +173,7 @@ class _Sampler:
         self.model, self.prompts, self.params, self.stop = model, prompts, params, stop
         self.prefilled, self.targets = prefilled, targets
         self.num_samples, self.want_lp, self.topk, self.sample_topk = num_samples, prompt_logprobs, topk, sample_topk
-        self.max_batch, self.prefill_tokens = max_batch, prefill_tokens
+        self.max_batch, self.prefill_tokens, self.alt_k = max_batch, prefill_tokens, alt_k
         self.max_tokens: int = params.max_tokens or DEFAULT_MAX_TOKENS  # never None after validation
         weight = model.output_weight
         self.weight = weight if weight.dtype in (torch.float32, torch.float64) else weight.float()
@@ -177,6 +185,7 @@ class _Sampler:
         self.prompt_lp: list[list[float | None] | None] = [None] * len(prompts)
         self.prompt_topk: list[list[list[tuple[int, float]] | None] | None] = [None] * len(prompts)
         self.target_lp: list[torch.Tensor | None] = [None] * len(prompts)
+        self.alt: list[AltTokens | None] = [None] * len(prompts)
 
     def run(self) -> list[PromptSamples]:
         while self.waiting or self.rows:
@@ -189,6 +198,7 @@ class _Sampler:
                 prompt_logprobs=self.prompt_lp[i],
                 topk_prompt_logprobs=self.prompt_topk[i],
                 target_prompt_logprobs=self.target_lp[i],
+                prompt_alt_tokens=self.alt[i],
             )
             for i in range(len(self.prompts))
         ]
@@ -218,6 +228,8 @@ class _Sampler:
                 self.prompt_topk[i] = result.topk_prompt_logprobs[g]
             if result.target_logprobs is not None:
                 self.target_lp[i] = result.target_logprobs[g]
+            if result.prompt_alt_tokens is not None:
+                self.alt[i] = result.prompt_alt_tokens[g]
             for j in range(self.num_samples):
                 rows.append(_Row(prompt=i, sample=j, generator=sample_generator(self.seeds[i], j)))
                 caches.append(result.caches[g])
@@ -237,7 +249,10 @@ class _Sampler:
         if self.prefilled is None:
             prompts = [self.prompts[i] for i in group]
             targets = [self.targets[i] for i in group] if self.targets is not None else None
-            return prefill(self.model, prompts, prompt_logprobs=self.want_lp, topk=self.topk, targets=targets)
+            alt = None
+            if self.alt_k:
+                alt = AltDraws(self.alt_k, self.params.temperature, tuple(self.seeds[i] for i in group))
+            return prefill(self.model, prompts, prompt_logprobs=self.want_lp, topk=self.topk, targets=targets, alt=alt)
         done = [self.prefilled[i] for i in group]
         if self.max_tokens > 1 and any(f.cache is None for f in done):
             raise ValueError("prefilled prompts need their caches to decode more than one token")
@@ -247,6 +262,7 @@ class _Sampler:
             prompt_logprobs=[f.prompt_logprobs for f in done] if self.want_lp else None,
             topk_prompt_logprobs=[f.topk_prompt_logprobs for f in done] if self.topk else None,
             target_logprobs=[f.target_logprobs for f in done] if self.targets is not None else None,  # type: ignore[misc]
+            prompt_alt_tokens=[f.prompt_alt_tokens for f in done] if self.alt_k else None,  # type: ignore[misc]
         )
 
     def _take(self, rows: list[_Row], logits: torch.Tensor) -> list[int]:
@@ -323,6 +339,7 @@ def generate(
     prompt_logprobs: bool = False,
     topk_prompt_logprobs: int = 0,
     topk_sample_logprobs: int = 0,
+    prompt_alt_tokens_k: int = 0,
     eos_token_ids: Sequence[int] | None = None,
     decode: Decode | None = None,
     max_batch: int = DEFAULT_MAX_BATCH,
@@ -342,6 +359,8 @@ def generate(
         topk_prompt_logprobs: also return the k most likely tokens and log-probs per prompt position (0: off).
         topk_sample_logprobs: also return, per generated token, the k most likely tokens and their untempered
             log-probs at that step (``SampledSequence.topk_logprobs``; 0: off).
+        prompt_alt_tokens_k: also draw k alternatives per prompt position (``PromptSamples.prompt_alt_tokens``;
+            0: off; :mod:`ringtune.sample.alt_tokens`), with the generator of the request's seed.
         eos_token_ids: what ``stop=None`` stops at (and a non-empty stop list too); default the config's EOS.
         decode: token ids -> text (a tokenizer's ``decode``), required when ``params.stop`` holds strings.
         max_batch: rows decoded together; a prompt's samples join together (one prompt may exceed it alone).
@@ -355,7 +374,9 @@ def generate(
         One :class:`PromptSamples` per prompt, in order. Raises UserInputError naming a bad field.
     """
     vocab = model.config.vocab_size
-    checked = check_request(prompts, vocab, num_samples, topk_prompt_logprobs, max_batch, topk_sample_logprobs)
+    checked = check_request(
+        prompts, vocab, num_samples, topk_prompt_logprobs, max_batch, topk_sample_logprobs, prompt_alt_tokens_k
+    )
     eos = eos_token_ids if eos_token_ids is not None else config_eos_token_ids(model)
     stop = stop_condition(params, eos_token_ids=eos, vocab_size=vocab, decode=decode)
     sampler = _Sampler(
@@ -367,6 +388,7 @@ def generate(
         prompt_logprobs=prompt_logprobs,
         topk=topk_prompt_logprobs,
         sample_topk=topk_sample_logprobs,
+        alt_k=prompt_alt_tokens_k,
         max_batch=max_batch,
         prefill_tokens=prefill_tokens,
         prefilled=prefilled,

@@ -109,7 +109,8 @@ class DistributedBackend:
         self._run(Command("free_sampler", None, {"sampler_id": sampler_id}))
 
     def sample(self, sampler_id: str, requests: Sequence[SampleRequest]) -> list[PromptSamples]:
-        return self._run(Command("sample", None, {"sampler_id": sampler_id, "requests": list(requests)}))
+        fixed = [r.with_fixed_seed() for r in requests]  # every rank draws a long prompt's alt tokens alike
+        return self._run(Command("sample", None, {"sampler_id": sampler_id, "requests": fixed}))
 
     def close(self) -> None:
         """Tell the workers to exit and join the processes this backend started."""

@@ -30,6 +30,7 @@ from ringtune.parallel.control import (
     gather_object_to,
 )
 from ringtune.parallel.mesh import ParallelMesh, rebuild_mesh
+from ringtune.sample.alt_tokens import AltDraws
 from ringtune.sample.mesh_prompts import MeshLayout, PromptForward, prompts_forward, takes_mesh_forward
 from ringtune.sample.params import DEFAULT_MAX_TOKENS
 from ringtune.sample.pool import SampleRequest, SamplerPool, tokenizer_decoder
@@ -204,7 +205,10 @@ class RankExecutor:
         model = self.samplers.model(sampler_id)
         vocab = model.config.vocab_size
         for r in requests:
-            check_request([r.prompt], vocab, r.num_samples, r.topk_prompt_logprobs, 1, r.topk_sample_logprobs)
+            alt_k = r.prompt_alt_tokens_k
+            check_request([r.prompt], vocab, r.num_samples, r.topk_prompt_logprobs, 1, r.topk_sample_logprobs, alt_k)
+            if alt_k and r.params.seed is None:
+                raise ValueError("prompt_alt_tokens_k on the mesh needs a fixed seed (SampleRequest.with_fixed_seed)")
             if r.target_tokens is not None:
                 check_targets([r.target_tokens], [list(r.prompt)], vocab)
         modes = self.spec.modes
@@ -214,16 +218,19 @@ class RankExecutor:
             gated_delta=modes["gated_delta"],
             pad_multiplier=modes["pad_multiplier"],
         )
-        groups: dict[tuple[bool, int, int, bool], list[int]] = {}
+        groups: dict[tuple[bool, int, int, bool, int, float], list[int]] = {}
         for i, r in enumerate(requests):
             decodes = (r.params.max_tokens or DEFAULT_MAX_TOKENS) > 1
-            groups.setdefault((r.prompt_logprobs, r.topk_prompt_logprobs, r.target_k, decodes), []).append(i)
+            alt = (r.prompt_alt_tokens_k, r.params.temperature if r.prompt_alt_tokens_k else 0.0)
+            groups.setdefault((r.prompt_logprobs, r.topk_prompt_logprobs, r.target_k, decodes, *alt), []).append(i)
         forwards: dict[int, PromptForward] = {}
 
         def run() -> None:
-            for (want_lp, topk, target_k, decodes), members in groups.items():
+            for (want_lp, topk, target_k, decodes, alt_k, temperature), members in groups.items():
                 prompts = [requests[i].prompt for i in members]
                 targets = [requests[i].target_tokens for i in members] if target_k else None
+                seeds = tuple(int(requests[i].params.seed or 0) for i in members)
+                alt = AltDraws(alt_k, temperature, seeds) if alt_k else None
                 got = prompts_forward(
                     model,
                     self.mesh,
@@ -233,6 +240,7 @@ class RankExecutor:
                     topk=topk,
                     capture=decodes,
                     targets=targets,  # type: ignore[arg-type]
+                    alt=alt,
                 )
                 forwards.update((members[j], forward) for j, forward in got.items())
 
