@@ -1,5 +1,6 @@
 """Sampling through the gateway with the real SDK: sessions from the base model, a named export and the
-current weights; log-probs on-policy with the trainer; compute_logprobs; seeds; concurrency; bad parameters.
+current weights; log-probs on-policy with the trainer; compute_logprobs; seeds; concurrency; prompt alt tokens;
+bad parameters.
 
 One gateway (a LocalBackend over a tiny random Qwen3.5, float32) serves the module.
 """
@@ -155,6 +156,8 @@ BAD_SAMPLING = {
     "topk_sample_negative": ({"topk_sample_logprobs": -1}, "topk_sample_logprobs=-1 must be an int in [0, 100]"),
     "topk_sample_too_many": ({"topk_sample_logprobs": 101}, "topk_sample_logprobs=101 must be an int in [0, 100]"),
     "topk_prompt_too_many": ({"topk_prompt_logprobs": 10**6}, "topk_prompt_logprobs"),
+    "alt_tokens_too_many": ({"prompt_alt_tokens_k": 101}, "prompt_alt_tokens_k=101 must be an int in [0, 100]"),
+    "alt_tokens_float": ({"prompt_alt_tokens_k": 2.5}, "prompt_alt_tokens_k=2.5"),
     "unknown_session": ({"sampling_session_id": "nope"}, "sampling_session_id"),
     "last_n_over_prompt": ({"prompt_logprobs": True, "prompt_logprobs_last_n": 5}, "prompt_logprobs_last_n=5"),
     "last_n_without_prompt_logprobs": ({"prompt_logprobs_last_n": 2}, "needs prompt_logprobs=true"),
@@ -305,3 +308,36 @@ def test_target_prompt_logprobs_dense_and_sparse_equal_the_trainer(clients):
     assert sparse.target_prompt_logprobs.sparse_crow_indices is not None
     got = sparse.target_prompt_logprobs.to_torch()
     assert torch.allclose(got[7], want[7].float(), atol=1e-5) and (got[torch.arange(11) != 7] == 0).all()
+
+
+def test_prompt_alt_tokens_through_the_sdk(clients):
+    """``prompt_alt_tokens_k=4``: [len(prompt) - 1, 4] draws and their log-probs, which are the trainer's
+    log-probs of those ids at those positions (asked back as target_prompt_logprobs); the seed fixes them."""
+    _, tc = clients
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    gen = torch.Generator().manual_seed(9)
+    prompt = tinker.ModelInput.from_ints(torch.randint(0, 90, (14,), generator=gen).tolist())
+    params = tinker.SamplingParams(max_tokens=3, temperature=1.0, seed=21, stop=[])
+    result = sampler.sample(prompt, 1, params, prompt_alt_tokens_k=4).result()
+    ids = result.prompt_alt_tokens.tokens.to_torch()
+    lps = result.prompt_alt_tokens.logprobs.to_torch()
+    assert ids.shape == lps.shape == (13, 4) and ids.dtype == torch.int64 and lps.dtype == torch.float32
+    assert ids.unique().numel() > 4 and bool((lps <= 0).all())
+    again = sampler.sample(
+        prompt, 1, params, prompt_alt_tokens_k=4, target_prompt_logprobs=tinker.TensorData.from_torch(ids)
+    )
+    again = again.result()
+    assert torch.equal(again.prompt_alt_tokens.tokens.to_torch(), ids)  # same seed, same draws
+    assert torch.allclose(again.target_prompt_logprobs.to_torch(), lps, atol=1e-6)
+    datum = tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(prompt.to_ints()[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tinker.TensorData.from_torch(ids),
+            "weights": tinker.TensorData.from_torch(torch.zeros(ids.shape)),
+        },
+    )
+    trainer = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
+    assert torch.allclose(trainer.float(), lps, atol=1e-5)  # float32 prefill vs packed forward: ~1e-6
+    other = sampler.sample(prompt, 1, tinker.SamplingParams(max_tokens=3, seed=22, stop=[]), prompt_alt_tokens_k=4)
+    assert not torch.equal(other.result().prompt_alt_tokens.tokens.to_torch(), ids)
+    assert sampler.sample(prompt, 1, params).result().prompt_alt_tokens is None

@@ -147,6 +147,21 @@ def test_cp2_server_equals_a_single_process_trainer(server):
         lp = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
         assert len(seq.tokens) == 6
         assert torch.allclose(torch.tensor(seq.logprobs), lp[len(long_prompt) - 1 :].float(), atol=1e-6)
+        # Prompt alt tokens of that prompt on both ranks, with no seed (the backend fixes one before the ranks
+        # see the request): their log-probs are the trainer's log-probs of the drawn ids.
+        plain = tinker.SamplingParams(max_tokens=1, stop=[])
+        alt = sampler.sample(tinker.ModelInput.from_ints(long_prompt), 1, plain, prompt_alt_tokens_k=3).result(120)
+        ids = alt.prompt_alt_tokens.tokens.to_torch()
+        assert ids.shape == (len(long_prompt) - 1, 3) and ids.unique().numel() > 3
+        datum = tinker.Datum(
+            model_input=tinker.ModelInput.from_ints(long_prompt[:-1]),
+            loss_fn_inputs={
+                "target_tokens": tinker.TensorData.from_torch(ids),
+                "weights": tinker.TensorData.from_torch(torch.zeros(ids.shape)),
+            },
+        )
+        want = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
+        assert torch.allclose(alt.prompt_alt_tokens.logprobs.to_torch(), want.float(), atol=1e-6)
 
 
 def _worker_pids(pid: int) -> list[int]:

@@ -1,9 +1,9 @@
 """Prompts through the DP×CP forward (``ringtune.sample.mesh_prompts``) equal the one-rank prefill.
 
 float64, within 1e-10: prompt log-probs, top-k prompt log-probs (same ids), target prompt log-probs (K ids
-per position, −1 asks nothing and gets 0), the last token's logits and the decode caches (attention K/V,
-GatedDeltaNet recurrent state and conv window) of packed prompts (1–17 tokens, lengths not divisible by
-2·CP, longer than a GDN chunk, one longer than a row so rows split) at
+per position, −1 asks nothing and gets 0), prompt alt-token draws (same ids, log-probs), the last token's
+logits and the decode caches (attention K/V, GatedDeltaNet recurrent state and conv window) of packed prompts
+(1–17 tokens, lengths not divisible by 2·CP, longer than a GDN chunk, one longer than a row so rows split) at
 (DP, CP) in {(1, 1), (1, 2), (1, 4), (2, 2)}, both GatedDeltaNet CP modes and every attention mode the tiny
 model allows; every prompt is decoded by exactly one rank of its replica. Through :class:`RankExecutor`:
 long-prompt requests routed to the mesh (one-token and multi-token generations) return the same samples
@@ -19,6 +19,7 @@ import torch
 
 from ringtune.errors import UserInputError
 from ringtune.models.checkpoints.hf import load_hf
+from ringtune.sample.alt_tokens import AltDraws
 from ringtune.sample.mesh_prompts import MeshLayout, prompts_forward, takes_mesh_forward
 from ringtune.sample.params import SamplingParams
 from ringtune.sample.pool import SampleRequest
@@ -33,6 +34,7 @@ LAYOUTS = ((1, 1), (1, 2), (1, 4), (2, 2))
 MODES = (("ring", "headwise"), ("allgather", "chunkwise"), ("ring", "chunkwise"))
 BUDGET = 160  # per-rank tokens: several rows at every CP, the 150-token prompt alone in its row at CP 1
 TOPK = 5
+ALT = AltDraws(k=4, temperature=0.9, seeds=tuple(100 + i for i in range(len(PROMPT_LENS))))
 
 
 def _prompts(seed: int = 3) -> list[list[int]]:
@@ -62,7 +64,7 @@ def _reference(root: str) -> list[dict]:
     out = []
     with torch.inference_mode():
         for p, t in zip(_prompts(), _targets(), strict=True):
-            r = prefill(model, [p], prompt_logprobs=True, topk=TOPK, targets=[t])
+            r = prefill(model, [p], prompt_logprobs=True, topk=TOPK, targets=[t], alt=ALT.for_prompts([len(out)]))
             out.append(
                 {
                     "logits": r.last_logits[0],
@@ -70,6 +72,7 @@ def _reference(root: str) -> list[dict]:
                     "top": r.topk_prompt_logprobs[0],
                     "cache": _cache_tensors(r.caches[0]),
                     "targets": r.target_logprobs[0],
+                    "alt": r.prompt_alt_tokens[0],
                 }
             )
     return out
@@ -86,7 +89,15 @@ def mesh_case(ctx, *, root: str):
             model = load_hf(root, dtype=torch.float64)
             layout = MeshLayout(max_tokens_per_rank=BUDGET, attention=attention, gated_delta=gated_delta)
             got = prompts_forward(
-                model, mesh, _prompts(), layout, prompt_logprobs=True, topk=TOPK, capture=True, targets=_targets()
+                model,
+                mesh,
+                _prompts(),
+                layout,
+                prompt_logprobs=True,
+                topk=TOPK,
+                capture=True,
+                targets=_targets(),
+                alt=ALT,
             )
             results[dp, cp, attention, gated_delta] = [
                 (
@@ -97,6 +108,7 @@ def mesh_case(ctx, *, root: str):
                         "top": f.topk_prompt_logprobs,
                         "cache": _cache_tensors(f.cache),
                         "targets": f.target_logprobs,
+                        "alt": f.prompt_alt_tokens,
                     },
                 )
                 for i, f in sorted(got.items())
@@ -138,6 +150,10 @@ def test_mesh_forward_equals_one_rank_prefill_float64(pool4, checkpoint):
             assert g["targets"].shape == (n - 1, 3), key
             assert (g["targets"] - w["targets"]).abs().max().item() <= 1e-10 if n > 1 else True, key
             assert (g["targets"][_targets()[i] < 0] == 0).all(), key
+            (g_ids, g_lps), (w_ids, w_lps) = g["alt"], w["alt"]
+            assert g_ids.shape == (n - 1, ALT.k) and g_ids.dtype == torch.int64, key
+            assert torch.equal(g_ids, w_ids), (key, i)
+            assert (g_lps - w_lps).abs().max().item() <= 1e-10 if n > 1 else True, key
             assert _max_abs(g["lp"], w["lp"]) <= 1e-10, key
             assert (g["logits"] - w["logits"]).abs().max().item() <= 1e-10, key
             assert g["top"][0] is None and len(g["top"]) == n, key
@@ -162,6 +178,8 @@ def _requests() -> list[SampleRequest]:
     out += [SampleRequest(prompt=prompts[i], params=decode, num_samples=2, prompt_logprobs=True) for i in (2, 4, 7)]
     greedy = SamplingParams(max_tokens=5, temperature=0.0, stop=[])
     out.append(SampleRequest(prompt=prompts[6], params=greedy, topk_sample_logprobs=3))  # top-3 per token too
+    alt = SamplingParams(max_tokens=1, temperature=0.7, seed=23)  # 4 draws per prompt position too
+    out.append(SampleRequest(prompt=prompts[7], params=alt, prompt_logprobs=True, prompt_alt_tokens_k=4))
     return out
 
 
@@ -215,6 +233,7 @@ def test_executor_routes_long_one_token_requests_to_the_mesh(pool4, checkpoint, 
             num_samples=r.num_samples,
             prompt_logprobs=r.prompt_logprobs,
             topk_sample_logprobs=r.topk_sample_logprobs,
+            prompt_alt_tokens_k=r.prompt_alt_tokens_k,
         )[0]
         for r in _requests()
     ]
@@ -223,9 +242,9 @@ def test_executor_routes_long_one_token_requests_to_the_mesh(pool4, checkpoint, 
     for answer in answers:
         # _requests(): the 4 prompts of >= 8 tokens generating one token with prompt log-probs in one
         # forward, the 3 generating 6 in another (with caches), the greedy one-token one, the greedy
-        # 5-token one; then the too-long one; the short ones, the 4-token generation of a 1-token prompt
-        # and the repeated pair (1 and 2 tokens) are spread over the ranks.
-        assert sorted(answer["routed"]) == [1, 1, 1, 3, 4], answer["routed"]
+        # 5-token one, the one with alt tokens; then the too-long one; the short ones, the 4-token generation
+        # of a 1-token prompt and the repeated pair (1 and 2 tokens) are spread over the ranks.
+        assert sorted(answer["routed"]) == [1, 1, 1, 1, 3, 4], answer["routed"]
         assert answer["refused"] is not None and "max_tokens_per_rank=160" in answer["refused"]
         for got, ref in zip(answer["results"], want, strict=True):
             assert [s.tokens for s in got.sequences] == [s.tokens for s in ref.sequences]
@@ -236,6 +255,11 @@ def test_executor_routes_long_one_token_requests_to_the_mesh(pool4, checkpoint, 
                 for g_row, r_row in zip(gs.topk_logprobs or [], rs.topk_logprobs or [], strict=True):
                     assert [t for t, _ in g_row] == [t for t, _ in r_row] and len(g_row) == 3
                     assert _max_abs([v for _, v in g_row], [v for _, v in r_row]) <= 1e-10
+            assert (got.prompt_alt_tokens is None) == (ref.prompt_alt_tokens is None)
+            if ref.prompt_alt_tokens is not None:
+                assert torch.equal(got.prompt_alt_tokens[0], ref.prompt_alt_tokens[0])
+                assert got.prompt_alt_tokens[0].shape == (len(got.prompt_logprobs) - 1, 4)
+                assert (got.prompt_alt_tokens[1] - ref.prompt_alt_tokens[1]).abs().max().item() <= 1e-10
             if ref.prompt_logprobs is None:
                 assert got.prompt_logprobs is None
             else:
