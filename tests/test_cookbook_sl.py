@@ -143,24 +143,23 @@ def test_supervised_train_crash_and_resume(server, tmp_path):
     assert 9.0 < rows[0]["train_mean_nll"] < 12.0
     assert rows[-1]["train_mean_nll"] < rows[0]["train_mean_nll"] - 0.2, [r["train_mean_nll"] for r in rows]
 
-    with tinker.ServiceClient(base_url=server["url"], api_key=API_KEY) as service:
-        rest = service.create_rest_client()
-        listed1 = {c.checkpoint_id for c in rest.list_checkpoints(run1).result().checkpoints}
-        listed2 = {c.checkpoint_id for c in rest.list_checkpoints(run2).result().checkpoints}
-        assert listed1 == {"weights/000002", "sampler_weights/000002"}
-        assert listed2 == {
-            "weights/000002",
-            "sampler_weights/000002",
-            "weights/000004",
-            "sampler_weights/000004",
-            "weights/final",
-            "sampler_weights/final",
-        }
-        resumed = rest.get_training_run(run2).result()
-        assert resumed.user_metadata == {"renderer_name": RENDERER}
-        assert resumed.is_lora is False and resumed.base_model == str(server["model_dir"])
-        # the final sampler checkpoint is a loadable HF directory with the trained weights
-        final_dir = server["root"] / "checkpoints" / run2 / "sampler_weights" / "final"
-        assert (final_dir / "config.json").is_file()
+    rest = tinker.RestClient(base_url=server["url"], api_key=API_KEY)
+    listed1 = {c.checkpoint_id for c in rest.list_checkpoints(run1).result().checkpoints}
+    listed2 = {c.checkpoint_id for c in rest.list_checkpoints(run2).result().checkpoints}
+    assert listed1 == {"weights/000002", "sampler_weights/000002"}
+    assert listed2 == {
+        "weights/000002",
+        "sampler_weights/000002",
+        "weights/000004",
+        "sampler_weights/000004",
+        "weights/final",
+        "sampler_weights/final",
+    }
+    resumed = rest.get_training_run(run2).result()
+    assert resumed.user_metadata == {"renderer_name": RENDERER}
+    assert resumed.is_lora is False and resumed.base_model == str(server["model_dir"])
+    # the final sampler checkpoint is a loadable HF directory with the trained weights
+    final_dir = server["root"] / "checkpoints" / run2 / "sampler_weights" / "final"
+    assert (final_dir / "config.json").is_file()
 
     assert server["proc"].proc.poll() is None, server["proc"].log_tail()

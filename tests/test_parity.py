@@ -1,8 +1,9 @@
 """The parity client (issue 11): the small matrix through real ``ringtune serve`` subprocesses and the real SDK.
 
 One module-scoped matrix on a tiny random Qwen3.5 (row budget 512 tokens): CP=1 reference, CP=2 headwise and
-chunkwise (float32), and every debug fault at CP=2. Clean layouts must pass ``compare`` (step-1 grad-norm ratio
-within 1e-5), each fault must fail it naming the figure, the CLI exits 0 / 1 / 2, and the report and PNGs exist.
+chunkwise, DP=2 at CP=1 and at CP=2 in both modes (float32), and every debug fault at CP=2. Clean layouts must
+pass ``compare`` (step-1 grad-norm ratio within 1e-5), each fault must fail it naming the figure, the CLI exits
+0 / 1 / 2, and the report and PNGs exist.
 Every server samples, so every dump holds its KL(sampler ‖ trainer): clean layouts pass it, and a trainer that
 reads wrong positions fails it. Plus the window math against :mod:`ringtune.layout`, the KL estimators and the
 row-budget refusal, without servers.
@@ -101,6 +102,7 @@ def matrix(tmp_path_factory):
         doc=tmp / "validation.md",
         png_dir=tmp / "validation",
         cps=(1, 2),
+        dps=(1, 2),
         modes=("headwise", "chunkwise"),
         dtypes=("float32",),
         row_tokens=ROW_TOKENS,
@@ -112,7 +114,13 @@ def matrix(tmp_path_factory):
 def test_clean_layouts_pass_and_faults_fail(matrix):
     config, report = matrix
     clean = [r for r in report.rows if not r.expect_fail]
-    assert [r.spec.linear_cp_mode for r in clean] == ["headwise", "chunkwise"]
+    assert [r.spec.name for r in clean] == [
+        "cp2-headwise-dp1-float32",
+        "cp2-chunkwise-dp1-float32",
+        "cp1-dp2-float32",
+        "cp2-headwise-dp2-float32",
+        "cp2-chunkwise-dp2-float32",
+    ]
     for row in clean:
         assert not row.result.failures, [(f.name, f.value, f.limit) for f in row.result.failures]
         assert row.result.figure("grad_norm.cross_entropy").value <= 1e-5  # the brief's float32 bound
@@ -130,6 +138,7 @@ def test_clean_layouts_pass_and_faults_fail(matrix):
     assert report.ok
     text = config.doc.read_text()
     assert "| tiny-qwen3.5 | float32 | CP2 chunkwise | pass |" in text
+    assert "| tiny-qwen3.5 | float32 | DP2 CP2 chunkwise | pass |" in text and "| DP2 CP1 | pass |" in text
     assert "sampler KL" in text and "not measured" not in text
     assert all(f"`{name}`" in text for name in DEBUG_FAULTS)
 

@@ -32,9 +32,11 @@ def add_parity_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument(
         "--full",
         action="store_true",
-        help="CP 1/2/4 x both GDN modes x float32/bfloat16/float64, SmolLM2-135M at CP 1/2, and every debug fault",
+        help="CP 1/2/4 and DP 1/2 (DP·CP <= 4) x both GDN modes x float32/bfloat16/float64, SmolLM2-135M at "
+        "CP 1/2, and every debug fault",
     )
     m.add_argument("--cp", type=int, nargs="+", default=None, help="CP sizes (default 1 2)")
+    m.add_argument("--dp", type=int, nargs="+", default=None, help="DP sizes (default 1; DP·CP <= 4)")
     m.add_argument("--modes", nargs="+", default=None, choices=["headwise", "chunkwise"])
     m.add_argument("--dtypes", nargs="+", default=None, choices=["float32", "bfloat16", "float64"])
     m.add_argument("--faults", nargs="*", default=None, choices=DEBUG_FAULTS, help="debug faults to serve at CP=2")
@@ -94,6 +96,7 @@ def run_parity_command(args: argparse.Namespace) -> int:
         doc=Path(args.doc).resolve(),
         png_dir=Path(args.png_dir).resolve(),
         cps=tuple(args.cp or ((1, 2, 4) if full else (1, 2))),
+        dps=tuple(args.dp or ((1, 2) if full else (1,))),
         modes=tuple(args.modes or ("headwise", "chunkwise")),
         dtypes=tuple(args.dtypes or (("float32", "bfloat16", "float64") if full else ("float32",))),
         row_tokens=args.row_tokens,

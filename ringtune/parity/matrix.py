@@ -30,6 +30,7 @@ class MatrixConfig:
         workdir: dumps, server logs and the tiny model go here.
         doc, png_dir: the Markdown report and its PNGs (PNG links in ``doc`` are relative to its folder).
         cps, modes, dtypes: the tiny-Qwen3.5 layouts (CP=1 is the reference of each dtype).
+        dps: DP sizes of the tiny-Qwen3.5 layouts (DP > 1: with every CP of ``cps`` while DP·CP <= 4).
         row_tokens: tokens one packed row holds (``max_tokens_per_rank · CP``): the servers' context length.
         embedded_cps: CP sizes for the embedded SmolLM2-135M (float32, ring attention); empty = skip it.
         embedded_row_tokens: its row budget (smaller: 135M parameters on a CPU).
@@ -42,6 +43,7 @@ class MatrixConfig:
     doc: Path
     png_dir: Path
     cps: tuple[int, ...] = (1, 2)
+    dps: tuple[int, ...] = (1,)
     modes: tuple[str, ...] = ("headwise", "chunkwise")
     dtypes: tuple[str, ...] = ("float32",)
     row_tokens: int = 1024
@@ -121,15 +123,16 @@ def run_matrix(config: MatrixConfig) -> MatrixReport:
     """Serve, run and compare every layout of ``config``; write ``config.doc``; returns the report."""
     report = MatrixReport()
     tiny = str(tiny_qwen35_dir(config.workdir / "tiny-qwen3.5"))
-    groups: list[tuple[str, str, Sequence[int], Sequence[str], str, int]] = [
-        ("tiny-qwen3.5", tiny, config.cps, config.modes, dtype, config.row_tokens) for dtype in config.dtypes
+    groups: list[tuple[str, str, Sequence[int], Sequence[int], Sequence[str], str, int]] = [
+        ("tiny-qwen3.5", tiny, config.cps, config.dps, config.modes, dtype, config.row_tokens)
+        for dtype in config.dtypes
     ]
     if config.embedded_cps:
         groups.append(
-            ("smollm2-135m", EMBEDDED, config.embedded_cps, ("headwise",), "float32", config.embedded_row_tokens)
+            ("smollm2-135m", EMBEDDED, config.embedded_cps, (1,), ("headwise",), "float32", config.embedded_row_tokens)
         )
-    for tag, model, cps, modes, dtype, row_tokens in groups:
-        specs = row_budget_specs(model, cps=cps, modes=modes, dtype=dtype, row_tokens=row_tokens)
+    for tag, model, cps, dps, modes, dtype, row_tokens in groups:
+        specs = row_budget_specs(model, cps=cps, modes=modes, dtype=dtype, row_tokens=row_tokens, dps=dps)
         print(f"parity matrix: {tag} {dtype}: reference {specs[0].name}", flush=True)
         reference, _ = _run(specs[0], config, tag)
         for spec in specs[1:]:
@@ -151,6 +154,12 @@ def run_matrix(config: MatrixConfig) -> MatrixReport:
 
 def _fmt(x: float) -> str:
     return f"{x:.3g}"
+
+
+def _layout(spec: ServeSpec) -> str:
+    """``CP2 headwise``, ``DP2 CP1``, ``DP2 CP2 chunkwise``: the report's layout cell."""
+    dp = f"DP{spec.dp} " if spec.dp > 1 else ""
+    return f"{dp}CP{spec.cp}" + (f" {spec.linear_cp_mode}" if spec.cp > 1 else "")
 
 
 def _sampler_cell(result: Comparison) -> str:
@@ -197,7 +206,7 @@ def write_report(report: MatrixReport, config: MatrixConfig) -> None:
         png = row.png.relative_to(doc.parent) if row.png.is_relative_to(doc.parent) else row.png
         verdict = "pass" if row.ok else "**FAIL** " + ", ".join(f.name for f in r.failures[:3])
         lines.append(
-            f"| {row.model} | {row.spec.dtype} | CP{row.spec.cp} {row.spec.linear_cp_mode} | {verdict} "
+            f"| {row.model} | {row.spec.dtype} | {_layout(row.spec)} | {verdict} "
             f"| {_fmt(r.figure('lp.mean').value)} | {_fmt(r.figure('lp.p99').value)} "
             f"| {window.name} {window.value:.2f}x | {gn_ratio:.12f} | {_fmt(worst_gn)} | {_sampler_cell(r)} "
             f"| [png]({png}) | {row.seconds:.0f} |"

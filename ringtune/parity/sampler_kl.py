@@ -71,7 +71,7 @@ def measure_sampler_kl(
 
     Sequences that stop before :data:`SAMPLE_TOKENS` (an end-of-sequence token) count with the tokens they have.
     """
-    sampler = tc.save_weights_and_get_sampling_client("parity-sampler-kl").result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
     params = tinker.SamplingParams(max_tokens=SAMPLE_TOKENS, temperature=1.0, seed=seed, stop=[])
     futures = [
         sampler.sample(tinker.ModelInput.from_ints(tokens), num_samples=SAMPLES_PER_PROMPT, sampling_params=params)

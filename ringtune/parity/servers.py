@@ -83,19 +83,33 @@ def tiny_qwen35_dir(dest: Path, *, seed: int = 0) -> Path:
     return dest
 
 
+MAX_MATRIX_RANKS = 4
+"""Most ranks (DP·CP) of one matrix server: the matrix runs on a CPU machine, several ranks per core."""
+
+
 def row_budget_specs(
-    model: str, *, cps: Sequence[int], modes: Sequence[str], dtype: str, row_tokens: int
+    model: str, *, cps: Sequence[int], modes: Sequence[str], dtype: str, row_tokens: int, dps: Sequence[int] = (1,)
 ) -> list[ServeSpec]:
-    """CP=1 first, then every CP > 1 × GDN mode, all with ``row_tokens / CP`` tokens per rank: the same packed
-    row budget (``max_tokens_per_rank · CP``, what ``compare`` requires of a reference and its candidate)."""
+    """DP=1, CP=1 first (the reference), then every (DP, CP) other than (1, 1) with DP·CP <= MAX_MATRIX_RANKS,
+    DP=1 first, × each GDN mode when CP > 1; all with ``row_tokens / CP`` tokens per rank: the same packed row
+    budget (``max_tokens_per_rank · CP``, what ``compare`` requires of a reference and its candidate). At DP > 1
+    the rows of a request are spread over the DP replicas and the gradients summed over DP×CP."""
     specs = [ServeSpec(model=model, cp=1, dtype=dtype, max_tokens_per_rank=row_tokens)]
-    for cp in cps:
-        if cp == 1:
-            continue
-        if row_tokens % (cp * 8):
-            raise ValueError(f"row_tokens={row_tokens} must be a multiple of 8·CP={8 * cp}")
-        for mode in modes:
-            specs.append(
-                ServeSpec(model=model, cp=cp, dtype=dtype, linear_cp_mode=mode, max_tokens_per_rank=row_tokens // cp)
-            )
+    for dp in sorted(set(dps)):
+        for cp in cps:
+            if (dp, cp) == (1, 1) or dp * cp > MAX_MATRIX_RANKS:
+                continue
+            if row_tokens % (cp * 8):
+                raise ValueError(f"row_tokens={row_tokens} must be a multiple of 8·CP={8 * cp}")
+            for mode in modes if cp > 1 else modes[:1]:
+                specs.append(
+                    ServeSpec(
+                        model=model,
+                        cp=cp,
+                        dp=dp,
+                        dtype=dtype,
+                        linear_cp_mode=mode,
+                        max_tokens_per_rank=row_tokens // cp,
+                    )
+                )
     return specs
