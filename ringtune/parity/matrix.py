@@ -175,11 +175,11 @@ def write_report(report: MatrixReport, config: MatrixConfig) -> None:
     doc = config.doc
     doc.parent.mkdir(parents=True, exist_ok=True)
     lines = [
-        "# Validation: CP layouts against CP=1 through the Tinker API",
+        "# Validation: DP and CP layouts against one rank through the Tinker API",
         "",
         "Written by `ringtune parity matrix` (docs/parity.md). Each layout is a `ringtune serve` subprocess driven by",
-        "the real `tinker` SDK (`ringtune parity run`) and compared with the CP=1 server of the same model and dtype",
-        "at the same packed-row budget (`max_tokens_per_rank · CP` = "
+        "the real `tinker` SDK (`ringtune parity run`) and compared with the DP=1, CP=1 server of the same model and",
+        "dtype at the same packed-row budget (`max_tokens_per_rank · CP` = "
         f"{config.row_tokens} tokens on the tiny model) by `ringtune parity compare` (limits in",
         "`ringtune/parity/compare.py`, with their reasoning). `|Δlp|`: the starting-weight forwards;",
         "worst window: the largest window/interior ratio over zigzag chunks, chunk boundaries and GDN split rows;",
