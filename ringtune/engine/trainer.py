@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,9 +34,11 @@ from ringtune.engine import faults, sharding
 from ringtune.engine.batch import MAX_TARGET_K, Batch, TrainDatum, build_batch
 from ringtune.engine.checkpoint import export_hf_weights, load_checkpoint, save_checkpoint
 from ringtune.engine.gather import gather_row
+from ringtune.engine.grad_stash import GradientStash, drop_gradients
 from ringtune.engine.gradients import GradientInvariant
 from ringtune.engine.memory import peak_memory_bytes
 from ringtune.engine.optimizer import AdamParams, adamw_step, global_grad_norm
+from ringtune.engine.request_outcome import ForwardBackwardResult, non_finite_error
 from ringtune.errors import NonFiniteError, ParallelConfigError
 from ringtune.layout.zigzag import zigzag_slice
 from ringtune.losses import PER_TARGET_KEYS, fixed_logprob_gradient, local_token_losses
@@ -61,37 +62,6 @@ SHARDED_GROUPS_LOST = "a rank failed mid-request and FSDP-sharded parameters can
 """Why a sharded trainer is broken once the mesh's data groups were rebuilt (its DeviceMesh holds the old ones)."""
 
 __all__ = ["ForwardBackwardResult", "TrainDatum", "Trainer"]
-
-
-@dataclass(frozen=True)
-class ForwardBackwardResult:
-    """``outputs[i]`` = {"logprobs", "elementwise_loss"} of datum i (request order), full length ([N] or
-    [N, K] like its targets); on the result rank only (None elsewhere). ``metrics`` likewise ({} elsewhere)."""
-
-    outputs: list[dict[str, torch.Tensor]] | None
-    metrics: dict[str, float]
-
-
-def _datum_list(indices: list[int], limit: int = 16) -> str:
-    shown = ", ".join(f"data[{i}]" for i in indices[:limit])
-    return shown + (f" and {len(indices) - limit} more" if len(indices) > limit else "")
-
-
-def _non_finite_error(verdicts: list, batch: Batch, forward_only: bool) -> NonFiniteError | None:
-    """The error naming the datums whose loss (or the gradient after whose microbatch) was not finite."""
-    loss_bad = sorted({i for _, found, _ in verdicts for i in found})
-    grad_bad = sorted({i for _, _, found in verdicts for i in found})
-    if not loss_bad and not grad_bad:
-        return None
-    parts = []
-    if loss_bad:
-        parts.append(f"non-finite loss or log-probs in {_datum_list(loss_bad)}")
-    if grad_bad:
-        parts.append(f"non-finite gradient after the microbatch of {_datum_list(grad_bad)}")
-    return NonFiniteError(
-        f"{'forward' if forward_only else 'forward_backward'} refused (loss_fn={batch.loss.loss_fn!r}): "
-        f"{'; '.join(parts)}; look for huge weights, advantages or logprobs there. Nothing was accumulated."
-    )
 
 
 class Trainer:
@@ -236,7 +206,7 @@ class Trainer:
     def run_batch(self, batch: Batch, *, forward_only: bool = False) -> ForwardBackwardResult:
         """Run a validated :class:`Batch` (identical on every rank) all-or-nothing; see :meth:`forward_backward`."""
         self._check_usable()
-        stash = None if forward_only else self._take_gradients()
+        stash = None if forward_only else GradientStash.take(self.params, self.invariant)
         mine: dict[int, dict[str, torch.Tensor]] = {}
         loss_bad: set[int] = set()  # datums whose loss or log-probs are not finite
         grad_bad: set[int] = set()  # datums of the microbatch after which the gradient became non-finite
@@ -261,22 +231,22 @@ class Trainer:
             verdicts = all_gather_objects((error is not None, sorted(loss_bad), sorted(grad_bad)), self.control_group)
         except BaseException as exc:  # a rank died or hung: the mesh cannot agree any more
             if stash is not None:
-                self._restore_gradients(stash)
+                stash.restore()
             self.broken = f"the ranks could not agree ({type(exc).__name__}: {exc})"
             raise RankFailedError(f"a rank of the mesh died or hung: {exc}", error_type=type(exc).__name__) from exc
         repair = any(raised for raised, _, _ in verdicts)
         if error is None:
-            error = _non_finite_error(verdicts, batch, forward_only)
+            error = non_finite_error(verdicts, batch, forward_only)
         try:
             agree(error, self.control_group)
         except BaseException:
             if stash is not None:
-                self._restore_gradients(stash)
+                stash.restore()
             if repair:
                 self._repair()
             raise
         if stash is not None:
-            self._merge_gradients(stash)
+            stash.merge()
             self.invariant.count(count)
         return self._collect(mine if self.cp_rank == 0 else {}, batch)
 
@@ -378,33 +348,6 @@ class Trainer:
 
     # ------------------------------------------------------------------ gradients, all-or-nothing
 
-    def _take_gradients(self) -> tuple[list[torch.Tensor | None], Any]:
-        """Set the accumulated gradients aside (the request accumulates into fresh ones)."""
-        saved = [p.grad for p in self.params]
-        for p in self.params:
-            p.grad = None
-        return saved, self.invariant.take()
-
-    def _restore_gradients(self, stash) -> None:
-        saved, canary = stash
-        for p, old in zip(self.params, saved, strict=True):
-            p.grad = old
-        self.invariant.restore(canary)
-
-    def _merge_gradients(self, stash) -> None:
-        saved, canary = stash
-        for p, old in zip(self.params, saved, strict=True):
-            if old is not None:
-                if p.grad is not None:
-                    old.add_(p.grad)
-                p.grad = old
-        self.invariant.merge(canary)
-
-    def _drop_gradients(self) -> None:
-        for p in self.params:
-            p.grad = None
-        self.invariant.reset()
-
     def _repair(self) -> None:
         """After a rank failed between collectives: fresh data groups on every rank of the replica."""
         if self.mesh is None:
@@ -464,7 +407,7 @@ class Trainer:
         try:
             agree(error, self.control_group)
         except BaseException:
-            self._drop_gradients()
+            drop_gradients(self.params, self.invariant)
             raise
         norm = adamw_step(self.optimizer, self.params, adam, norm=norm)
         self.step += 1
