@@ -77,7 +77,7 @@ def measure_sampler_kl(
         sampler.sample(tinker.ModelInput.from_ints(tokens), num_samples=SAMPLES_PER_PROMPT, sampling_params=params)
         for _, tokens in prompts
     ]
-    datums, sampled, names = [], [], []
+    datums, sampled = [], []
     for (name, prompt), future in zip(prompts, futures, strict=True):
         for seq in future.result().sequences:
             if not seq.tokens:
@@ -94,14 +94,10 @@ def measure_sampler_kl(
                 )
             )
             sampled.append((len(prompt), np.asarray(seq.logprobs, dtype=np.float64)))
-            names.append(name)
     if not datums:
         return skipped_sampler_kl("every sampled sequence was empty")
     outputs = tc.forward(datums, "cross_entropy").result().loss_fn_outputs
-    trainer = [
-        np.asarray(o["logprobs"].to_torch().double().tolist())[n - 1 :]
-        for o, (n, _) in zip(outputs, sampled, strict=True)
-    ]
+    trainer = [o["logprobs"].to_torch().double().numpy()[n - 1 :] for o, (n, _) in zip(outputs, sampled, strict=True)]
     estimates = kl_estimates(np.concatenate([s for _, s in sampled]), np.concatenate(trainer))
     return {
         "status": "measured",

@@ -163,6 +163,18 @@ def _last_rows(plan: ZigzagPlan) -> torch.Tensor:
     return torch.tensor([s + n - 1 for s, n in zip(plan.row_starts, plan.seq_lens, strict=True)], dtype=torch.int64)
 
 
+def _gather_pairs(
+    ids: torch.Tensor, values: torch.Tensor, plan: ZigzagPlan, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (ids [n_real, k], values [n_real, k]) of this rank's real tokens -> the whole row's (int64
+    [row_len, k], float64 [row_len, k]), identical on every rank: one :func:`gather_row` of both, the ids
+    travelling as float64 (exact below 2**53)."""
+    local = ids.new_zeros((plan.local_len, 2, ids.shape[-1]), dtype=torch.float64)
+    local[plan.is_real.to(ids.device)] = torch.stack([ids.to(torch.float64), values.to(torch.float64)], dim=1)
+    full = gather_row(local, plan, group)
+    return full[:, 0].round().to(torch.int64), full[:, 1]
+
+
 def _row_forward(
     model: CausalLM,
     members: list[list[int]],
@@ -203,14 +215,11 @@ def _row_forward(
     if prompt_logprobs:
         labels = zigzag_slice(_labels(members), plan, pad_value=IGNORE).to(device)
         lps = gather_row(label_logprobs(hidden, weight, labels).to(acc), plan, group).tolist()
+    real = plan.is_real.to(device)
     tops: tuple[list[list[int]], list[list[float]]] | None = None
     if topk:
-        real = plan.is_real.to(device)
-        local = torch.zeros((plan.local_len, 2, topk), dtype=torch.float64, device=device)
-        ids, values = topk_logprobs(hidden[real], weight, topk)
-        local[real] = torch.stack([ids.to(torch.float64), values.to(torch.float64)], dim=1)
-        full = gather_row(local, plan, group)
-        tops = (full[:, 0].round().to(torch.int64).tolist(), full[:, 1].tolist())
+        ids, values = _gather_pairs(*topk_logprobs(hidden[real], weight, topk), plan, group)
+        tops = (ids.tolist(), values.tolist())
 
     target_lps: torch.Tensor | None = None
     if targets is not None:
@@ -220,14 +229,11 @@ def _row_forward(
         local = zigzag_slice(labels, plan, pad_value=IGNORE).to(device)
         target_lps = gather_row(label_logprobs(hidden, weight, local).to(acc), plan, group).cpu()
 
-    alts: torch.Tensor | None = None
+    alts: tuple[torch.Tensor, torch.Tensor] | None = None
     if alt is not None:
         uniforms = zigzag_slice(row_uniforms([len(p) for p in members], alt.seeds, alt.k), plan).to(device)
-        real = plan.is_real.to(device)
-        local = torch.zeros((plan.local_len, 2, alt.k), dtype=torch.float64, device=device)
-        ids, values = draw_alt_tokens(hidden[real], weight, uniforms[real], alt.temperature)
-        local[real] = torch.stack([ids.to(torch.float64), values.to(torch.float64)], dim=1)
-        alts = gather_row(local, plan, group).cpu()
+        drawn = draw_alt_tokens(hidden[real], weight, uniforms[real], alt.temperature)
+        alts = tuple(x.cpu() for x in _gather_pairs(*drawn, plan, group))  # type: ignore[assignment]
 
     out = {}
     for g, (start, n) in enumerate(zip(plan.row_starts, plan.seq_lens, strict=True)):
@@ -241,7 +247,6 @@ def _row_forward(
         tlp = target_lps[start : start + n - 1] if target_lps is not None else None
         palt: AltTokens | None = None
         if alts is not None:
-            rows = alts[start : start + n - 1]
-            palt = (rows[:, 0].round().to(torch.int64), rows[:, 1].to(acc))
+            palt = (alts[0][start : start + n - 1], alts[1][start : start + n - 1].to(acc))
         out[g] = PromptForward(output_logits(last_hidden[g : g + 1], weight)[0], plp, ptop, caches[g], tlp, palt)
     return out

@@ -27,7 +27,7 @@ from ringtune.models.cache import PrefillCapture, SequenceCache
 from ringtune.models.decoder import CausalLM
 from ringtune.models.logprob_head import IGNORE_INDEX, label_logprobs
 from ringtune.models.shard import shard_of
-from ringtune.sample.alt_tokens import AltDraws, AltTokens, alt_uniforms, draw_alt_tokens, split_rows
+from ringtune.sample.alt_tokens import AltDraws, AltTokens, draw_alt_tokens, row_uniforms, split_rows
 
 IGNORE = IGNORE_INDEX
 """The head's label for a position that is not scored (each prompt's last token, pads, a -1 target)."""
@@ -130,9 +130,6 @@ def prefill(
         lp = label_logprobs(hidden, weight, labels.to(device)).cpu()
         target_lps = [lp[s : s + n - 1] for s, n in zip(starts, lens, strict=True)]
     if alt is not None:
-        uniforms = torch.cat(
-            [torch.zeros(0, alt.k, dtype=torch.float64)]
-            + [alt_uniforms(seed, n - 1, alt.k) for seed, n in zip(alt.seeds, lens, strict=True)]
-        )
+        uniforms = zigzag_slice(row_uniforms(lens, alt.seeds, alt.k), plan).to(device)[draw_rows]
         alts = split_rows(*draw_alt_tokens(hidden[draw_rows], weight, uniforms, alt.temperature), lens)
     return PrefillResult(output_logits(hidden[last], weight), capture.sequences(), plps, tops, target_lps, alts)

@@ -128,12 +128,11 @@ def check_request(
     """The prompts as lists; UserInputError naming the first bad field, its value and the limit."""
     if not isinstance(num_samples, int) or isinstance(num_samples, bool) or not 1 <= num_samples <= MAX_NUM_SAMPLES:
         raise UserInputError(f"num_samples={num_samples!r} must be an int in [1, {MAX_NUM_SAMPLES}]")
-    for name, k, most in (
-        ("topk_prompt_logprobs", topk_prompt_logprobs, MAX_TOPK_PROMPT_LOGPROBS),
-        ("topk_sample_logprobs", topk_sample_logprobs, MAX_TOPK_SAMPLE_LOGPROBS),
-        ("prompt_alt_tokens_k", prompt_alt_tokens_k, None),
+    for name, k, limit in (
+        ("topk_prompt_logprobs", topk_prompt_logprobs, min(MAX_TOPK_PROMPT_LOGPROBS, vocab)),
+        ("topk_sample_logprobs", topk_sample_logprobs, min(MAX_TOPK_SAMPLE_LOGPROBS, vocab)),
+        ("prompt_alt_tokens_k", prompt_alt_tokens_k, MAX_PROMPT_ALT_TOKENS_K),  # draws repeat: no vocab bound
     ):
-        limit = min(most, vocab) if most is not None else MAX_PROMPT_ALT_TOKENS_K  # draws repeat: no vocab bound
         if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= limit:
             raise UserInputError(f"{name}={k!r} must be an int in [0, {limit}]")
     if not isinstance(max_batch, int) or max_batch < 1:

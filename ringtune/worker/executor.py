@@ -229,8 +229,10 @@ class RankExecutor:
             for (want_lp, topk, target_k, decodes, alt_k, temperature), members in groups.items():
                 prompts = [requests[i].prompt for i in members]
                 targets = [requests[i].target_tokens for i in members] if target_k else None
-                seeds = tuple(int(requests[i].params.seed or 0) for i in members)
-                alt = AltDraws(alt_k, temperature, seeds) if alt_k else None
+                alt = None
+                if alt_k:  # every seed was checked above: fixed, the same on every rank
+                    seeds = tuple(int(requests[i].params.seed) for i in members)  # type: ignore[arg-type]
+                    alt = AltDraws(alt_k, temperature, seeds)
                 got = prompts_forward(
                     model,
                     self.mesh,
