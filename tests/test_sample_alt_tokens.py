@@ -33,10 +33,11 @@ def _reference_draw(logits: list[float], temperature: float, u: float) -> int:
     weights = [math.exp((x - top) / temperature) for x in logits]
     total = sum(weights)
     probs = [w / total for w in weights]
+    target = u * math.fsum(probs)
     cum = 0.0
     for token, p in enumerate(probs):
         cum += p
-        if cum > u * 1.0:
+        if cum > target:
             return token
     return len(logits) - 1
 
