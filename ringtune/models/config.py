@@ -1,6 +1,9 @@
-"""Decoder configuration read from a Hugging Face ``config.json`` (``qwen3_5_text``, ``qwen3_5``, ``llama``, ``qwen3``).
+"""Decoder configuration read from a Hugging Face ``config.json``.
 
-The original dict is kept verbatim so a save writes back exactly what was loaded.
+Families: ``qwen3_5_text`` / ``qwen3_5`` (hybrid), ``qwen3_5_moe_text`` / ``qwen3_5_moe`` (hybrid with sparse
+MoE MLPs and a shared expert), ``llama``, ``qwen3``, ``qwen3_moe`` (Qwen3 attention with sparse MoE MLPs).
+A VL config (``qwen3_5``, ``qwen3_5_moe``) contributes its ``text_config``. Any other ``model_type`` is refused
+with an error naming it. The original dict is kept verbatim so a save writes back exactly what was loaded.
 """
 
 from __future__ import annotations
@@ -11,8 +14,13 @@ from typing import Any
 from ringtune.errors import ParallelConfigError, UserInputError
 from ringtune.ops.cp_modes import check_attention_mode, check_gated_delta_mode
 
-SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "llama", "qwen3")
+SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "llama", "qwen3", "qwen3_moe")
 LAYER_TYPES = ("linear_attention", "full_attention")
+MLP_TYPES = ("dense", "moe")
+"""Per-layer MLP kinds: SwiGLU (``layers/mlp.py``) or the sparse MoE block (``layers/moe.py``)."""
+VL_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+"""Configs whose decoder is described by their ``text_config``."""
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
 
 
 def _pad_token_id(value: Any, vocab_size: int) -> int | None:
@@ -24,9 +32,44 @@ def _pad_token_id(value: Any, vocab_size: int) -> int | None:
     return None
 
 
+def _moe_fields(model_type: str, text: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """The MoE fields of :class:`DecoderConfig` (transformers 5.24's defaults where a key is absent)."""
+    if model_type not in ("qwen3_moe", "qwen3_5_moe_text", "qwen3_5_moe"):
+        if not text.get("intermediate_size"):
+            raise UserInputError(f"config.intermediate_size={text.get('intermediate_size')!r}: a dense model needs it")
+        return {"mlp_types": ("dense",) * num_layers}
+    qwen3 = model_type == "qwen3_moe"
+    experts = int(text.get("num_experts", text.get("num_local_experts", 128 if qwen3 else 256)))
+    top_k = int(text.get("num_experts_per_tok", 8))
+    if not 1 <= top_k <= experts:
+        raise UserInputError(f"config.num_experts_per_tok={top_k} must be in [1, num_experts={experts}]")
+    if qwen3:  # transformers' Qwen3MoeDecoderLayer: dense where listed in mlp_only_layers or off the sparse step
+        step, dense = int(text.get("decoder_sparse_step", 1)), set(text.get("mlp_only_layers") or ())
+        mlp_types = tuple("moe" if i not in dense and (i + 1) % step == 0 else "dense" for i in range(num_layers))
+        if "dense" in mlp_types and not text.get("intermediate_size"):
+            raise UserInputError("config.intermediate_size is needed by the dense layers (mlp_only_layers)")
+    else:
+        mlp_types = ("moe",) * num_layers
+    return {
+        "mlp_types": mlp_types,
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": int(text.get("moe_intermediate_size", 768 if qwen3 else 512)),
+        "shared_expert_intermediate_size": 0 if qwen3 else int(text.get("shared_expert_intermediate_size", 512)),
+        # Qwen3.5-MoE's router always renormalises its top-k; Qwen3-MoE's as its config says (default False).
+        "norm_topk_prob": bool(text.get("norm_topk_prob", False)) if qwen3 else True,
+        "router_aux_loss_coef": float(text.get("router_aux_loss_coef", 0.001)),
+    }
+
+
 @dataclass(frozen=True, kw_only=True)
 class DecoderConfig:
-    """Everything the decoder modules need; ``family`` is "qwen3_5" (hybrid) or "dense" (Llama, Qwen3)."""
+    """Everything the decoder modules need; ``family`` is "qwen3_5" (hybrid) or "dense" (Llama, Qwen3, Qwen3-MoE).
+
+    ``mlp_types[i]`` is layer i's MLP ("dense" or "moe"); the ``num_experts`` … ``norm_topk_prob`` fields
+    describe the MoE layers (0 / unused when there are none); ``shared_expert_intermediate_size`` > 0 adds
+    Qwen3.5-MoE's sigmoid-gated shared expert. ``intermediate_size`` is the dense MLP's (0 when none).
+    """
 
     family: str
     model_type: str
@@ -50,6 +93,13 @@ class DecoderConfig:
     linear_value_head_dim: int = 0
     linear_conv_kernel_dim: int = 4
     pad_token_id: int | None = None
+    mlp_types: tuple[str, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.0
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -58,7 +108,7 @@ class DecoderConfig:
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UserInputError(f"config.model_type={model_type!r}: supported are {SUPPORTED_MODEL_TYPES}")
-        text = dict(hf.get("text_config") or {}) if model_type == "qwen3_5" else hf
+        text = dict(hf.get("text_config") or {}) if model_type in VL_MODEL_TYPES else hf
         rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             raise UserInputError(f"rope type {rope.get('rope_type')!r}: only the default rotary is supported")
@@ -69,7 +119,7 @@ class DecoderConfig:
             "model_type": model_type,
             "vocab_size": int(text["vocab_size"]),
             "hidden_size": int(text["hidden_size"]),
-            "intermediate_size": int(text["intermediate_size"]),
+            "intermediate_size": int(text.get("intermediate_size") or 0),
             "num_layers": int(text["num_hidden_layers"]),
             "num_heads": heads,
             "num_kv_heads": int(text.get("num_key_value_heads") or heads),
@@ -80,8 +130,9 @@ class DecoderConfig:
             "attention_bias": bool(text.get("attention_bias", False)),
             "pad_token_id": _pad_token_id(text.get("pad_token_id", hf.get("pad_token_id")), int(text["vocab_size"])),
             "hf_config": hf,
+            **_moe_fields(model_type, text, int(text["num_hidden_layers"])),
         }
-        hybrid = model_type in ("qwen3_5_text", "qwen3_5")
+        hybrid = model_type in HYBRID_MODEL_TYPES
         # Dense Llama/Qwen3 rotate every channel; Qwen3.5 rotates a fraction (0.25 unless the config says).
         rotary_factor = (
             float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))) if hybrid else 1.0
@@ -119,10 +170,22 @@ class DecoderConfig:
         n = common["num_layers"]
         return cls(
             family="dense",
-            qk_norm="plain" if model_type == "qwen3" else None,
+            qk_norm="plain" if model_type in ("qwen3", "qwen3_moe") else None,
             layer_types=("full_attention",) * n,
             **common,
         )
+
+    @property
+    def has_moe(self) -> bool:
+        """Whether any layer's MLP is the sparse MoE block."""
+        return "moe" in self.mlp_types
+
+    def check_expert_parallel(self, ep_size: int) -> None:
+        """Raise ParallelConfigError unless ``ep_size`` >= 1 divides ``num_experts`` (any size fits a dense model)."""
+        if isinstance(ep_size, bool) or not isinstance(ep_size, int) or ep_size < 1:
+            raise ParallelConfigError(f"ep={ep_size!r} must be an int >= 1")
+        if self.has_moe and self.num_experts % ep_size:
+            raise ParallelConfigError(f"ep={ep_size} must divide num_experts={self.num_experts}")
 
     def check_parallel_modes(self, *, attention: str, gated_delta: str) -> None:
         """Raise ParallelConfigError if a mode name is not in the registry (:mod:`ringtune.ops.cp_modes`)."""

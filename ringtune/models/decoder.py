@@ -17,6 +17,7 @@ from ringtune.models.config import DecoderConfig
 from ringtune.models.layers.attention import Attention
 from ringtune.models.layers.gated_deltanet import GatedDeltaNet
 from ringtune.models.layers.mlp import SwiGLU
+from ringtune.models.layers.moe import SparseMoE
 from ringtune.models.layers.norms import RMSNorm
 from ringtune.models.layers.rotary import RotaryEmbedding
 from ringtune.models.logprob_head import label_logprobs
@@ -26,7 +27,7 @@ from ringtune.models.shard import PackedShard
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: token mixer (GDN or attention) then SwiGLU."""
+    """Pre-norm residual block: token mixer (GDN or attention) then the MLP (SwiGLU or sparse MoE, per config)."""
 
     def __init__(self, config: DecoderConfig, index: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -54,7 +55,18 @@ class DecoderLayer(nn.Module):
                 rms_norm_eps=config.rms_norm_eps,
                 rotary=rotary,
             )
-        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+        self.layer_index = index
+        if config.mlp_types[index] == "moe":
+            self.mlp: nn.Module = SparseMoE(
+                config.hidden_size,
+                config.moe_intermediate_size,
+                config.num_experts,
+                config.num_experts_per_tok,
+                config.norm_topk_prob,
+                config.shared_expert_intermediate_size,
+            )
+        else:
+            self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centered=zero)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centered=zero)
         self.recompute = DEFAULT_RECOMPUTE  # activation recomputation mode (ringtune.models.recompute)
@@ -80,18 +92,31 @@ class DecoderLayer(nn.Module):
         mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
         with compute_params(self, self.compute_dtype):
             x = x + mixer(self.input_layernorm(x), shard, cache)
-            return x + self.mlp(self.post_attention_layernorm(x))
+            return x + self.mlp_out(self.post_attention_layernorm(x), shard)
+
+    def mlp_out(self, h: torch.Tensor, shard: PackedShard) -> torch.Tensor:
+        """The MLP on normed h [T_local, hidden]; a MoE layer replays ``shard.replay_experts[i]`` when given."""
+        if isinstance(self.mlp, SparseMoE):
+            replay = None if shard.replay_experts is None else shard.replay_experts[self.layer_index]
+            return self.mlp(h, replay)
+        return self.mlp(h)
 
     def decode(self, x: torch.Tensor, positions: torch.Tensor, rows: LayerRows) -> torch.Tensor:
-        """One new token per sequence: x [B, hidden] at ``positions`` [B] -> [B, hidden]; updates ``rows``."""
-        h = self.input_layernorm(x)
-        if self.layer_type == "linear_attention":
-            assert isinstance(rows, GatedDeltaRows)
-            x = x + self.linear_attn.decode(h, rows)
-        else:
-            assert isinstance(rows, KVRows)
-            x = x + self.self_attn.decode(h, positions, rows)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        """One new token per sequence: x [B, hidden] at ``positions`` [B] -> [B, hidden]; updates ``rows``.
+
+        With ``compute_dtype`` set it computes as :meth:`forward` does: x cast first, parameters read in it.
+        """
+        if self.compute_dtype is not None:
+            x = x.to(self.compute_dtype)
+        with compute_params(self, self.compute_dtype):
+            h = self.input_layernorm(x)
+            if self.layer_type == "linear_attention":
+                assert isinstance(rows, GatedDeltaRows)
+                x = x + self.linear_attn.decode(h, rows)
+            else:
+                assert isinstance(rows, KVRows)
+                x = x + self.self_attn.decode(h, positions, rows)
+            return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class _Body(nn.Module):
@@ -140,6 +165,11 @@ class CausalLM(nn.Module):
                 f"input_ids must be [local_len={shard.plan.local_len}] (the shard); got {tuple(input_ids.shape)}"
             )
         self.check_parallel(shard)
+        if shard.replay_experts is not None and len(shard.replay_experts) != len(self.model.layers):
+            raise ValueError(
+                f"shard.replay_experts must hold one entry per layer ({len(self.model.layers)}); "
+                f"got {len(shard.replay_experts)}"
+            )
         if capture is not None and (capture.plan is not shard.plan or len(capture.layers) != len(self.model.layers)):
             raise ValueError("capture must be PrefillCapture(shard.plan, num_layers) of this model and shard")
         x = self.model.embed_tokens(input_ids)

@@ -102,7 +102,7 @@ def _selective_attention_layer(layer: nn.Module, x: torch.Tensor, shard: PackedS
     def finish(x: torch.Tensor, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         with compute_params(layer, layer.compute_dtype):
             x = x + attn._output(out, gate)
-            return x + layer.mlp(layer.post_attention_layernorm(x))
+            return x + layer.mlp_out(layer.post_attention_layernorm(x), shard)
 
     q, k, v, gate = checkpoint(project, x, use_reentrant=False, early_stop=False)
     mode = shard.attention if shard.cp_size > 1 else "ring"  # as Attention.forward: the ring at size 1 is local

@@ -27,6 +27,9 @@ class PackedShard:
         group: the CP process group (size ``plan.cp_size``); may be None only when ``cp_size == 1``.
         attention: CP attention mode of full-attention layers ("ring", "allgather", "alltoall").
         gated_delta: CP mode of GatedDeltaNet layers ("headwise", "chunkwise").
+        replay_experts: routing replay (``ringtune.models.layers.moe``): one entry per decoder layer, int64
+            [local_len, top_k] expert ids for a MoE layer (this rank's zigzag shard, like the tokens) or None
+            (route by the router's own top-k); None: no replay anywhere.
     """
 
     plan: ZigzagPlan
@@ -34,6 +37,7 @@ class PackedShard:
     group: dist.ProcessGroup | None = None
     attention: str = DEFAULT_ATTENTION
     gated_delta: str = DEFAULT_GATED_DELTA
+    replay_experts: tuple[torch.Tensor | None, ...] | None = None
 
     def __post_init__(self) -> None:
         check_attention_mode(self.attention)

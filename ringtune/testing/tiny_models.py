@@ -1,7 +1,9 @@
-"""Tiny random transformers models (Qwen3.5 hybrid, Llama, Qwen3) and packed token rows for tests.
+"""Tiny random transformers models (Qwen3.5 hybrid, Llama, Qwen3, Qwen3-MoE, Qwen3.5-MoE) and packed token rows.
 
 Sizes are chosen so CP 2 and 4 fit every mode that can: 4 GDN key heads / 8 value heads, 4 attention
 heads / 2 kv heads (all-to-all then works at CP 2 only), a rotary dim of 4 (Qwen3.5's partial rotary).
+MoE models have 8 experts, top-2, and routers drawn at a scale (std 0.5, logits of std ~3) at which
+neighbouring tokens really pick different experts (transformers' zero-initialised router would not).
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ import torch
 
 from ringtune.models.logprob_head import IGNORE_INDEX
 
+FAMILIES = ("qwen3_5", "llama", "qwen3", "qwen3_moe", "qwen3_5_moe")
+
 # Packed row of many datums: 1-17-token ones, lengths not divisible by 2C, one longer than a chunk.
 LENGTHS = (1, 2, 17, 5, 40, 3, 1, 9)
 
 
 def hf_config(family: str):
-    """A transformers config of the ``family`` ("qwen3_5", "llama", "qwen3"), 4 layers, vocab 96."""
+    """A transformers config of ``family`` (one of :data:`FAMILIES`), 4 layers, vocab 96."""
     import transformers
 
     common = {
@@ -29,27 +33,37 @@ def hf_config(family: str):
         "rms_norm_eps": 1e-6,
         "max_position_embeddings": 256,
     }
+    hybrid = {
+        "layer_types": ["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        "linear_num_key_heads": 4,
+        "linear_num_value_heads": 8,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "linear_conv_kernel_dim": 4,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    }
+    moe = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
     if family == "qwen3_5":
-        return transformers.Qwen3_5TextConfig(
-            **common,
-            layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
-            linear_num_key_heads=4,
-            linear_num_value_heads=8,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-            linear_conv_kernel_dim=4,
-            tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        return transformers.Qwen3_5TextConfig(**common, **hybrid, tie_word_embeddings=True)
+    if family == "qwen3_5_moe":
+        common.pop("intermediate_size")
+        return transformers.Qwen3_5MoeTextConfig(
+            **common, **hybrid, **moe, shared_expert_intermediate_size=24, tie_word_embeddings=True
+        )
+    if family == "qwen3_moe":  # layer 2 dense (mlp_only_layers), the others sparse
+        return transformers.Qwen3MoeConfig(
+            **common, **moe, norm_topk_prob=True, mlp_only_layers=[2], tie_word_embeddings=False, rope_theta=10000.0
         )
     if family == "llama":
         return transformers.LlamaConfig(**common, tie_word_embeddings=False, rope_theta=10000.0)
     if family == "qwen3":
         return transformers.Qwen3Config(**common, tie_word_embeddings=True, rope_theta=10000.0)
-    raise ValueError(f"family must be qwen3_5, llama or qwen3; got {family!r}")
+    raise ValueError(f"family must be one of {FAMILIES}; got {family!r}")
 
 
 def hf_model(family: str, *, seed: int):
-    """A random transformers causal LM of ``family``, with every norm weight randomised (not all ones/zeros)."""
+    """A random transformers causal LM of ``family``, with every norm weight randomised (not all ones/zeros)
+    and MoE routers drawn at std 0.5 (routing that differs per token)."""
     import transformers
 
     torch.manual_seed(seed)
@@ -59,12 +73,16 @@ def hf_model(family: str, *, seed: int):
         "qwen3_5": transformers.Qwen3_5ForCausalLM,
         "llama": transformers.LlamaForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
+        "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+        "qwen3_5_moe": transformers.Qwen3_5MoeForCausalLM,
     }[family]
     model = cls(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(0.1 * torch.randn_like(p))
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)
             if name.endswith("A_log"):
                 p.copy_(torch.linspace(-3.0, 1.0, p.numel()))
     return model

@@ -2,14 +2,19 @@
 
 Loading maps the few prefixes real Qwen3.5 checkpoints use (``model.language_model.*`` of the VL layout)
 onto the text decoder, skips the parts a text decoder has no use for (vision tower, MTP head), and
-refuses missing or unknown tensors by name. Saving writes into a temporary directory beside the target
-and renames it into place, so a crash mid-save never leaves a half-written checkpoint at ``path``.
+refuses missing or unknown tensors by name. MoE experts: transformers 5 saves each expert apart
+(``mlp.experts.{e}.{gate,up,down}_proj.weight``, the original Qwen layout) and holds them fused in memory
+(``mlp.experts.gate_up_proj`` [E, 2·I, hidden] = gate rows then up rows, ``mlp.experts.down_proj``
+[E, hidden, I]); loading accepts either, saving writes the per-expert layout transformers writes.
+Saving writes into a temporary directory beside the target and renames it into place, so a crash
+mid-save never leaves a half-written checkpoint at ``path``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -35,6 +40,55 @@ def _hf_name(name: str) -> str | None:
         if name.startswith(old):
             return new + name[len(old) :]
     return name
+
+
+_EXPERT_KEY = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fuse_experts(state: dict[str, torch.Tensor], num_experts: int, where: str) -> dict[str, torch.Tensor]:
+    """Per-expert tensors (``….mlp.experts.{e}.gate_proj.weight`` …) -> the fused ``gate_up_proj`` / ``down_proj``.
+
+    Other tensors pass through. Raises UserInputError naming the first missing or out-of-range expert tensor.
+    """
+    out: dict[str, torch.Tensor] = {}
+    parts: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
+    for name, tensor in state.items():
+        match = _EXPERT_KEY.match(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        e = int(match["e"])
+        if e >= num_experts:
+            raise UserInputError(f"checkpoint {where}: {name}: expert {e} >= num_experts={num_experts}")
+        parts.setdefault(match["prefix"], {})[(match["proj"], e)] = tensor
+    for prefix, got in parts.items():
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            for e in range(num_experts):
+                if (proj, e) not in got:
+                    raise UserInputError(f"checkpoint {where}: missing tensors ['{prefix}.{e}.{proj}.weight']")
+        out[f"{prefix}.gate_up_proj"] = torch.stack(
+            [torch.cat([got["gate_proj", e], got["up_proj", e]]) for e in range(num_experts)]
+        )
+        out[f"{prefix}.down_proj"] = torch.stack([got["down_proj", e] for e in range(num_experts)])
+    return out
+
+
+def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`fuse_experts`: fused expert tensors -> transformers' saved per-expert layout."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = name[: -len(".gate_up_proj")]
+            for e, (gate, up) in enumerate(t.chunk(2) for t in tensor):
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate.contiguous()
+                out[f"{prefix}.{e}.up_proj.weight"] = up.contiguous()
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = name[: -len(".down_proj")]
+            for e, down in enumerate(tensor):
+                out[f"{prefix}.{e}.down_proj.weight"] = down.contiguous()
+        else:
+            out[name] = tensor
+    return out
 
 
 def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
@@ -69,6 +123,8 @@ def load_hf(path: str | Path, *, dtype: torch.dtype | None = None) -> CausalLM:
     config = DecoderConfig.from_hf(json.loads(config_file.read_text()))
     raw = read_state_dict(path)
     state = {ours: t for name, t in raw.items() if (ours := _hf_name(name)) is not None}
+    if config.has_moe:
+        state = fuse_experts(state, config.num_experts, str(path))
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     dtypes = {t.dtype for t in state.values()}
@@ -103,12 +159,22 @@ def save_hf(
     larger than ``max_shard_bytes``. Tied embeddings are saved once (no ``lm_head.weight``). ``dtype``: the
     floating tensors are written in it (rounded to nearest), and ``config.json`` says so; None keeps the model's.
     ``state``: the tensors to write (whole, keyed like ``model.state_dict()``, e.g. an FSDP model's gathered by
-    :func:`ringtune.engine.sharding.full_state_dict`); None: ``model.state_dict()``.
+    :func:`ringtune.engine.sharding.full_state_dict`); None: ``model.state_dict()``. MoE experts are written
+    per expert, as transformers saves them; an expert-parallel model needs ``state`` with every expert
+    (:func:`ringtune.parallel.expert_dispatch.gather_expert_state`).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     source = model.state_dict() if state is None else state
     state = {n: t.detach().contiguous().cpu() for n, t in source.items()}
+    num_experts = model.config.num_experts
+    for name, tensor in state.items():
+        if name.endswith(".mlp.experts.down_proj") and tensor.shape[0] != num_experts:
+            raise ValueError(
+                f"save_hf: {name} holds {tensor.shape[0]} of num_experts={num_experts} experts (expert-parallel "
+                "shard); pass state=gather_expert_state(model)"
+            )
+    state = split_experts(state)
     if dtype is not None:
         state = {n: t.to(dtype) if t.is_floating_point() else t for n, t in state.items()}
     shards: list[dict[str, torch.Tensor]] = [{}]

@@ -1,0 +1,205 @@
+"""The sparse mixture-of-experts MLP of Qwen3-MoE and Qwen3.5-MoE, with transformers' module and parameter names.
+
+``mlp.gate.weight`` [E, hidden] (the router), ``mlp.experts.gate_up_proj`` [E_local, 2·I, hidden] and
+``mlp.experts.down_proj`` [E_local, hidden, I] (transformers 5's fused 3-D expert tensors), and for Qwen3.5-MoE
+``mlp.shared_expert.{gate,up,down}_proj`` and ``mlp.shared_expert_gate`` [1, hidden].
+
+Per token t (x [T, hidden], routing per token, so CP needs no communication here):
+``p = softmax(x W_gate^T)`` in float32 (float64 for a float64 model), the top-k experts by ``p`` (or the ids of
+``replay`` with their ``p`` recomputed), weights ``p_top`` (divided by their sum when ``norm_topk_prob``);
+``y = Σ_k w_k · down_e(silu(gate_e(x)) · up_e(x))`` [+ ``sigmoid(x w_sg) · shared(x)``].
+
+Expert parallelism: with :func:`set_expert_parallel` each rank of the EP group keeps experts
+``[r·E/N, (r+1)·E/N)`` only; the tokens routed to others go there and back by
+:func:`ringtune.parallel.expert_dispatch.dispatch_to_experts` (an all-to-all of uneven sizes, differentiable).
+Every rank of the EP group must then run each MoE layer's forward (and backward) together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ringtune.errors import UserInputError
+from ringtune.models.layers.mlp import SwiGLU
+
+GroupedLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""(x [n, in], w [G, out, in], counts int64 [G] summing to n; rows grouped by g in order) -> [n, out]."""
+
+
+def grouped_linear_loop(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The plain reference: one ``x_g @ w_g^T`` per group (skipping empty groups)."""
+    outs = [xg @ w[g].t() for g, xg in enumerate(x.split(counts.tolist())) if xg.shape[0]]
+    return torch.cat(outs) if outs else x.new_zeros((0, w.shape[1]))
+
+
+def grouped_linear_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """torch's grouped GEMM (``torch._grouped_mm``, one kernel for every group)."""
+    offs = torch.cumsum(counts, 0).to(device=x.device, dtype=torch.int32)
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+
+
+GROUPED_LINEAR: dict[str, GroupedLinear] = {"loop": grouped_linear_loop, "grouped_mm": grouped_linear_mm}
+"""Grouped expert matmul implementations; :func:`grouped_linear_kind` picks one per call."""
+
+
+def grouped_linear_kind(x: torch.Tensor, w: torch.Tensor) -> str:
+    """``grouped_mm`` where the build has it and it is usable (CUDA, float32/bfloat16/float16, 16-byte-aligned
+    rows), else ``loop``. On CPU torch 2.13's ``_grouped_mm`` runs forward but its backward fails, so CPU loops.
+    """
+    ok_dtype = x.dtype in (torch.float32, torch.bfloat16, torch.float16) and w.dtype == x.dtype
+    aligned = all(d * x.element_size() % 16 == 0 for d in w.shape[1:])
+    if hasattr(torch, "_grouped_mm") and x.is_cuda and ok_dtype and aligned:
+        return "grouped_mm"
+    return "loop"
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``x`` [n, in] grouped by ``counts`` [G] -> [n, out] through the implementation the registry picks."""
+    return GROUPED_LINEAR[grouped_linear_kind(x, w)](x, w, counts)
+
+
+class TopKRouter(nn.Module):
+    """``mlp.gate``: the router, ``weight`` [num_experts, hidden]."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k] in x's dtype, expert ids int64 [T, k]).
+
+        ``replay`` (int64 [T, k]): use these ids instead of the top-k, their weights recomputed from this
+        router's own probabilities (so the router still gets gradients).
+        """
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+        if replay is None:
+            top, ids = torch.topk(probs, self.top_k, dim=-1)
+        else:
+            ids = replay.to(device=x.device, dtype=torch.int64)
+            top = probs.gather(1, ids)
+        if self.norm_topk_prob:
+            top = top / top.sum(dim=-1, keepdim=True)
+        return top.to(logits.dtype), ids
+
+
+class Experts(nn.Module):
+    """``mlp.experts``: this rank's experts ``[first, first + E_local)`` as fused 3-D tensors."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.first = 0
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        for p in (self.gate_up_proj, self.down_proj):
+            nn.init.normal_(p, std=0.02)  # as transformers' _init_weights (initializer_range 0.02)
+
+    @property
+    def num_local(self) -> int:
+        return self.gate_up_proj.shape[0]
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [n, hidden] grouped by local expert (``counts`` int64 [E_local]) -> [n, hidden]."""
+        gate, up = grouped_linear(x, self.gate_up_proj, counts).chunk(2, dim=-1)
+        return grouped_linear(F.silu(gate) * up, self.down_proj, counts)
+
+
+class SparseMoE(nn.Module):
+    """``mlp`` of a MoE layer: router, routed experts, optional sigmoid-gated shared expert.
+
+    ``ep_group`` (None: every expert here) is set by :func:`set_expert_parallel`.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        shared_intermediate_size: int = 0,
+    ) -> None:
+        super().__init__()
+        self.gate = TopKRouter(hidden_size, num_experts, top_k, norm_topk_prob)
+        self.experts = Experts(hidden_size, intermediate_size, num_experts)
+        if shared_intermediate_size:
+            self.shared_expert = SwiGLU(hidden_size, shared_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        self.ep_group: dist.ProcessGroup | None = None
+
+    def check_replay(self, replay: torch.Tensor, tokens: int) -> None:
+        """Raise UserInputError unless ``replay`` is int [tokens, top_k] of expert ids in [0, num_experts)."""
+        k, n = self.gate.top_k, self.experts.num_experts
+        if replay.shape != (tokens, k) or replay.is_floating_point():
+            raise UserInputError(f"replay_experts must be int [{tokens}, top_k={k}]; got {tuple(replay.shape)}")
+        if replay.numel() and not (0 <= int(replay.min()) and int(replay.max()) < n):
+            raise UserInputError(
+                f"replay_experts ids must be in [0, num_experts={n}); got [{int(replay.min())}, {int(replay.max())}]"
+            )
+
+    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; ``replay`` int64 [T, top_k] or None (see :class:`TopKRouter`)."""
+        from ringtune.parallel.expert_dispatch import dispatch_to_experts
+
+        if replay is not None:
+            self.check_replay(replay, x.shape[0])
+        weights, ids = self.gate(x, replay)
+        tokens = x.shape[0]
+        k = ids.shape[1]
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # assignments grouped by expert, token order inside
+        token_of = order // k
+        counts = torch.bincount(flat, minlength=self.experts.num_experts)
+        routed = dispatch_to_experts(x[token_of], counts, self.experts, self.ep_group)
+        routed = routed * weights.reshape(-1)[order, None]
+        out = x.new_zeros((tokens, x.shape[1])).index_add(0, token_of, routed)
+        if hasattr(self, "shared_expert"):
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def moe_blocks(model: nn.Module) -> list[SparseMoE]:
+    """Every :class:`SparseMoE` of ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, SparseMoE)]
+
+
+def is_expert_parameter(name: str) -> bool:
+    """Whether parameter ``name`` is a routed expert's (sharded over EP, replicated over (DP·CP)/EP ranks)."""
+    return ".mlp.experts." in name or name.startswith("mlp.experts.")
+
+
+def set_expert_parallel(model: nn.Module, group: dist.ProcessGroup | None) -> None:
+    """Keep only this rank's experts in every MoE layer and route tokens over ``group`` (the EP group).
+
+    Rank r of an EP group of size N keeps experts ``[r·E/N, (r+1)·E/N)`` (a copy of that slice: the other
+    experts' memory is freed). None or size 1: nothing changes. Call once, on the full model, before training.
+    Raises ParallelConfigError when N does not divide num_experts.
+    """
+    size = 1 if group is None else dist.get_world_size(group)
+    blocks = moe_blocks(model)
+    if size == 1 or not blocks:
+        return
+    from ringtune.errors import ParallelConfigError
+
+    rank = dist.get_rank(group)
+    for block in blocks:
+        experts = block.experts
+        if experts.num_local != experts.num_experts:
+            raise ParallelConfigError("set_expert_parallel: the experts are already sharded")
+        if experts.num_experts % size:
+            raise ParallelConfigError(f"ep={size} must divide num_experts={experts.num_experts}")
+        local = experts.num_experts // size
+        experts.first = rank * local
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(experts, name)
+            piece = full.detach()[experts.first : experts.first + local].clone()
+            setattr(experts, name, nn.Parameter(piece, requires_grad=full.requires_grad))
+        block.ep_group = group
