@@ -38,6 +38,7 @@ from ringtune.engine.grad_stash import GradientStash, drop_gradients
 from ringtune.engine.gradients import GradientInvariant
 from ringtune.engine.memory import peak_memory_bytes
 from ringtune.engine.optimizer import AdamParams, adamw_step, global_grad_norm
+from ringtune.engine.replica_check import ReplicaCheck
 from ringtune.engine.request_outcome import ForwardBackwardResult, non_finite_error
 from ringtune.errors import NonFiniteError, ParallelConfigError
 from ringtune.layout.zigzag import zigzag_slice
@@ -141,6 +142,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=0.0)
         self.invariant = GradientInvariant(lambda: self.dp_cp_group, fault=fault)
         self.invariant.startup_check()
+        self.replicas = ReplicaCheck(mesh, self.shard_params)  # replicas compared after every optim_step
         self.step = 0
         self.weights_version = 0  # bumped whenever the weights change (a sampler snapshot of them is then stale)
         self.microbatch_hook: Callable[[int], None] | None = None
@@ -163,6 +165,7 @@ class Trainer:
     def _check_usable(self) -> None:
         if self.broken is not None:
             raise RankFailedError(f"this trainer can no longer run requests: {self.broken}; restart the server")
+        self.replicas.require_trusted()
 
     # ------------------------------------------------------------------ requests
 
@@ -299,6 +302,7 @@ class Trainer:
         with torch.set_grad_enabled(backward), injected:  # DEBUG-FAULT HOOK: a no-op without --debug-fault
             # A loss whose gradient in lp is known now (cross_entropy): the head makes its gradients in its forward.
             upstream = None
+            saved = faults.unscored_grads(self.params, local_targets, local_inputs)  # DEBUG-FAULT HOOK (no-op)
             if backward:
                 upstream = fixed_logprob_gradient(batch.loss, local_inputs, datum_index=local_datum, like=local_targets)
             lp = self.model(local_ids, shard, local_targets, upstream)
@@ -309,6 +313,7 @@ class Trainer:
             if backward:
                 loss = elementwise.sum().to(torch.float64) + self.invariant.loss_term()
                 self.invariant.scale_loss(loss, batch.plan.microbatches_per_rank).backward()
+                faults.skip_unscored_backward(self.params, saved)  # DEBUG-FAULT HOOK (parity negative control; no-op)
                 if not flagged and not self._gradients_finite():
                     bad_grad.update(row)
         both = torch.stack([lp.detach(), elementwise.detach()], dim=-1).to(torch.float64)
@@ -409,9 +414,11 @@ class Trainer:
         except BaseException:
             drop_gradients(self.params, self.invariant)
             raise
+        faults.skip_weight_decay(self.debug_fault, self.cp_rank, self.optimizer)  # DEBUG-FAULT HOOK (no-op without)
         norm = adamw_step(self.optimizer, self.params, adam, norm=norm)
         self.step += 1
         self.weights_version += 1
+        replica_s = self.replicas.verify(self.params, self.names, self.optimizer, self.step, self.control_group)
         peak = torch.tensor([float(peak_memory_bytes())], dtype=torch.float64)
         peaks = all_gather_objects(float(peak), self.control_group)
         return {
@@ -419,6 +426,8 @@ class Trainer:
             "learning_rate:mean": float(adam.learning_rate),
             "peak_memory_gib:max": max(peaks) / 2**30,
             "step:max": float(self.step),
+            "replica_check_ms:max": 1e3 * replica_s,
+            "replica_tensors:max": float(self.replicas.compared),
         }
 
     # ------------------------------------------------------------------ state

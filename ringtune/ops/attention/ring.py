@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ringtune.engine import faults
 from ringtune.layout.zigzag import ZigzagPlan
 from ringtune.ops.attention.blocks import (
     accumulator_dtype,
@@ -50,7 +51,7 @@ def ring_forward(
     out, lse = new_accumulators(q_h)
     for step in range(size):
         pending = ring.start(kv, tag=KV_TAG) if ring is not None and step < size - 1 else None
-        src = (plan.cp_rank - step) % size
+        src = faults.ring_source(plan.cp_rank, step, size)  # DEBUG-FAULT HOOK: (r - step) mod C
         pairs = ring_step_pairs(plan, src)  # step 0: one block per sequence, each row covered once
         forward_blocks(q_h, kv[0], kv[1], pairs, out, lse, scale=scale, kernel=kernel, fresh=step == 0)
         if pending is not None:
@@ -86,7 +87,7 @@ def ring_backward(
     pending_dkv = None  # the dK/dV this rank passed on last step, being received by the next rank
     for step in range(size):
         pending_kv = ring.start(kv, tag=KV_TAG) if ring is not None and step < size - 1 else None
-        src = (plan.cp_rank - step) % size
+        src = faults.ring_source(plan.cp_rank, step, size)  # DEBUG-FAULT HOOK: (r - step) mod C
         pairs = ring_step_pairs(plan, src)
         if step == 0:
             backward_blocks(
@@ -99,6 +100,7 @@ def ring_backward(
             dkv = RingExchange.finish(pending_dkv) if pending_dkv is not None else torch.zeros_like(own_dkv)
             _add_key_grads(dkv, grads)
             del grads
+            dkv = faults.dkv_exchange(dkv, q_h.dtype)  # DEBUG-FAULT HOOK (parity negative control; no-op)
             pending_dkv = ring.start(dkv, tag=DKV_TAG)
         if pending_kv is not None:
             kv = RingExchange.finish(pending_kv)

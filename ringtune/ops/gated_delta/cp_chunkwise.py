@@ -101,6 +101,7 @@ def chunkwise_gated_delta(
     # Two relayouts: q/k/v/beta in the input dtype, the log decay g in its own (float32 for bf16 inputs).
     packed = torch.cat([pack_qkv(q, k, v), beta], dim=1)
     mixed, bc = zigzag_to_contiguous(packed, moves, group).split([packed.shape[1] - hv, hv], dim=1)
+    g = faults.decay_relayout(g, q.dtype)  # DEBUG-FAULT HOOK (parity negative control; no-op)
     gc = zigzag_to_contiguous(g, moves, group)
     part = contiguous_part(plan)
     cu = part.cu_seqlens
