@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from ringtune.engine.batch import MAX_TARGET_K
+from ringtune.engine.grad_stash import drop_gradients
 from ringtune.engine.optimizer import AdamParams
 from ringtune.engine.trainer import TrainDatum, Trainer
 from ringtune.errors import NonFiniteError, UserInputError
@@ -488,3 +489,43 @@ def test_non_finite_gradient_and_weight_are_refused(pool, checkpoint):
         assert "forward_backward refused (loss_fn='cross_entropy'): non-finite" in out["weight_fb"], (rank, out)
         assert "model.norm.weight" in out["weight_step"], (rank, out)
         assert np.isfinite(out["after_restore"]), (rank, out)
+
+
+def overflow_case(ctx, *, root: str, dp: int, cp: int):
+    """A finite gradient element of 2.9e32 on one rank of the mesh (its square overflows float32's second moment),
+    then a finite learning rate of 1e39 (the weights would overflow): both refused, nothing changed."""
+    trainer = primed(ctx, root, dp, cp)
+    vocab = trainer.model.config.vocab_size
+    out = {}
+    for name, adam in (("huge_grad", ADAM), ("huge_lr", AdamParams(**{**ADAM.__dict__, "learning_rate": 1e39}))):
+        if name == "huge_lr":
+            trainer.forward_backward(datums("cross_entropy", vocab, seed=6), "cross_entropy")
+        before = snapshot(trainer)
+        if name == "huge_grad" and (dp * cp == 1 or ctx.rank == ctx.world_size - 1):  # one rank of the mesh
+            trainer.model.model.norm.weight.grad[3] = 2.9e32
+        try:
+            trainer.optim_step(adam)
+            out[name] = "no error"
+        except NonFiniteError as exc:
+            out[name] = str(exc)
+        changed = differences(before, snapshot(trainer))
+        out[f"{name}_changed"] = [k for k in changed if not k.startswith("g.") and k not in ("canary", "expected")]
+        out[f"{name}_grads_dropped"] = all(p.grad is None for p in trainer.params)
+    after = good_tail(trainer)
+    fresh = primed(ctx, root, dp, cp)
+    drop_gradients(fresh.params, fresh.invariant)  # what the refusals dropped
+    out["next_equals_fresh"] = all(torch.equal(after[n], w) for n, w in good_tail(fresh).items())
+    out["moments_finite"] = all(
+        bool(torch.isfinite(v).all()) for s in trainer.optimizer.state.values() for v in s.values()
+    )
+    return out
+
+
+@pytest.mark.parametrize(("dp", "cp"), [(1, 1), (2, 2)])
+def test_update_that_would_overflow_a_moment_or_weight_is_refused(pool, checkpoint, dp, cp):
+    for rank, out in enumerate(pool.run(overflow_case, root=checkpoint, dp=dp, cp=cp)):
+        assert "AdamW update of parameter(s) model.norm.weight would make" in out["huge_grad"], (rank, out)
+        assert "AdamW update of parameter(s)" in out["huge_lr"], (rank, out)
+        for name in ("huge_grad", "huge_lr"):
+            assert out[f"{name}_changed"] == [] and out[f"{name}_grads_dropped"], (rank, name, out)
+        assert out["next_equals_fresh"] and out["moments_finite"], (rank, out)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from numbers import Real
 
 import torch
+from torch.optim.adam import adam as functional_adam
+from torch.optim.optimizer import _get_scalar_dtype
 
 from ringtune.errors import UserInputError
 
@@ -54,15 +56,11 @@ def global_grad_norm(params: list[torch.nn.Parameter]) -> float:
     return math.sqrt(total)
 
 
-def adamw_step(
-    optimizer: torch.optim.AdamW, params: list[torch.nn.Parameter], adam: AdamParams, *, norm: float | None = None
-) -> float:
-    """Clip to ``adam.grad_clip_norm`` (0 = off), apply AdamW with ``adam``'s hyper-parameters; returns the norm.
-
-    The grad norm reported is the one before clipping: ``norm`` when given (sharded gradients, whose global
-    norm needs a collective: :func:`ringtune.engine.sharding.sharded_grad_norm`), else :func:`global_grad_norm`.
-    """
-    norm = global_grad_norm(params) if norm is None else norm
+def prepare_step(
+    optimizer: torch.optim.AdamW, params: list[torch.nn.Parameter], adam: AdamParams, *, norm: float
+) -> None:
+    """Clip the gradients to ``adam.grad_clip_norm`` (0 = off) given their global ``norm`` and set ``adam``'s
+    hyper-parameters on every param group; moves no weight and no moment (:func:`apply_step` does)."""
     if adam.grad_clip_norm > 0 and norm > adam.grad_clip_norm:
         scale = adam.grad_clip_norm / (norm + 1e-6)
         for p in params:
@@ -73,6 +71,56 @@ def adamw_step(
         group["betas"] = (adam.beta1, adam.beta2)
         group["eps"] = adam.eps
         group["weight_decay"] = adam.weight_decay
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP-sharded parameter, gradient or moment); ``t`` otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def non_finite_update(optimizer: torch.optim.AdamW, params: list[torch.nn.Parameter]) -> list[int]:
+    """Indices into ``params`` whose next AdamW update would put a non-finite value in the weight or in either
+    moment; changes nothing (run after :func:`prepare_step`, before :func:`apply_step`).
+
+    A finite gradient can still overflow the update: in float32 an element of 2.9e32 squares to inf in the
+    second moment, after which that weight never moves again. Each parameter's update is run here on
+    copies of this rank's (local) weight, moments and step count by torch's own functional AdamW with the
+    param group's settings (``foreach`` / ``fused`` as the optimizer picks them), so the verdict is the one
+    :func:`apply_step` would reach; a step torch itself refuses (a step size that overflows the dtype, which
+    would raise in :func:`apply_step` after earlier parameters moved) counts as non-finite.
+    Extra memory: three copies of the largest parameter (one at a time).
+    """
+    bad: list[int] = []
+    index = {id(p): i for i, p in enumerate(params)}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.grad is None or id(p) not in index:
+                continue
+            weight, grad = _local(p.detach()).clone(), _local(p.grad)
+            state = optimizer.state.get(p, {})
+            m = _local(state["exp_avg"]).clone() if "exp_avg" in state else torch.zeros_like(weight)
+            v = _local(state["exp_avg_sq"]).clone() if "exp_avg_sq" in state else torch.zeros_like(weight)
+            on_device = group["capturable"] or group["fused"]
+            fresh = torch.zeros((), dtype=_get_scalar_dtype(), device=p.device if on_device else "cpu")
+            step = state["step"].clone() if "step" in state else fresh
+            beta1, beta2 = group["betas"]
+            try:
+                functional_adam(
+                    [weight], [grad], [m], [v], [], [step],
+                    foreach=group["foreach"], capturable=group["capturable"], fused=group["fused"],
+                    decoupled_weight_decay=group.get("decoupled_weight_decay", True), amsgrad=False,
+                    beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                    maximize=False,
+                )  # fmt: skip
+            except RuntimeError:  # torch refuses a step size that overflows the weight's dtype (lr=1e39 in float32)
+                bad.append(index[id(p)])
+                continue
+            if not all(bool(torch.isfinite(t).all()) for t in (weight, m, v)):
+                bad.append(index[id(p)])
+    return bad
+
+
+def apply_step(optimizer: torch.optim.AdamW) -> None:
+    """AdamW with the hyper-parameters :func:`prepare_step` set; the gradients are then dropped."""
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return norm

@@ -17,8 +17,10 @@ the outcome over the mesh's control group (:mod:`ringtune.parallel.control`) bef
 - a rank that fails in the middle (a fault, a bug) leaves its peers waiting in a data collective until
   the mesh's timeout; after the agreement the data groups are rebuilt (their sequence numbers no longer
   match) and the trainer is usable again. A rank that died or hung is fatal: every later call raises.
-- optim_step refuses a step whose summed gradient is not finite or whose weights are not finite (weights,
-  moments and step untouched; the accumulated gradients are dropped).
+- optim_step refuses a step whose summed gradient is not finite, whose weights are not finite, or whose AdamW
+  update would make a weight or moment non-finite (a finite but huge gradient element overflows the second
+  moment; each rank runs the update on copies first): weights, moments and step untouched on every rank; the
+  accumulated gradients are dropped.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from ringtune.engine.gather import gather_row
 from ringtune.engine.grad_stash import GradientStash, drop_gradients
 from ringtune.engine.gradients import GradientInvariant
 from ringtune.engine.memory import peak_memory_bytes
-from ringtune.engine.optimizer import AdamParams, adamw_step, global_grad_norm
+from ringtune.engine.optimizer import AdamParams, apply_step, global_grad_norm, non_finite_update, prepare_step
 from ringtune.engine.replica_check import ReplicaCheck
 from ringtune.engine.request_outcome import ForwardBackwardResult, non_finite_error
 from ringtune.errors import NonFiniteError, ParallelConfigError
@@ -372,14 +374,16 @@ class Trainer:
         """Reduce the accumulated gradients (SUM over DP×CP, invariant-checked), clip, AdamW; collective.
 
         Raises UserInputError for bad ``adam`` (nothing changed), NonFiniteError when the summed gradient
-        or a weight is not finite (weights, moments and step unchanged; the accumulated gradients are
-        dropped), RankFailedError when another rank failed.
+        or a weight is not finite or the update would make a weight or AdamW moment non-finite on any rank
+        (weights, moments and step unchanged; the accumulated gradients are dropped), RankFailedError when
+        another rank failed.
         """
         self._check_usable()
         agreed_call(adam.validate, self.control_group)
         norm = math.nan
         error: BaseException | None = None
         bad_weights: list[str] = []
+        bad_update: list[str] = []  # parameters whose AdamW update would not be finite (optimizer.non_finite_update)
         try:
             for p in self.params:
                 if p.grad is None:
@@ -393,20 +397,31 @@ class Trainer:
                     self.invariant.reduce_and_check([p.grad for p in self.params])
                 norm = global_grad_norm(self.params)
             bad_weights = [self.names[id(p)] for p in self.params if not bool(torch.isfinite(p.detach()).all())]
+            if math.isfinite(norm) and not bad_weights:  # clipped here; dropped with the gradients if refused
+                prepare_step(self.optimizer, self.params, adam, norm=norm)
+                bad_update = [self.names[id(self.params[i])] for i in non_finite_update(self.optimizer, self.params)]
         except NOT_CAUGHT:
             raise
         except BaseException as exc:
             error = exc
-        verdicts = all_gather_objects((math.isfinite(norm), bad_weights), self.control_group)
-        weights = sorted({n for _, names in verdicts for n in names})
+        verdicts = all_gather_objects((math.isfinite(norm), bad_weights, bad_update), self.control_group)
+        weights = sorted({n for _, names, _ in verdicts for n in names})
+        updates = sorted({n for _, _, names in verdicts for n in names})
         if error is None and weights:
             error = NonFiniteError(
                 f"optim_step refused: parameter(s) {', '.join(weights[:8])} hold non-finite values (the model is "
                 "corrupt; load a checkpoint). Weights, AdamW moments and step unchanged; accumulated gradients dropped."
             )
-        elif error is None and not all(finite for finite, _ in verdicts):
+        elif error is None and not all(finite for finite, _, _ in verdicts):
             error = NonFiniteError(
                 f"optim_step refused: the summed gradient's norm is {norm} (not finite). Weights, AdamW moments "
+                "and step unchanged; the accumulated gradients were dropped."
+            )
+        elif error is None and updates:
+            error = NonFiniteError(
+                f"optim_step refused: the AdamW update of parameter(s) {', '.join(updates[:8])} would make a weight "
+                f"or moment non-finite (summed gradient norm {norm:.3g}: an element that large overflows the "
+                "second moment; lower the learning rate or clip with grad_clip_norm). Weights, AdamW moments "
                 "and step unchanged; the accumulated gradients were dropped."
             )
         try:
@@ -415,7 +430,7 @@ class Trainer:
             drop_gradients(self.params, self.invariant)
             raise
         faults.skip_weight_decay(self.debug_fault, self.cp_rank, self.optimizer)  # DEBUG-FAULT HOOK (no-op without)
-        norm = adamw_step(self.optimizer, self.params, adam, norm=norm)
+        apply_step(self.optimizer)
         self.step += 1
         self.weights_version += 1
         replica_s = self.replicas.verify(self.params, self.names, self.optimizer, self.step, self.control_group)
