@@ -5,6 +5,12 @@ counts the microbatches this rank ran, scaled by whatever scaling the loss path 
 same function as the gradients, it must equal the total number of microbatches over the DP×CP group,
 exactly. Averaging over the group, dividing the loss by the microbatch count, or reducing over the wrong
 group all change it, and :meth:`GradientInvariant.check` fails loudly.
+
+Expert parallelism: a routed expert's parameters live on one rank of each EP group and are replicated over
+the (DP·CP)/EP ranks of its **expert replica group** (``ParallelMesh.expert_replica_group``); every token
+routed to the expert, from any rank, made its gradient contribution on that rank (the dispatch brought it
+there), so the exact SUM over every token is the SUM over the expert replica group. A second copy of the
+canary is reduced with the expert gradients over that group and must equal microbatches x its size.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import torch.distributed as dist
 
 from ringtune.engine import faults
 
-FAULTS = (None, "average_over_group", "scale_by_microbatches", "fsdp_default_divide")
+FAULTS = (None, "average_over_group", "scale_by_microbatches", "fsdp_default_divide", "experts_over_dp_cp")
 """Fault injection for negative controls only (the last one acts in :mod:`ringtune.engine.sharding`)."""
 
 
@@ -37,13 +43,23 @@ def reduce_gradients(tensors: list[torch.Tensor], group: dist.ProcessGroup | Non
 class GradientInvariant:
     """The canary that proves the gradient path is a plain SUM over microbatches and DP×CP ranks."""
 
-    def __init__(self, group: Callable[[], dist.ProcessGroup | None], *, fault: str | None = None) -> None:
-        """``group()`` gives the DP×CP group at the time of each reduction (the mesh may rebuild it)."""
+    def __init__(
+        self,
+        group: Callable[[], dist.ProcessGroup | None],
+        *,
+        fault: str | None = None,
+        expert_group: Callable[[], dist.ProcessGroup | None] | None = None,
+    ) -> None:
+        """``group()`` gives the DP×CP group at the time of each reduction (the mesh may rebuild it);
+        ``expert_group()`` the expert replica group (None: no expert-parallel parameters)."""
         if fault not in FAULTS:
             raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
         self._group = group
+        self._expert_group = expert_group
         current = group()
         self.group_size = 1 if current is None else dist.get_world_size(current)
+        expert = None if expert_group is None else expert_group()
+        self.expert_group_size = 1 if expert is None else dist.get_world_size(expert)
         self.fault = fault
         self.canary = torch.zeros((), dtype=torch.float64, requires_grad=True)
         self.expected = 0
@@ -82,19 +98,30 @@ class GradientInvariant:
         """Forget everything accumulated (the gradients were dropped)."""
         self.take()
 
-    def reduce_and_check(self, grads: list[torch.Tensor]) -> None:
-        """Reduce ``grads`` and the canary together over the group, then require canary == expected."""
+    def reduce_and_check(self, grads: list[torch.Tensor], expert_grads: list[torch.Tensor] | tuple = ()) -> None:
+        """Reduce ``grads`` and the canary together over the group, ``expert_grads`` and a copy of the canary
+        over the expert replica group, then require each canary == microbatches x its group's size."""
+        if expert_grads and self._expert_group is None:
+            raise ValueError("expert_grads given but this invariant has no expert_group")
         canary = self.canary.grad if self.canary.grad is not None else torch.zeros((), dtype=torch.float64)
         canary = canary.detach().clone()
+        expert_canary = canary.clone()
         reduce_gradients([*grads, canary], self._group(), fault=self.fault)
-        got, want = float(canary), float(self.expected)
+        checks = [(float(canary), float(self.expected), "DP·CP ranks")]
+        if self._expert_group is not None:
+            group = self._group() if self.fault == "experts_over_dp_cp" else self._expert_group()
+            reduce_gradients([*expert_grads, expert_canary], group, fault=self.fault)
+            want = self.expected // self.group_size * self.expert_group_size
+            checks.append((float(expert_canary), float(want), "expert replicas ((DP·CP)/EP ranks)"))
         self.canary.grad = None
         self.expected = 0
-        if got != want:
-            raise GradientInvariantError(
-                f"gradient invariant violated: the canary summed to {got}, expected {want} (= microbatches x "
-                f"DP·CP ranks); a reduction averaged over the group or the loss was scaled by the microbatch count"
-            )
+        for got, want, ranks in checks:
+            if got != want:
+                raise GradientInvariantError(
+                    f"gradient invariant violated: the canary summed to {got}, expected {want} (= microbatches x "
+                    f"{ranks}); a reduction averaged over the group, ran over the wrong group, or the loss was "
+                    "scaled by the microbatch count"
+                )
         faults.scale_reduced_gradients(grads, self.group_size)  # DEBUG-FAULT HOOK (parity negative control; no-op)
 
     def startup_check(self) -> None:

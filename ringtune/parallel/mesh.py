@@ -4,6 +4,13 @@ Rank order is TP fastest, then CP, then DP: ``rank = (dp_rank·cp + cp_rank)·tp
 group holds neighbouring ranks. Several independent meshes may lie side by side in one world
 (``replicas``, replica slowest); each talks only inside itself.
 
+Expert parallelism (``ep``) adds no ranks: the EP groups are carved out of the DP×CP ranks (as torchtitan
+and Megatron do). With ``l = dp_rank·cp + cp_rank`` (the rank's index in the DP×CP group), EP group
+``l // ep`` holds the ``ep`` consecutive indices (so it lies inside a CP group when ``ep`` divides ``cp``)
+and ``ep_rank = l % ep``; the **expert replica group** holds the (DP·CP)/EP ranks with the same ``ep_rank``,
+which hold the same experts (their gradients SUM over it). ``ep = 1``: no EP group, and the expert
+replica group is the DP×CP group.
+
 Every group is created here with an explicit timeout (seconds, not torch's 30-minute default):
 
 - the **data groups** (CP, DP, DP×CP) carry the tensors of a step, on the compute backend (gloo on CPU,
@@ -59,6 +66,10 @@ class ParallelMesh:
         timeout_s: the data groups' collective timeout.
         replica: index of this independent mesh when several share the world (``build_mesh(replicas=)``).
         generation: how many times the data groups were rebuilt (:func:`rebuild_mesh`).
+        ep_size, ep_rank: expert-parallel size (divides dp·cp) and this rank's place in its EP group.
+        ep_group: the ranks whose experts together make every expert (None when ``ep_size == 1``).
+        expert_replica_group: the ranks holding the same experts (expert gradients SUM over it);
+            ``dp_cp_group`` when ``ep_size == 1``.
     """
 
     ranks: torch.Tensor
@@ -76,6 +87,14 @@ class ParallelMesh:
     timeout_s: float = DEFAULT_TIMEOUT_S
     replica: int = 0
     generation: int = 0
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep_group: dist.ProcessGroup | None = None
+    expert_replica_group: dist.ProcessGroup | None = None
+
+    def __post_init__(self) -> None:
+        if self.expert_replica_group is None and self.ep_size == 1:
+            self.expert_replica_group = self.dp_cp_group
 
     @property
     def device(self) -> torch.device:
@@ -104,11 +123,25 @@ def _data_groups(ranks: torch.Tensor, coords: tuple[int, int, int], backend: str
     return cp_group, dp_group, dp_cp_group
 
 
+def _expert_groups(
+    ranks: torch.Tensor, coords: tuple[int, int, int], ep: int, backend: str, timeout_s: float
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """This rank's EP group and expert replica group (None, None when ep == 1); only members call each."""
+    if ep == 1:
+        return None, None
+    flat = ranks[:, :, coords[2]].flatten()
+    index = coords[0] * ranks.shape[1] + coords[1]
+    ep_group = _group(flat[index // ep * ep : index // ep * ep + ep].tolist(), backend, timeout_s)
+    replica_group = _group(flat[index % ep :: ep].tolist(), backend, timeout_s)
+    return ep_group, replica_group
+
+
 def build_mesh(
     *,
     dp: int,
     cp: int,
     tp: int = 1,
+    ep: int = 1,
     replicas: int = 1,
     device_type: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
@@ -118,12 +151,14 @@ def build_mesh(
     ``replicas > 1`` lays that many independent DP×CP×TP meshes side by side (rank order: replica slowest);
     each holds its own copy of the model and talks only inside itself (tests compare layouts this way).
     Every rank of the world calls it with the same sizes (each creates only the groups it belongs to).
-    Raises ParallelConfigError when ``replicas*dp*cp*tp`` is not the world size, tp != 1 or a timeout <= 0.
+    ``ep``: expert-parallel size, carved out of the DP×CP ranks (see the module doc).
+    Raises ParallelConfigError when ``replicas*dp*cp*tp`` is not the world size, tp != 1, ep does not
+    divide dp·cp, or a timeout <= 0.
     """
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed is not initialised; launch with torchrun or ringtune.parallel.spawn")
     world = dist.get_world_size()
-    for name, value in (("dp", dp), ("cp", cp), ("tp", tp), ("replicas", replicas)):
+    for name, value in (("dp", dp), ("cp", cp), ("tp", tp), ("ep", ep), ("replicas", replicas)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ParallelConfigError(f"{name} must be an int >= 1, got {value!r}")
     if replicas * dp * cp * tp != world:
@@ -133,6 +168,8 @@ def build_mesh(
         )
     if tp != 1:
         raise ParallelConfigError(f"tp={tp}: tensor parallelism is reserved and must be 1 for now")
+    if (dp * cp) % ep:
+        raise ParallelConfigError(f"ep={ep} must divide dp·cp = {dp}·{cp} = {dp * cp} (EP is carved out of DP·CP)")
     if not timeout_s > 0:
         raise ParallelConfigError(f"timeout_s={timeout_s!r} must be > 0 seconds")
     if device_type is None:
@@ -145,6 +182,7 @@ def build_mesh(
     backend = default_backend(device_type)
     cp_group, dp_group, dp_cp_group = _data_groups(ranks, coords, backend, timeout_s)
     control_group = _group(ranks[:, :, coords[2]].flatten().tolist(), "gloo", control_timeout_s(timeout_s))
+    ep_group, expert_replica_group = _expert_groups(ranks, coords, ep, backend, timeout_s)
     return ParallelMesh(
         ranks=ranks,
         device_type=device_type,
@@ -160,6 +198,10 @@ def build_mesh(
         control_group=control_group,
         timeout_s=timeout_s,
         replica=replica,
+        ep_size=ep,
+        ep_rank=(coords[0] * cp + coords[1]) % ep,
+        ep_group=ep_group,
+        expert_replica_group=expert_replica_group,
     )
 
 
@@ -174,5 +216,9 @@ def rebuild_mesh(mesh: ParallelMesh) -> ParallelMesh:
     backend = default_backend(mesh.device_type)
     groups = _data_groups(mesh.ranks, (mesh.dp_rank, mesh.cp_rank, mesh.tp_rank), backend, mesh.timeout_s)
     mesh.cp_group, mesh.dp_group, mesh.dp_cp_group = groups
+    coords = (mesh.dp_rank, mesh.cp_rank, mesh.tp_rank)
+    mesh.ep_group, mesh.expert_replica_group = _expert_groups(mesh.ranks, coords, mesh.ep_size, backend, mesh.timeout_s)
+    if mesh.ep_size == 1:
+        mesh.expert_replica_group = mesh.dp_cp_group
     mesh.generation += 1
     return mesh

@@ -46,15 +46,15 @@ class RankContext:
     rank: int
     world_size: int
     timeout_s: float = DEFAULT_TIMEOUT_S
-    _meshes: dict[tuple[int, int, int], ParallelMesh] = field(default_factory=dict)
+    _meshes: dict[tuple[int, ...], ParallelMesh] = field(default_factory=dict)
 
-    def mesh(self, *, dp: int, cp: int, tp: int = 1) -> ParallelMesh:
-        """The DP×CP×TP mesh over the pool; smaller than the pool, it is replicated side by side (cached)."""
-        key = (dp, cp, tp)
+    def mesh(self, *, dp: int, cp: int, tp: int = 1, ep: int = 1) -> ParallelMesh:
+        """The DP×CP×TP mesh (EP ``ep``) over the pool; smaller than the pool, replicated side by side (cached)."""
+        key = (dp, cp, tp) if ep == 1 else (dp, cp, tp, ep)
         if key not in self._meshes:
             replicas = self.world_size // (dp * cp * tp)
             self._meshes[key] = build_mesh(
-                dp=dp, cp=cp, tp=tp, replicas=replicas, device_type="cpu", timeout_s=self.timeout_s
+                dp=dp, cp=cp, tp=tp, ep=ep, replicas=replicas, device_type="cpu", timeout_s=self.timeout_s
             )
         return self._meshes[key]
 

@@ -180,8 +180,9 @@ def set_expert_parallel(model: nn.Module, group: dist.ProcessGroup | None) -> No
     """Keep only this rank's experts in every MoE layer and route tokens over ``group`` (the EP group).
 
     Rank r of an EP group of size N keeps experts ``[r·E/N, (r+1)·E/N)`` (a copy of that slice: the other
-    experts' memory is freed). None or size 1: nothing changes. Call once, on the full model, before training.
-    Raises ParallelConfigError when N does not divide num_experts.
+    experts' memory is freed). None or size 1: nothing changes. Call it on the full model before training;
+    calling it again on a model already sharded over an equal-sized group only swaps the group (after
+    :func:`ringtune.parallel.mesh.rebuild_mesh`). Raises ParallelConfigError when N does not divide num_experts.
     """
     size = 1 if group is None else dist.get_world_size(group)
     blocks = moe_blocks(model)
@@ -192,8 +193,13 @@ def set_expert_parallel(model: nn.Module, group: dist.ProcessGroup | None) -> No
     rank = dist.get_rank(group)
     for block in blocks:
         experts = block.experts
+        if block.ep_group is not None and experts.num_local * size == experts.num_experts:
+            block.ep_group = group  # already sharded this way: a rebuilt group
+            continue
         if experts.num_local != experts.num_experts:
-            raise ParallelConfigError("set_expert_parallel: the experts are already sharded")
+            raise ParallelConfigError(
+                f"set_expert_parallel: experts already sharded ({experts.num_local} of {experts.num_experts} here)"
+            )
         if experts.num_experts % size:
             raise ParallelConfigError(f"ep={size} must divide num_experts={experts.num_experts}")
         local = experts.num_experts // size
