@@ -88,9 +88,14 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (ranks per packed row)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (rows in parallel)")
-    p.add_argument("--attention", default=ATTENTION_MODES[0], choices=ATTENTION_MODES, help="CP attention mode")
     p.add_argument(
-        "--linear-cp-mode", default=GATED_DELTA_MODES[0], choices=GATED_DELTA_MODES, help="CP GatedDeltaNet mode"
+        "--attention", default=None, choices=ATTENTION_MODES, help="CP attention mode (default: the first that fits)"
+    )
+    p.add_argument(
+        "--linear-cp-mode",
+        default=None,
+        choices=GATED_DELTA_MODES,
+        help="CP GatedDeltaNet mode (default: the first that fits the model's heads)",
     )
     from ringtune.models.recompute import RECOMPUTE_MODES
 
@@ -148,17 +153,31 @@ def _run_serve(args: argparse.Namespace) -> int:
         ),
     )
     config.validate()
-    options = {"attention": args.attention, "gated_delta": args.linear_cp_mode, "recompute": args.recompute}
+    from ringtune.worker.preflight import ServeSettings, preflight
+
+    checked = preflight(  # every setting against the model's config, before any rank starts (exit 2 if it cannot serve)
+        ServeSettings(
+            source=args.model,
+            dp=args.dp,
+            cp=args.cp,
+            attention=args.attention,
+            gated_delta=args.linear_cp_mode,
+            dtype=args.dtype,
+            max_tokens_per_rank=budget,
+            shard_params=args.shard_params,
+            recompute=args.recompute,
+            mesh_prompt_tokens=args.mesh_prompt_tokens,
+            tokenizer_dir=args.tokenizer,
+            debug_fault=args.debug_fault,
+        )
+    )
+    options = {"attention": checked.attention, "gated_delta": checked.gated_delta, "recompute": args.recompute}
     if args.shard_params != "none":
-        if args.dp * args.cp == 1:
-            raise UserInputError(f"--shard-params={args.shard_params} needs more than one rank (--dp x --cp > 1)")
         options["shard_params"] = args.shard_params
     if args.debug_fault is not None:  # parity negative control (hidden flag)
         options["debug_fault"] = args.debug_fault
     names = {"model_name": args.model_name, "tokenizer_dir": args.tokenizer, "tokenizer_cache": root / ".tokenizers"}
     layout = WorkerLayout(dp=args.dp, cp=args.cp, timeout_s=args.collective_timeout)
-    if args.mesh_prompt_tokens is not None and args.mesh_prompt_tokens < 0:
-        raise UserInputError(f"--mesh-prompt-tokens={args.mesh_prompt_tokens} must be >= 0")
     spec = ModelSpec(
         source=args.model,
         dtype=args.dtype,
@@ -184,7 +203,9 @@ def _run_serve(args: argparse.Namespace) -> int:
     info = backend.info()
     url = f"http://{args.host}:{args.port}"
     print(f"ringtune gateway: {info.model_name} ({info.arch}, {info.dtype}), context {info.context_length} tokens,")
-    print(f"  DP={info.dp_size} x CP={info.cp_size} ranks ({args.attention} attention, {args.linear_cp_mode} GDN),")
+    print(f"  DP={info.dp_size} x CP={info.cp_size} ranks ({checked.attention} attention, {checked.gated_delta} GDN),")
+    for note in checked.notes:
+        print(f"  note: {note}")
     print(f"  {budget} tokens per rank, checkpoints in {root}, tokenizer {info.tokenizer_dir}")
     print(f"  serving on {url}; point the SDK at it with:")
     print(f"  TINKER_BASE_URL={url} TINKER_API_KEY={args.api_key or 'tml-local'}")

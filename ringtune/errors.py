@@ -39,3 +39,11 @@ class RankFailedError(RuntimeError):
 
 def _rank_failed_error(message: str, rank: int, error_type: str) -> RankFailedError:
     return RankFailedError(message, rank=rank, error_type=error_type)
+
+
+class ServerConfigError(RuntimeError):
+    """The server's configuration cannot do what a client asked: a ``category: server`` error, never ``user``.
+
+    ``ringtune serve`` checks every setting at start-up (:mod:`ringtune.worker.preflight`); the workers raise
+    this if a setting those checks passed is refused later (a gap in the checks, not the client's fault).
+    """

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from ringtune.engine.sharding import check_sharding
 from ringtune.engine.trainer import SHARDED_GROUPS_LOST, Trainer
-from ringtune.errors import UserInputError
+from ringtune.errors import ParallelConfigError, ServerConfigError, UserInputError
 from ringtune.models.checkpoints.load import load_model
 from ringtune.models.decoder import CausalLM
 from ringtune.models.precision import PRECISIONS, Precision, check_precision
@@ -151,9 +151,11 @@ class RankExecutor:
             self.mesh.control_group if self.mesh else None,
         )
         options = {**self.spec.trainer_options, **trainer_dtype_options(self.precision)}
-        self.trainers[command.run_id] = Trainer(
-            model, self.mesh, max_tokens_per_rank=self.spec.max_tokens_per_rank, **options
-        )
+        try:
+            trainer = Trainer(model, self.mesh, max_tokens_per_rank=self.spec.max_tokens_per_rank, **options)
+        except ParallelConfigError as exc:  # the server's modes, not the client's request (preflight missed it)
+            raise ServerConfigError(f"the server's configuration cannot train this model: {exc}") from exc
+        self.trainers[command.run_id] = trainer
 
     def _free_run(self, command: Command) -> None:
         if self.trainers.pop(command.run_id or "", None) is not None:
