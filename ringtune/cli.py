@@ -120,7 +120,35 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--collective-timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds a rank waits for a failed peer"
     )
+    from ringtune.parallel.liveness import DEFAULT_TIMEOUT_S as LIVENESS_TIMEOUT_S
+
+    p.add_argument(
+        "--liveness-timeout",
+        type=float,
+        default=LIVENESS_TIMEOUT_S,
+        help="seconds without a heartbeat before a rank on another host is dead (ranks on this host: the OS says)",
+    )
     p.add_argument("--max-live-runs", type=int, default=d.max_live_runs)
+    p.add_argument(
+        "--autosave-every",
+        type=int,
+        default=d.autosave_every,
+        help="autosave each run every N optimizer steps (0: off)",
+    )
+    p.add_argument(
+        "--autosave-minutes",
+        type=float,
+        default=d.autosave_minutes,
+        help="autosave a run after a step once M minutes passed since its last save (0: off)",
+    )
+    p.add_argument("--autosave-keep", type=int, default=d.autosave_keep, help="autosaves kept per run (older deleted)")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        help="times rank 0 restarts dead worker ranks and restores the live runs (one machine; under torchrun use "
+        "torchrun's --max-restarts)",
+    )
     p.add_argument("--max-body-mb", type=int, default=d.max_body_bytes // 2**20)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     # Parity negative controls only (ringtune.engine.faults): hidden from --help, never for real training.
@@ -136,7 +164,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     from ringtune.gateway.server import serve
     from ringtune.layout.budget import rank_token_budget
     from ringtune.worker.executor import ModelSpec
-    from ringtune.worker.launch import WorkerLayout, join_torchrun_world, start_local_workers
+    from ringtune.worker.launch import WorkerLayout, join_torchrun_world, start_supervised_workers
 
     for name in ("cp", "dp"):
         if getattr(args, name) < 1:
@@ -147,6 +175,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         checkpoint_root=str(root),
         api_key=args.api_key,
         max_live_runs=args.max_live_runs,
+        autosave_every=args.autosave_every,
+        autosave_minutes=args.autosave_minutes,
+        autosave_keep=args.autosave_keep,
         max_body_bytes=args.max_body_mb * 2**20,
         fwdbwd_max_chunk_bytes=min(
             args.max_body_mb * 2**20 // 2, GatewayConfig(checkpoint_root="").fwdbwd_max_chunk_bytes
@@ -177,7 +208,11 @@ def _run_serve(args: argparse.Namespace) -> int:
     if args.debug_fault is not None:  # parity negative control (hidden flag)
         options["debug_fault"] = args.debug_fault
     names = {"model_name": args.model_name, "tokenizer_dir": args.tokenizer, "tokenizer_cache": root / ".tokenizers"}
-    layout = WorkerLayout(dp=args.dp, cp=args.cp, timeout_s=args.collective_timeout)
+    if not args.liveness_timeout > 0:
+        raise UserInputError(f"--liveness-timeout={args.liveness_timeout} must be > 0 seconds")
+    layout = WorkerLayout(
+        dp=args.dp, cp=args.cp, timeout_s=args.collective_timeout, liveness_timeout_s=args.liveness_timeout
+    )
     spec = ModelSpec(
         source=args.model,
         dtype=args.dtype,
@@ -190,7 +225,9 @@ def _run_serve(args: argparse.Namespace) -> int:
         if backend is None:
             return 0  # a worker rank: served commands until shutdown
     elif layout.world_size > 1:
-        backend = start_local_workers(spec, layout, **names)
+        if args.max_restarts < 0:
+            raise UserInputError(f"--max-restarts={args.max_restarts} must be >= 0")
+        backend = start_supervised_workers(spec, layout, max_restarts=args.max_restarts, **names)
     else:
         backend = LocalBackend(
             args.model,

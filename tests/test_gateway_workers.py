@@ -36,6 +36,7 @@ def server(tmp_path_factory):
     model_dir = tiny_model_dir(tmp / "models" / "tiny")
     args = ["--cp", "2", "--dtype", "float64", "--max-tokens-per-rank", str(BUDGET), "--linear-cp-mode", "chunkwise"]
     args += ["--collective-timeout", "20", "--log-level", "info"]  # info: the per-operation log lines
+    args += ["--max-restarts", "0"]  # a dead worker is not healed here (tests/test_supervisor.py heals)
     proc = ServeProcess(
         str(model_dir), checkpoint_root=tmp / "ckpt", log_path=tmp / "serve.log", api_key=API_KEY, extra_args=args
     )

@@ -197,6 +197,31 @@ class CheckpointRoot:
                     found.append(info)
         return sorted(found, key=lambda i: (i.mtime, i.ref.kind, i.ref.name))
 
+    def sweep(self, run_id: str) -> list[Path]:
+        """Remove what killed saves left of ``run_id``: hidden staging entries (``.<name>.ckpt-<hex>.partial``,
+        ``.link``, versions no name points to) and hidden export or deletion leftovers; the removed paths.
+
+        Only when no save of the run can be running (the gateway calls it at start-up). Published checkpoints
+        (a name and the version it points to) are never touched.
+        """
+        run_dir = self.run_dir(run_id)
+        removed = []
+        for kind in KINDS:
+            directory = run_dir / kind
+            if not directory.is_dir():
+                continue
+            entries = list(directory.iterdir())
+            published = {e.resolve() for e in entries if e.is_symlink()}
+            for entry in entries:
+                if not entry.name.startswith(".") or entry.resolve() in published:
+                    continue
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    entry.unlink(missing_ok=True)
+                removed.append(entry)
+        return removed
+
     def delete(self, run_id: str, kind: str, name: str) -> CheckpointInfo:
         """Delete one checkpoint and return what it was; CheckpointNotFoundError if there is no complete one.
 

@@ -23,6 +23,9 @@ class GatewayConfig:
             age after retrieval).
         fwdbwd_max_chunk_len, fwdbwd_max_chunk_bytes: the SDK's chunking limits, sent in ``/client/config``.
         use_pyqwest_transport: the flag sent in ``/client/config`` (False keeps the SDK on plain httpx).
+        autosave_every: save each live run as ``weights/autosave-<step>`` after every this many optimizer steps
+            (0 = never); autosave_minutes: also after an optimizer step once this many minutes passed since the
+            run's last save (0 = never); autosave_keep: autosaves kept per run (older ones are deleted).
     """
 
     checkpoint_root: str
@@ -38,6 +41,9 @@ class GatewayConfig:
     fwdbwd_max_chunk_len: int = 4096
     fwdbwd_max_chunk_bytes: int = 100_000_000
     use_pyqwest_transport: bool = False
+    autosave_every: int = 0
+    autosave_minutes: float = 0.0
+    autosave_keep: int = 2
 
     def validate(self) -> None:
         """UserInputError naming the setting, its value and the limit."""
@@ -48,6 +54,9 @@ class GatewayConfig:
             ("session_timeout_s", self.session_timeout_s, self.session_timeout_s >= 0, ">= 0 (0 = never)"),
             ("gap_timeout_s", self.gap_timeout_s, self.gap_timeout_s > 0, "> 0"),
             ("fwdbwd_max_chunk_bytes", self.fwdbwd_max_chunk_bytes, self.fwdbwd_max_chunk_bytes >= 1, ">= 1"),
+            ("autosave_every", self.autosave_every, self.autosave_every >= 0, ">= 0 (0 = never)"),
+            ("autosave_minutes", self.autosave_minutes, self.autosave_minutes >= 0, ">= 0 (0 = never)"),
+            ("autosave_keep", self.autosave_keep, self.autosave_keep >= 1, ">= 1"),
         )
         for name, value, ok, limit in checks:
             if not ok:

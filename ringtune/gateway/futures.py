@@ -89,6 +89,13 @@ class FutureStore:
         entry.retrieved_at = entry.retrieved_at or self.clock()
         return entry.outcome
 
+    def unsettled(self, since: float) -> int:
+        """Futures still pending, plus those finished at or after ``since`` (clock time) and not yet retrieved."""
+        return sum(
+            e.outcome is None or (e.retrieved_at is None and (e.done_at or 0.0) >= since)
+            for e in list(self._entries.values())
+        )
+
     def prune(self) -> int:
         """Drop expired finished futures (see the class docstring); returns how many were dropped."""
         now = self.clock()

@@ -1,10 +1,19 @@
-"""Run a gateway: uvicorn in the foreground (``ringtune serve``) or in a background thread (tests, tools)."""
+"""Run a gateway: uvicorn in the foreground (``ringtune serve``) or in a background thread (tests, tools).
+
+Shutdown (SIGTERM or SIGINT to ``ringtune serve``, :class:`DrainingServer`): the gateway first drains: new
+compute requests and the ones still queued fail with ``category: server`` ("the server is shutting down"), the
+request the backend is running completes (or fails) as usual, and HTTP keeps answering ``retrieve_future`` until
+every result made since the signal was fetched or ``drain_grace_s`` passed; then uvicorn stops, the backend closes
+(the worker ranks get ``shutdown`` and exit). A second signal skips the drain.
+"""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
+from types import FrameType
 
 import uvicorn
 
@@ -12,6 +21,11 @@ from ringtune.gateway.app import create_app
 from ringtune.gateway.backend import Backend
 from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.service import GatewayService
+
+log = logging.getLogger(__name__)
+
+DRAIN_GRACE_S = 30.0
+"""After a shutdown signal, how long results made since then wait to be retrieved before HTTP stops."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -40,11 +54,41 @@ def service_uvicorn_config(service: GatewayService, host: str, port: int, log_le
     )
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn whose first SIGTERM / SIGINT drains the service before it stops (module docstring)."""
+
+    def __init__(self, service: GatewayService, config: uvicorn.Config, *, grace_s: float = DRAIN_GRACE_S) -> None:
+        super().__init__(config)
+        self.service, self.grace_s = service, grace_s
+        self._draining = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._draining or not self.started:
+            super().handle_exit(sig, frame)
+            return
+        self._draining = True
+        self._captured_signals.append(sig)
+        threading.Thread(target=self._drain, name="ringtune-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        since = time.monotonic()
+        log.warning("shutting down: draining (the request running completes; queued and new ones fail)")
+        try:
+            self.service.drain()
+            deadline = time.monotonic() + self.grace_s
+            while self.service.futures.unsettled(since) and time.monotonic() < deadline and not self.should_exit:
+                time.sleep(0.1)
+        finally:
+            self.should_exit = True
+
+
 def serve(
     backend: Backend, config: GatewayConfig, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"
 ) -> None:
-    """Serve until interrupted (blocks); the backend is closed at shutdown."""
-    uvicorn.Server(uvicorn_config(backend, config, host, port, log_level)).run()
+    """Serve until a signal (blocks): SIGTERM / SIGINT drain first (:class:`DrainingServer`); the backend is
+    closed at shutdown."""
+    service = GatewayService(backend, config)
+    DrainingServer(service, service_uvicorn_config(service, host, port, log_level)).run()
 
 
 class ServerThread:

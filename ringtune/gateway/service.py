@@ -24,6 +24,7 @@ from typing import Any
 
 from ringtune.errors import UserInputError
 from ringtune.gateway import proto, translate
+from ringtune.gateway.autosave import Autosaver, check_user_name
 from ringtune.gateway.backend import Backend
 from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.futures import FutureStore, Outcome
@@ -43,6 +44,7 @@ from ringtune.sample.pool import SamplerSource
 log = logging.getLogger(__name__)
 
 Commit = Callable[[], None]
+SHUTTING_DOWN = "the server is shutting down (SIGTERM/SIGINT); this request was not executed: resend it after a restart"
 Job = Callable[[], tuple[Outcome, Commit | None]]
 
 
@@ -62,6 +64,7 @@ class GatewayService:
         self.backend, self.config = ObservedBackend(backend, config.checkpoint_root), config
         self.paths = CheckpointPaths(config.checkpoint_root)
         self.registry = Registry(self.paths)
+        self.autosave = Autosaver(config, self.paths, self.backend, self.registry.save)
         self.futures = FutureStore(
             max_done=config.max_done_futures,
             max_age_s=config.future_max_age_s,
@@ -77,6 +80,8 @@ class GatewayService:
         )
         self._creates: dict[str, str] = {}  # run_id -> request_id of its create_model / create-via-load
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.stopping = False
+        """Set by :meth:`drain`: jobs not started yet fail with ``category: server``."""
 
     # ------------------------------------------------------------------ plumbing
 
@@ -93,6 +98,9 @@ class GatewayService:
                 return Outcome.error(f"internal error: {type(exc).__name__}: {exc}", "server"), None
 
         def done(fut: asyncio.Future) -> None:
+            if fut.cancelled():  # still queued when the server began to shut down
+                self.futures.resolve(request_id, Outcome.error(SHUTTING_DOWN, "server"))
+                return
             outcome, commit = fut.result()
             if commit is not None and outcome.kind != "error":
                 try:
@@ -102,6 +110,9 @@ class GatewayService:
                     outcome = Outcome.error(f"internal error: {type(exc).__name__}: {exc}", "server")
             self.futures.resolve(request_id, outcome)
 
+        if self.stopping:
+            self.futures.resolve(request_id, Outcome.error(SHUTTING_DOWN, "server"))
+            return
         asyncio.get_running_loop().run_in_executor(self.executor, guarded).add_done_callback(done)
 
     def _run(self, model_id: str, *, live: bool = True) -> RunRecord:
@@ -246,6 +257,7 @@ class GatewayService:
         def job() -> tuple[Outcome, Commit | None]:
             try:
                 self.backend.create_run(run_id, record.base_model)
+                self.autosave.saved(run_id)
             except BaseException:
                 self._loop_call(lambda: self._forget_failed_create(record))
                 raise
@@ -312,7 +324,8 @@ class GatewayService:
                 )
             adam = translate.adam_params(body.adam_params)
             metrics = self.backend.optim_step(run_id, adam)
-            return Outcome("json", {"metrics": {k: float(v) for k, v in metrics.items()}, "type": "optim_step"}), None
+            commit = self.autosave.after_step(record, int(metrics.get("step:max", 0)))
+            return Outcome("json", {"metrics": {k: float(v) for k, v in metrics.items()}, "type": "optim_step"}), commit
 
         return self._ordered(record, body.seq_id, "optim_step", job)
 
@@ -329,7 +342,7 @@ class GatewayService:
         run_id = record.run_id
 
         def job() -> tuple[Outcome, Commit | None]:
-            name = check_name("path", body.path)
+            name = check_user_name("path", check_name("path", body.path))
             ttl = translate.check_ttl(body.ttl_seconds)
             metadata = translate.metadata_strings("user_metadata", body.user_metadata)
             path = self.paths.checkpoint(run_id, "weights", name)
@@ -338,6 +351,7 @@ class GatewayService:
                     f"path={name!r}: checkpoint weights/{name} exists; pass overwrite=True to replace it"
                 )
             self.backend.save_state(run_id, str(path))
+            self.autosave.saved(run_id)
             when = now_utc()
             checkpoint = CheckpointRecord(
                 "weights", name, when, dir_bytes(path), metadata, when + timedelta(seconds=ttl) if ttl else None
@@ -431,6 +445,7 @@ class GatewayService:
                 self.backend.create_run(run_id, base_model)
                 try:
                     self.backend.load_state(run_id, str(path), optimizer)
+                    self.autosave.saved(run_id)
                 except BaseException:
                     self.backend.free_run(run_id)
                     raise
@@ -480,6 +495,12 @@ class GatewayService:
         if outcome is None:
             return Outcome("json", {"type": "try_again", "request_id": request_id, "queue_state": "active"})
         return outcome
+
+    def drain(self) -> None:
+        """Shutdown, first part (any thread): queued and later jobs fail with ``category: server``; returns once
+        the job running now has finished (its result stays retrievable)."""
+        self.stopping = True
+        self.executor.shutdown(wait=True, cancel_futures=True)
 
     def close(self) -> None:
         """Stop the worker (after the queued jobs) and the backend."""

@@ -178,6 +178,34 @@ class Registry:
                 self.runs[record.run_id] = record
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 log.warning("ignoring unreadable run record %s: %s", run_file, exc)
+                continue
+            self._reconcile(record)
+
+    def _reconcile(self, record: RunRecord) -> None:
+        """At start-up, make ``record``'s checkpoint list what is complete on disk: leftovers of saves cut by
+        a kill are removed (never listed), a listed checkpoint that is not complete is dropped, and a complete
+        one the record missed (the server died between the save and its record) is added."""
+        root = self.paths.engine_root
+        for leftover in root.sweep(record.run_id):
+            log.warning("run %s: removed %s, left by a save that did not finish", record.run_id, leftover)
+        found = {info.ref.checkpoint_id: info for info in root.checkpoints(record.run_id)}
+        changed = False
+        for checkpoint_id in [c for c in record.checkpoints if c not in found]:
+            log.warning("run %s: checkpoint %s is not complete on disk; not listed", record.run_id, checkpoint_id)
+            del record.checkpoints[checkpoint_id]
+            changed = True
+        for checkpoint_id, info in found.items():
+            if checkpoint_id not in record.checkpoints:
+                when = datetime.fromtimestamp(info.mtime, UTC)
+                record.checkpoints[checkpoint_id] = CheckpointRecord(
+                    info.ref.kind, info.ref.name, when, info.size_bytes
+                )
+                log.warning(
+                    "run %s: complete checkpoint %s was not in its record; listed now", record.run_id, checkpoint_id
+                )
+                changed = True
+        if changed:
+            self.save(record)
 
     def new_session(self, user_metadata: dict[str, Any] | None, tags: list[str]) -> Session:
         """A new open session with a fresh unique id."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch.multiprocessing as mp
 from ringtune.gateway.backend import BackendInfo
 from ringtune.models.checkpoints.load import load_model
 from ringtune.models.decoder import CausalLM
+from ringtune.parallel import liveness
 from ringtune.parallel.control import broadcast_object
 from ringtune.parallel.launch import free_port, init_from_env, init_process_group
 from ringtune.parallel.mesh import DEFAULT_TIMEOUT_S, build_mesh
@@ -29,17 +31,21 @@ from ringtune.worker.backend import DistributedBackend
 from ringtune.worker.describe import describe
 from ringtune.worker.executor import DTYPES, ModelSpec, RankExecutor
 from ringtune.worker.loop import worker_loop
+from ringtune.worker.supervisor import SupervisedBackend
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerLayout:
-    """The mesh of the worker ranks: ``dp`` × ``cp`` processes, data-group timeout ``timeout_s`` seconds."""
+    """The mesh of the worker ranks: ``dp`` × ``cp`` processes, data-group timeout ``timeout_s`` seconds,
+    liveness timeout ``liveness_timeout_s`` (:mod:`ringtune.parallel.liveness`: used only for a rank on another
+    host, whose process this one cannot see)."""
 
     dp: int = 1
     cp: int = 1
     timeout_s: float = DEFAULT_TIMEOUT_S
+    liveness_timeout_s: float = liveness.DEFAULT_TIMEOUT_S
 
     @property
     def world_size(self) -> int:
@@ -55,7 +61,12 @@ def _backend_kind() -> str:
 
 
 def _worker_entry(rank: int, layout: WorkerLayout, spec: ModelSpec, init_method: str) -> None:
+    # Rank 0 owns the shutdown (a Ctrl-C or a SIGTERM sent to the whole process group must not kill a worker
+    # under a request in flight): a worker exits when rank 0 sends ``shutdown`` or when rank 0 is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(_threads(layout.world_size))
+    liveness.configure(layout.liveness_timeout_s)
     init_process_group(
         rank=rank,
         world_size=layout.world_size,
@@ -98,7 +109,39 @@ def start_local_workers(
     The model is loaded here first (a bad source fails before any process starts).
     """
     model, info = _load_and_describe(spec, layout, model_name, tokenizer_dir, tokenizer_cache)
+    return spawn_world(replace(spec, tokenizer_dir=info.tokenizer_dir), layout, info, spare=model)
+
+
+def start_supervised_workers(
+    spec: ModelSpec,
+    layout: WorkerLayout,
+    *,
+    max_restarts: int,
+    model_name: str | None = None,
+    tokenizer_dir: str | None = None,
+    tokenizer_cache: str | Path | None = None,
+) -> SupervisedBackend:
+    """:func:`start_local_workers` under a :class:`SupervisedBackend`: dead worker ranks are restarted (up to
+    ``max_restarts`` times) and the live runs restored (see :mod:`ringtune.worker.supervisor`)."""
+    model, info = _load_and_describe(spec, layout, model_name, tokenizer_dir, tokenizer_cache)
     spec = replace(spec, tokenizer_dir=info.tokenizer_dir)
+    spare = [model]  # the first world's first run takes the described copy; a restarted world loads its own
+
+    def start() -> DistributedBackend:
+        return spawn_world(spec, layout, info, spare=spare.pop() if spare else None)
+
+    return SupervisedBackend(start, max_restarts=max_restarts)
+
+
+def spawn_world(
+    spec: ModelSpec, layout: WorkerLayout, info: BackendInfo, *, spare: CausalLM | None = None
+) -> DistributedBackend:
+    """A fresh world on 127.0.0.1 (a new port, so a new store): spawn ranks ``1..world-1``, make this process
+    rank 0, build the mesh; rank 0's backend with no live run. Called at start-up and by the supervisor
+    (:mod:`ringtune.worker.supervisor`) after the previous world was torn down (no default process group).
+
+    ``spare``: a model rank 0 already holds (the first run takes it instead of loading another copy).
+    """
     init_method = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
     workers = [
@@ -108,6 +151,7 @@ def start_local_workers(
     for p in workers:
         p.start()
     torch.set_num_threads(_threads(layout.world_size))
+    liveness.configure(layout.liveness_timeout_s)
     init_process_group(
         rank=0,
         world_size=layout.world_size,
@@ -116,7 +160,7 @@ def start_local_workers(
         timeout_s=layout.timeout_s,
     )
     mesh = build_mesh(dp=layout.dp, cp=layout.cp, timeout_s=layout.timeout_s)
-    return DistributedBackend(RankExecutor(spec, mesh, spare=model), info, workers=workers)
+    return DistributedBackend(RankExecutor(spec, mesh, spare=spare), info, workers=workers)
 
 
 def join_torchrun_world(
@@ -128,6 +172,7 @@ def join_torchrun_world(
     tokenizer_cache: str | Path | None = None,
 ) -> DistributedBackend | None:
     """Under torchrun: rank 0 gets the backend; the other ranks serve commands here until shutdown (None)."""
+    liveness.configure(layout.liveness_timeout_s)
     rank = init_from_env(timeout_s=layout.timeout_s)
     if dist.get_world_size() != layout.world_size:
         raise SystemExit(f"torchrun started {dist.get_world_size()} processes; --dp·--cp = {layout.world_size}")
