@@ -30,7 +30,7 @@ from ringtune.errors import UserInputError
 from ringtune.gateway.futures import FutureStore, Outcome
 from ringtune.gateway.sample_targets import TargetLayout, encode_targets, parse_targets
 from ringtune.sample.alt_tokens import MAX_PROMPT_ALT_TOKENS_K
-from ringtune.sample.params import SamplingParams
+from ringtune.sample.params import DEFAULT_MAX_TOKENS, SamplingParams
 from ringtune.sample.pool import SampleRequest, SamplerSource
 from ringtune.sample.sampler import (
     MAX_NUM_SAMPLES,
@@ -97,6 +97,24 @@ def prompt_tokens(prompt: dict[str, Any], vocab_size: int) -> list[int]:
     return tokens
 
 
+def _bounded_params(params: dict[str, Any], prompt_len: int, context_length: int) -> dict[str, Any]:
+    """The keyword arguments of :class:`SamplingParams`, with ``max_tokens`` bounded by the served context:
+    prompt + max_tokens <= ``context_length`` (UserInputError naming both otherwise). A request that leaves
+    ``max_tokens`` out gets ``min(DEFAULT_MAX_TOKENS, room left)``. ``max_tokens=1`` (``compute_logprobs``) is
+    always allowed: its one token is drawn from the last prompt position and never enters the model."""
+    kwargs = {k: v for k, v in params.items() if v is not None or k in ("seed", "stop")}
+    room = context_length - prompt_len
+    given = kwargs.get("max_tokens")
+    if given is None:
+        kwargs["max_tokens"] = max(1, min(DEFAULT_MAX_TOKENS, room))
+    elif isinstance(given, int) and not isinstance(given, bool) and given > 1 and prompt_len + given > context_length:
+        raise UserInputError(
+            f"sampling_params.max_tokens={given} with a prompt of {prompt_len} tokens exceeds the served context "
+            f"length {context_length} (prompt + max_tokens must be <= {context_length}: max_tokens <= {max(room, 1)})"
+        )
+    return kwargs
+
+
 def sample_request(
     body: SampleBody, vocab_size: int, max_prompt_tokens: int
 ) -> tuple[SampleRequest, TargetLayout | None]:
@@ -124,7 +142,7 @@ def sample_request(
         raise UserInputError(f"sampling_params: unknown field(s) {unknown}; known: {sorted(known)}")
     request = SampleRequest(
         prompt=prompt,
-        params=SamplingParams(**{k: v for k, v in params.items() if v is not None or k in ("seed", "stop")}),
+        params=SamplingParams(**_bounded_params(params, len(prompt), max_prompt_tokens)),
         num_samples=_int(body.num_samples, "num_samples", 1, MAX_NUM_SAMPLES),
         prompt_logprobs=body.prompt_logprobs,
         topk_prompt_logprobs=_int(body.topk_prompt_logprobs or 0, "topk_prompt_logprobs", 0, MAX_TOPK_PROMPT_LOGPROBS),

@@ -5,10 +5,14 @@ What a request-serving engine needs so that every rank does the same thing:
 - :func:`broadcast_object`: a request (any picklable object) from the source rank to every rank;
 - :func:`agree`: every rank learns whether any rank failed, and every rank raises the same error (the
   first failing rank's), so no rank goes on into a collective that another rank will never enter.
-  Verdicts travel through the store with heartbeats (:mod:`ringtune.parallel.liveness`): a dead rank is
-  named within seconds, a rank that is still computing is waited for;
+  Verdicts travel through the store, waits bounded by liveness (:mod:`ringtune.parallel.liveness`): a dead
+  rank is named within seconds, a rank that is still computing (or starved, or stopped) is waited for;
 - :func:`gather_object_to` / :func:`all_gather_objects`: per-rank objects onto one rank (results) or all;
 - :func:`run_on_source`: run a function on one rank (a file write), give its result or error to all.
+
+None of them is a gloo collective: every one goes through the store (:mod:`ringtune.parallel.store_exchange`),
+so a rank that waits here while another rank works alone (decodes a long generation, writes a file) waits on
+that rank's liveness, for as long as it takes, never on a collective's timeout.
 
 ``group=None`` means a single process: every function is then local (no communication). All ranks of
 ``group`` must call each function together, in the same order.
@@ -23,7 +27,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from ringtune.errors import RankFailedError, UserInputError
-from ringtune.parallel.liveness import exchange_objects
+from ringtune.parallel.store_exchange import broadcast_from, exchange_objects, gather_objects_to
 
 T = TypeVar("T")
 
@@ -44,18 +48,14 @@ def broadcast_object(obj: Any, group: dist.ProcessGroup | None, *, src: int = 0)
     """``obj`` of group rank ``src`` on every rank of ``group`` (others pass anything, e.g. None)."""
     if _size(group) == 1:
         return obj
-    box = [obj if _rank(group) == src else None]
-    dist.broadcast_object_list(box, group=group, group_src=src)
-    return box[0]
+    return broadcast_from(obj, group, src=src)
 
 
 def gather_object_to(obj: Any, group: dist.ProcessGroup | None, *, dst: int = 0) -> list[Any] | None:
-    """Every rank's ``obj`` in group-rank order on ``dst``; None on the other ranks."""
+    """Every rank's ``obj`` in group-rank order on ``dst``; None on the other ranks (which do not wait)."""
     if _size(group) == 1:
         return [obj]
-    parts: list[Any] | None = [None] * _size(group) if _rank(group) == dst else None
-    dist.gather_object(obj, parts, group=group, group_dst=dst)
-    return parts
+    return gather_objects_to(obj, group, dst=dst)
 
 
 def _portable(error: BaseException, rank: int) -> BaseException:
@@ -155,7 +155,7 @@ def run_on_source(fn: Callable[[], T], group: dist.ProcessGroup | None, *, src: 
 
 def all_gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     """Every rank's small ``obj`` in group-rank order, on every rank (through the store, with liveness:
-    :func:`ringtune.parallel.liveness.exchange_objects`)."""
+    :func:`ringtune.parallel.store_exchange.exchange_objects`)."""
     if _size(group) == 1:
         return [obj]
     return exchange_objects(obj, group)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ringtune.parallel import liveness
 from ringtune.parallel.mesh import DEFAULT_TIMEOUT_S, control_timeout_s
 
 
@@ -43,6 +44,7 @@ def init_process_group(
     dist.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world_size, timeout=world_timeout(timeout_s)
     )
+    liveness.join()  # every rank publishes who it is and beats from the moment it joins
 
 
 def init_from_env(backend: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
@@ -52,6 +54,7 @@ def init_from_env(backend: str | None = None, *, timeout_s: float = DEFAULT_TIME
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend, timeout=world_timeout(timeout_s))
+    liveness.join()
     return dist.get_rank()
 
 

@@ -2,7 +2,7 @@
 no mesh: :class:`~ringtune.gateway.local.LocalBackend`).
 
 Each verb becomes a :class:`~ringtune.worker.commands.Command` that rank 0 publishes through the job's store
-(:func:`ringtune.parallel.liveness.publish_object`) and then executes itself, together with every worker rank
+(:func:`ringtune.parallel.store_exchange.publish_object`) and then executes itself, together with every worker rank
 (:func:`ringtune.worker.loop.worker_loop`). One transport: torch.distributed (its store and its process
 groups); no second RPC system. The gateway calls the verbs from one thread, so commands are totally ordered.
 """
@@ -15,12 +15,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ringtune.engine.optimizer import AdamParams
 from ringtune.engine.trainer import TrainDatum
 from ringtune.errors import RankFailedError, UserInputError
 from ringtune.gateway.backend import BackendHealth, BackendInfo
-from ringtune.parallel.liveness import publish_object
+from ringtune.parallel import liveness
+from ringtune.parallel.store_exchange import publish_object
 from ringtune.sample.pool import SampleRequest, SamplerSource
 from ringtune.sample.sampler import PromptSamples
 from ringtune.worker.commands import Command
@@ -46,12 +48,18 @@ class DistributedBackend:
         return self._info
 
     def health(self) -> BackendHealth:
+        """ok only if the mesh can serve: no rank found dead (by a command, or now by
+        :func:`ringtune.parallel.liveness.dead_ranks`: the OS on this host, heartbeats elsewhere), no worker
+        process this backend started has exited, no run's trainer is broken. Safe from any thread."""
         dead = self._dead or self.executor.broken
         gone = [p.pid for p in self.workers if not p.is_alive()]
         if gone and not dead:
             dead = f"worker process(es) {gone} exited"
-        extra: dict[str, float | str] = {"live_runs": float(len(self.executor.trainers))}
         mesh = self.executor.mesh
+        if mesh is not None and not dead:
+            lost = liveness.dead_ranks([int(r) for r in mesh.ranks.flatten().tolist() if r != dist.get_rank()])
+            dead = "; ".join(lost.values()) or None
+        extra: dict[str, float | str] = {"live_runs": float(len(self.executor.trainers))}
         if mesh is not None:
             extra.update(dp=float(mesh.dp_size), cp=float(mesh.cp_size), mesh_generation=float(mesh.generation))
         return BackendHealth(ok=dead is None, detail=dead or "", extra=extra)

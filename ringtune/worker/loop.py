@@ -1,6 +1,6 @@
 """The loop of every worker rank but rank 0: receive a command, execute it, repeat until shutdown.
 
-Commands come through the job's store (:func:`ringtune.parallel.liveness.receive_object`): an idle worker waits
+Commands come through the job's store (:func:`ringtune.parallel.store_exchange.receive_object`): an idle worker waits
 for as long as rank 0 is alive (no timeout to tune) and exits when rank 0 dies or sends ``shutdown``.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 
 from ringtune.errors import RankFailedError, UserInputError
-from ringtune.parallel.liveness import receive_object
+from ringtune.parallel.store_exchange import receive_object
 from ringtune.worker.executor import RankExecutor
 
 log = logging.getLogger(__name__)
