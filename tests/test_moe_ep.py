@@ -1,0 +1,185 @@
+"""Expert parallelism: every (DP, CP, EP) layout that fits in 4 ranks equals the one-rank model in float64.
+
+Each layout runs the same two packed rows (DP ranks split the rows, CP ranks the tokens, EP ranks the
+experts); gradients are reduced by :class:`GradientInvariant` (non-expert over DP×CP, experts over the expert
+replica group, both canaries checked), then one AdamW step. Log-probs, gradients (an expert's against the
+reference's same expert) and post-step weights must equal the one-rank run within 1e-12 (summation order
+is all that differs). Also: the expert memory per rank, the dispatch bytes against the routing's own
+count, and the invariant catching expert gradients reduced over the wrong group.
+"""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+
+import pytest
+import torch
+
+from ringtune.engine.gradients import GradientInvariant, GradientInvariantError
+from ringtune.layout import zigzag_slice
+from ringtune.models.checkpoints.hf import load_hf
+from ringtune.models.layers.moe import is_expert_parameter, moe_blocks, set_expert_parallel
+from ringtune.models.recompute import set_recompute
+from ringtune.models.shard import shard_of
+from ringtune.testing.tiny_models import LENGTHS, hf_model, next_token_labels, packed_tokens
+
+pytest.importorskip("transformers")
+
+ROWS = (LENGTHS, (2, 3, 17, 30))
+# (DP, CP, EP, attention, gated_delta, recompute): the issue's six layouts, modes and recomputation varied.
+LAYOUTS = [
+    (1, 1, 1, "ring", "headwise", "none"),
+    (1, 2, 2, "ring", "chunkwise", "none"),
+    (2, 1, 2, "ring", "headwise", "full"),
+    (1, 4, 4, "allgather", "headwise", "none"),
+    (2, 2, 4, "alltoall", "chunkwise", "selective"),
+    (1, 4, 2, "ring", "chunkwise", "full"),
+]
+LR = 1e-2
+
+
+def _step(model, rows, shards, invariant: GradientInvariant) -> list[torch.Tensor]:
+    """Forward/backward every (row, shard), reduce (checked), one AdamW step; returns each row's local log-probs."""
+    out = []
+    for lens, shard in zip(rows, shards, strict=True):
+        ids = packed_tokens(lens, model.config.vocab_size, seed=sum(lens))
+        labels = next_token_labels(ids, lens)
+        weights = torch.randn(len(ids), generator=torch.Generator().manual_seed(len(lens)), dtype=torch.float64)
+        local_labels = zigzag_slice(labels, shard.plan, pad_value=-100)
+        local = model.label_logprobs(zigzag_slice(ids, shard.plan), local_labels, shard)
+        ((local * zigzag_slice(weights, shard.plan)).sum() + invariant.loss_term()).backward()
+        out.append(local.detach())
+    invariant.count(len(rows))
+    named = [(n, p) for n, p in model.named_parameters()]
+    for _, p in named:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    invariant.reduce_and_check(
+        [p.grad for n, p in named if not is_expert_parameter(n)], [p.grad for n, p in named if is_expert_parameter(n)]
+    )
+    return out
+
+
+def layouts_case(ctx, *, family: str, root: str) -> dict[str, tuple[float, float, float]]:
+    """On every rank: the one-rank reference, then each layout of LAYOUTS; worst errors per layout."""
+    base = load_hf(pathlib.Path(root) / family, dtype=torch.float64)
+    ref = copy.deepcopy(base)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    ref_shards = [shard_of(lens) for lens in ROWS]
+    ref_lp = _step(ref, ROWS, ref_shards, GradientInvariant(lambda: None, expert_group=lambda: None))
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    ref_opt.step()
+    ref_rows = []
+    for lens, shard, lp in zip(ROWS, ref_shards, ref_lp, strict=True):
+        row = torch.zeros(sum(lens), dtype=torch.float64)
+        row[shard.plan.row_index[shard.plan.is_real]] = lp[shard.plan.is_real]
+        ref_rows.append(row)
+    out = {}
+    for dp, cp, ep, attention, gated_delta, recompute in LAYOUTS:
+        mesh = ctx.mesh(dp=dp, cp=cp, ep=ep)
+        model = copy.deepcopy(base)
+        set_expert_parallel(model, mesh.ep_group)
+        set_recompute(model, recompute)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR)
+        rows = ROWS[mesh.dp_rank :: dp]
+        modes = {"attention": attention, "gated_delta": gated_delta, "pad_multiplier": 4}
+        shards = [shard_of(r, cp_size=cp, cp_rank=mesh.cp_rank, group=mesh.cp_group, **modes) for r in rows]
+        invariant = GradientInvariant(lambda m=mesh: m.dp_cp_group, expert_group=lambda m=mesh: m.expert_replica_group)
+        lps = _step(model, rows, shards, invariant)
+        lp_err = 0.0
+        for lens, shard, lp in zip(rows, shards, lps, strict=True):
+            real = shard.plan.is_real
+            want = ref_rows[ROWS.index(lens)][shard.plan.row_index[real]]
+            lp_err = max(lp_err, float((lp[real] - want).abs().max()))
+        opt.step()
+        grad_err = weight_err = 0.0
+        ref_params = dict(ref.named_parameters())
+        for name, p in model.named_parameters():
+            rows_of = slice(None)
+            if is_expert_parameter(name):
+                experts = model.get_submodule(name.rsplit(".", 1)[0])
+                rows_of = slice(experts.first, experts.first + experts.num_local)
+            grad_err = max(grad_err, float((p.grad - ref_grads[name][rows_of]).abs().max()))
+            weight_err = max(weight_err, float((p.detach() - ref_params[name].detach()[rows_of]).abs().max()))
+        out[f"DP{dp} CP{cp} EP{ep} {attention}/{gated_delta} recompute={recompute}"] = (lp_err, grad_err, weight_err)
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> pathlib.Path:
+    root = tmp_path_factory.mktemp("moe_ep")
+    for family in ("qwen3_moe", "qwen3_5_moe"):
+        hf_model(family, seed=11).save_pretrained(root / family)
+    return root
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_5_moe"])
+def test_layouts_equal_one_rank_float64(pool4, checkpoints, family):
+    per_rank = pool4.run(layouts_case, family=family, root=str(checkpoints))
+    print(f"\n{family} float64 layout vs one rank (max |d logprob|, max |d grad|, max |d weight| after AdamW):")
+    for key in per_rank[0]:
+        worst = [max(r[key][i] for r in per_rank) for i in range(3)]
+        print(f"  {key}: {worst[0]:.1e} {worst[1]:.1e} {worst[2]:.1e}")
+        assert max(worst) < 1e-12, (key, worst)
+
+
+def ep_accounting_case(ctx, *, root: str) -> dict[str, float]:
+    """EP=4 over one CP=4 row: expert bytes per rank vs EP=1, dispatch bytes vs the routing, wrong-group check."""
+    from ringtune.parallel.meter import measure_comm
+
+    base = load_hf(pathlib.Path(root) / "qwen3_5_moe", dtype=torch.float64)
+    mesh = ctx.mesh(dp=1, cp=4, ep=4)
+    model = copy.deepcopy(base)
+    set_expert_parallel(model, mesh.ep_group)
+
+    def expert_bytes(m) -> int:
+        return sum(p.numel() * p.element_size() for n, p in m.named_parameters() if is_expert_parameter(n))
+
+    chosen: list[torch.Tensor] = []
+    hooks = [b.gate.register_forward_hook(lambda mod, a, out: chosen.append(out[1])) for b in moe_blocks(model)]
+    shard = shard_of(LENGTHS, cp_size=4, cp_rank=mesh.cp_rank, group=mesh.cp_group, gated_delta="chunkwise")
+    ids = zigzag_slice(packed_tokens(LENGTHS, 96, seed=1), shard.plan)
+    with measure_comm() as meter:
+        model.label_logprobs(ids, torch.full_like(ids, -100), shard)
+    for h in hooks:
+        h.remove()
+    hidden, owner = model.config.hidden_size, torch.div(torch.cat(chosen), 2, rounding_mode="floor")  # 8 experts / 4
+    remote = owner != mesh.ep_rank
+    copies = int(remote.sum())  # (token, expert) pairs whose expert is on another rank
+    distinct = sum(len(set(row[row != mesh.ep_rank].tolist())) for row in owner)  # remote ranks per token
+    sent = meter.by_op.get("expert_dispatch", 0) + meter.by_op.get("expert_combine", 0)
+    invariant = GradientInvariant(
+        lambda: mesh.dp_cp_group, expert_group=lambda: mesh.expert_replica_group, fault="experts_over_dp_cp"
+    )
+    invariant.loss_term().backward()  # one microbatch's canary
+    invariant.count(1)
+    try:
+        invariant.reduce_and_check([], [])
+        caught = ""
+    except GradientInvariantError as exc:
+        caught = str(exc)
+    return {
+        "memory_ratio": expert_bytes(model) / expert_bytes(base),
+        "sent": sent,
+        "expected": 2 * copies * hidden * 8,
+        "minimum": 2 * distinct * hidden * 8,
+        "tokens": ids.numel() * len(chosen),
+        "caught": caught,
+    }
+
+
+def test_expert_memory_dispatch_bytes_and_wrong_group(pool4, checkpoints):
+    per_rank = pool4.run(ep_accounting_case, root=str(checkpoints))
+    sent = sum(r["sent"] for r in per_rank)
+    minimum = sum(r["minimum"] for r in per_rank)
+    tokens = sum(r["tokens"] for r in per_rank)
+    print(
+        f"\nEP4: expert bytes per rank / EP1 = {per_rank[0]['memory_ratio']:.3f}; forward dispatch+combine "
+        f"{sent / tokens:.0f} B per token-layer vs minimum {minimum / tokens:.0f} (ratio {sent / minimum:.3f})"
+    )
+    # Over the group: one copy per remote (token, expert) pair, there and back (a rank sends back what it got).
+    assert sent == sum(r["expected"] for r in per_rank)
+    for r in per_rank:
+        assert r["memory_ratio"] == 0.25
+        assert "expert replicas" in r["caught"]
