@@ -1,0 +1,63 @@
+"""The trainer of a LoRA run: :class:`~ringtune.engine.trainer.Trainer` on a :class:`~ringtune.models.lora.LoraModel`.
+
+Everything the engine does for full weights it does for the adapters, unchanged: the trainer's parameters are
+the model's ``requires_grad`` ones, i.e. the adapters (the base is frozen and not a submodule), so
+forward_backward accumulates adapter gradients, optim_step SUMs them over DP×CP (invariant-checked), clips
+and runs AdamW on them, and the DCP checkpoint of save_state / load_state holds adapters + their moments +
+step (a few MiB), plus the run's :class:`~ringtune.models.lora.LoraSpec` in ``extra["lora"]``. A checkpoint of
+another spec (shapes or targets) or of a full fine-tuning run is refused by the load plan (UserInputError).
+
+What differs: the HF export for sampling writes the merged weights (:mod:`ringtune.models.lora_merge`), and
+:meth:`LoraTrainer.sampler_snapshot` gives the sampler the merged model. FSDP sharding is refused: the
+adapters are small, and the base is frozen and shared, not a run's state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ringtune.engine import sharding
+from ringtune.engine.checkpoint import export_hf_weights
+from ringtune.engine.trainer import Trainer
+from ringtune.errors import ParallelConfigError
+from ringtune.models.decoder import CausalLM
+from ringtune.models.lora import LoraModel
+from ringtune.models.lora_merge import merged_config, merged_model, merged_state
+from ringtune.parallel.mesh import ParallelMesh
+
+
+class LoraTrainer(Trainer):
+    """A :class:`Trainer` whose model is a :class:`LoraModel` (same arguments; ``shard_params`` must be none).
+
+    Raises ParallelConfigError for ``shard_params`` other than ``"none"``/False.
+    """
+
+    def __init__(self, model: LoraModel, mesh: ParallelMesh | None, **options: Any) -> None:
+        if sharding.check_sharding(options.get("shard_params", False)) != "none":
+            raise ParallelConfigError(
+                f"shard_params={options['shard_params']!r}: a LoRA run's adapters are not sharded (they are small; "
+                "the frozen base is shared by every LoRA run); serve with --shard-params none for LoRA"
+            )
+        options.pop("shard_params", None)
+        super().__init__(model, mesh, **options)  # type: ignore[arg-type]
+        self.lora: LoraModel = model
+
+    def save_state(self, path: str, *, extra: dict | None = None) -> None:
+        """Adapters + their AdamW moments + step, with the spec in ``extra["lora"]``; see :meth:`Trainer.save_state`."""
+        super().save_state(path, extra={**(extra or {}), "lora": self.lora.spec.to_dict()})
+
+    def export_hf(self, path: str) -> None:
+        """The merged weights as an HF checkpoint directory (untied when the unembedding is adapted on tied
+        embeddings), in ``export_dtype`` when mixed; written by the control group's rank 0."""
+        self._check_usable()
+        with torch.device("meta"):
+            shell = CausalLM(merged_config(self.lora))  # only its config is read by the writer
+        state = merged_state(self.lora) if self.is_result_rank else None
+        export_hf_weights(shell, path, group=self.control_group, dtype=self.export_dtype, state=state)
+
+    def sampler_snapshot(self) -> CausalLM:
+        """The sampler's inference copy of this run now: the merged model (see :mod:`ringtune.models.lora_merge`)."""
+        self._check_usable()
+        return merged_model(self.lora)

@@ -1,0 +1,306 @@
+"""LoRA adapters on a frozen base :class:`~ringtune.models.decoder.CausalLM`: ``base(x) + scale · B(A(x))``.
+
+A LoRA run's trainable state is a :class:`LoraModel`: its :class:`LoraAdapters` (``lora_A`` [r, in] and
+``lora_B`` [out, r] per targeted linear, the only parameters it registers) and a reference to the frozen
+base, which is *not* one of its submodules: ``state_dict()``, ``parameters()`` and so DCP checkpoints and
+AdamW hold the adapters only, and many runs can hold the same base object.
+
+The base gets one :class:`LoraSlot` (forward hooks on its targeted linears, installed once): each hook adds
+``scale · B(A(x))`` of the adapters the slot holds *now* (``slot.active``), nothing when it holds none.
+:meth:`LoraModel.forward` makes its adapters the active ones; they stay active until another run's forward,
+so a backward that recomputes a layer (``--recompute``) adds the same adapters as its forward did. The
+unembedding (``train_unembed``) is adapted through the weight: the log-prob head reads
+``W + scale · B @ A`` (:attr:`LoraModel.output_weight`), which gives the logits ``h Wᵀ + scale · (h Aᵀ) Bᵀ``.
+
+Targets (the groups of the SDK's ``LoraConfig``, as hosted Tinker adapts them; the per-rank-1 parameter counts
+of ``tinker_cookbook.hyperparam_utils`` match these sets):
+
+- ``train_attn``: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` of full-attention layers; in GatedDeltaNet
+  layers ``in_proj_qkv`` as three adapters ``in_proj_q`` / ``in_proj_k`` / ``in_proj_v`` on its row blocks
+  (Tinker trains them separately), ``in_proj_z`` and ``out_proj`` (not the gate projections ``in_proj_a/b``);
+- ``train_mlp``: ``gate_proj``, ``up_proj``, ``down_proj`` of SwiGLU MLPs (MoE layers are refused);
+- ``train_unembed``: ``lm_head`` (the output weight, also when tied to the embeddings: the input embedding
+  stays the base's).
+
+Initialisation (PEFT's default, used by hosted Tinker): ``A`` Kaiming-uniform with ``a = √5``, i.e.
+``U(−1/√in, 1/√in)``, from a generator seeded by ``LoraSpec.seed`` in target order (the same on every rank);
+``B = 0``, so a fresh run computes exactly the base. Scale ``alpha / rank`` with ``alpha = 32``.
+Under mixed precision the adapters (float32 masters) are cast to the layer's compute dtype at each use.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ringtune.errors import UserInputError
+from ringtune.models.decoder import CausalLM
+from ringtune.models.layers.attention import Attention
+from ringtune.models.layers.gated_deltanet import GatedDeltaNet
+from ringtune.models.layers.mlp import SwiGLU
+from ringtune.models.logprob_head import label_logprobs
+from ringtune.models.shard import PackedShard
+
+LORA_ALPHA = 32.0
+"""``lora_alpha`` of every run (hosted Tinker's, the cookbook's ``lora_alpha: int = 32``); scale = alpha / rank."""
+
+MAX_LORA_RANK = 1024
+"""Largest rank accepted."""
+
+UNEMBED = "lm_head"
+"""The target name of the unembedding (the log-prob head's weight), tied or not."""
+
+ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
+GDN_LINEARS = ("in_proj_z", "out_proj")
+GDN_SPLIT_QKV = ("in_proj_q", "in_proj_k", "in_proj_v")
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """A run's LoRA configuration: the SDK's ``LoraConfig`` (``seed`` fixed by the gateway when absent) + alpha."""
+
+    rank: int
+    seed: int = 0
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+    alpha: float = LORA_ALPHA
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def validate(self) -> LoraSpec:
+        """This spec, or UserInputError naming the field, the value and the limit."""
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 1 <= self.rank <= MAX_LORA_RANK:
+            raise UserInputError(f"lora_config.rank={self.rank!r} must be an integer in [1, {MAX_LORA_RANK}]")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
+            raise UserInputError(f"lora_config.seed={self.seed!r} must be an integer in [0, 2**63)")
+        for name in ("train_attn", "train_mlp", "train_unembed"):
+            if not isinstance(getattr(self, name), bool):
+                raise UserInputError(f"lora_config.{name}={getattr(self, name)!r} must be a bool")
+        if not (self.train_attn or self.train_mlp or self.train_unembed):
+            raise UserInputError("lora_config: at least one of train_attn, train_mlp, train_unembed must be true")
+        if not (isinstance(self.alpha, int | float) and math.isfinite(self.alpha) and self.alpha > 0):
+            raise UserInputError(f"lora alpha={self.alpha!r} must be a finite number > 0")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> LoraSpec:
+        return cls(**values).validate()
+
+
+@dataclass(frozen=True)
+class Target:
+    """One adapter: ``name`` (its module path, Tinker's name for a split block), the base ``module`` path it
+    hooks, its output rows ``[start, start + out_features)`` of that module, ``in_features``."""
+
+    name: str
+    module: str
+    start: int
+    out_features: int
+    in_features: int
+
+
+def lora_targets(base: CausalLM, spec: LoraSpec) -> list[Target]:
+    """Every adapter of ``spec`` on ``base`` in a fixed order (layers, then the unembedding).
+
+    Raises UserInputError for ``train_mlp`` on a model with MoE layers (not supported).
+    """
+    targets: list[Target] = []
+
+    def linear(path: str, module: nn.Linear) -> None:
+        targets.append(Target(path, path, 0, module.out_features, module.in_features))
+
+    for i, layer in enumerate(base.model.layers):
+        prefix = f"model.layers.{i}"
+        if spec.train_attn and isinstance(getattr(layer, "self_attn", None), Attention):
+            for n in ATTN_LINEARS:
+                linear(f"{prefix}.self_attn.{n}", getattr(layer.self_attn, n))
+        if spec.train_attn and isinstance(getattr(layer, "linear_attn", None), GatedDeltaNet):
+            gdn = layer.linear_attn
+            qkv = gdn.in_proj_qkv
+            key_dim, value_dim = gdn.num_k_heads * gdn.head_k_dim, gdn.num_v_heads * gdn.head_v_dim
+            start = 0
+            for n, rows in zip(GDN_SPLIT_QKV, (key_dim, key_dim, value_dim), strict=True):
+                module = f"{prefix}.linear_attn.in_proj_qkv"
+                targets.append(Target(f"{prefix}.linear_attn.{n}", module, start, rows, qkv.in_features))
+                start += rows
+            for n in GDN_LINEARS:
+                linear(f"{prefix}.linear_attn.{n}", getattr(gdn, n))
+        if spec.train_mlp:
+            if not isinstance(layer.mlp, SwiGLU):
+                raise UserInputError(
+                    f"lora_config.train_mlp=True: layer {i}'s MLP is {type(layer.mlp).__name__}; LoRA on MoE "
+                    "experts is not supported yet (pass train_mlp=False)"
+                )
+            for n in MLP_LINEARS:
+                linear(f"{prefix}.mlp.{n}", getattr(layer.mlp, n))
+    if spec.train_unembed:
+        vocab, hidden = base.output_weight.shape
+        targets.append(Target(UNEMBED, UNEMBED, 0, vocab, hidden))
+    return targets
+
+
+def _key(name: str) -> str:
+    """A parameter-dict key for a module path (``.`` is not allowed in parameter names)."""
+    return name.replace(".", "-")
+
+
+class LoraAdapters(nn.Module):
+    """``lora_A[key]`` [r, in] and ``lora_B[key]`` [out, r] for every :class:`Target` of ``spec`` on ``base``,
+    initialised as the module docstring says, in the base's dtype and on its device."""
+
+    def __init__(self, base: CausalLM, spec: LoraSpec) -> None:
+        super().__init__()
+        self.spec = spec.validate()
+        self.scale = spec.scale
+        self.targets = lora_targets(base, spec)
+        self.lora_A = nn.ParameterDict()
+        self.lora_B = nn.ParameterDict()
+        like = base.output_weight
+        gen = torch.Generator().manual_seed(spec.seed)
+        for t in self.targets:
+            a = torch.empty(spec.rank, t.in_features, dtype=torch.float64)
+            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
+            self.lora_A[_key(t.name)] = nn.Parameter(a.to(dtype=like.dtype, device=like.device))
+            self.lora_B[_key(t.name)] = nn.Parameter(
+                torch.zeros(t.out_features, spec.rank, dtype=like.dtype, device=like.device)
+            )
+        self.by_module: dict[str, list[Target]] = {}
+        for t in self.targets:
+            if t.module != UNEMBED:
+                self.by_module.setdefault(t.module, []).append(t)
+
+    def pair(self, name: str) -> tuple[nn.Parameter, nn.Parameter]:
+        """(A, B) of the adapter called ``name``."""
+        return self.lora_A[_key(name)], self.lora_B[_key(name)]
+
+    def named_pairs(self) -> Iterator[tuple[Target, nn.Parameter, nn.Parameter]]:
+        for t in self.targets:
+            yield (t, *self.pair(t.name))
+
+    def delta(self, module: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out + scale · B(A(x))`` for the adapters on base module ``module`` (a split module: each adapter
+        on its row block); adapters are cast to ``x``'s dtype (mixed precision computes them like the layer)."""
+        parts = []
+        for t in self.by_module[module]:
+            a, b = self.pair(t.name)
+            parts.append(F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype)) * self.scale)
+        delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return out + delta.to(out.dtype)
+
+    def merged_delta(self, target: Target) -> torch.Tensor:
+        """``scale · B @ A`` [out, in] of one adapter (no autograd graph kept by callers under no_grad)."""
+        a, b = self.pair(target.name)
+        return (b @ a) * self.scale
+
+
+class LoraSlot:
+    """The forward hooks of one base model: each targeted linear adds the delta of ``active`` (or nothing)."""
+
+    def __init__(self, base: CausalLM) -> None:
+        self.active: LoraAdapters | None = None
+        self.hooked: set[str] = set()
+        self._modules = dict(base.named_modules())
+
+    def hook(self, module: str) -> None:
+        """Install the hook on base module ``module`` once."""
+        if module in self.hooked:
+            return
+
+        def add(_mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+            active = self.active
+            if active is None or module not in active.by_module:
+                return out
+            return active.delta(module, args[0], out)
+
+        self._modules[module].register_forward_hook(add)
+        self.hooked.add(module)
+
+
+def lora_slot(base: CausalLM) -> LoraSlot:
+    """The base's :class:`LoraSlot`, created (and the base frozen) on first use."""
+    slot = getattr(base, "_lora_slot", None)
+    if slot is None:
+        base.requires_grad_(False)
+        slot = LoraSlot(base)
+        object.__setattr__(base, "_lora_slot", slot)
+    return slot
+
+
+class LoraModel(nn.Module):
+    """A LoRA run's model: a frozen, possibly shared ``base`` plus this run's :class:`LoraAdapters`.
+
+    Quacks like a :class:`CausalLM` for the trainer (``config``, ``model`` = the base's body, ``output_weight``,
+    ``forward``/``hidden_states`` on a :class:`PackedShard`); its parameters and state dict are the adapters'
+    only (keys ``adapters.lora_A.<module path with - for .>``).
+    """
+
+    def __init__(self, base: CausalLM, spec: LoraSpec) -> None:
+        super().__init__()
+        object.__setattr__(self, "base", base)  # not a submodule: not in parameters() / state_dict()
+        self.config = base.config
+        self.slot = lora_slot(base)
+        self.adapters = LoraAdapters(base, spec)
+        for module in self.adapters.by_module:
+            self.slot.hook(module)
+
+    @property
+    def spec(self) -> LoraSpec:
+        return self.adapters.spec
+
+    @property
+    def model(self) -> nn.Module:
+        """The base's ``model.*`` body (layers: recompute and compute dtype are set there, shared by all runs)."""
+        return self.base.model
+
+    @property
+    def unembed(self) -> Target | None:
+        return next((t for t in self.adapters.targets if t.module == UNEMBED), None)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """[vocab, hidden]: the base's output weight, plus ``scale · B @ A`` with ``train_unembed``."""
+        weight = self.base.output_weight
+        target = self.unembed
+        if target is None:
+            return weight
+        a, b = self.adapters.pair(target.name)
+        return weight + (b @ a).to(weight.dtype) * self.adapters.scale
+
+    def activate(self) -> None:
+        """Make this run's adapters the ones the base's hooks add (until another run activates its own)."""
+        self.slot.active = self.adapters
+
+    def check_parallel(self, shard: PackedShard) -> None:
+        self.base.check_parallel(shard)
+
+    def hidden_states(self, input_ids: torch.Tensor, shard: PackedShard) -> torch.Tensor:
+        """:meth:`CausalLM.hidden_states` with this run's adapters (collective over the shard's CP group)."""
+        self.activate()
+        return self.base.hidden_states(input_ids, shard)
+
+    def forward(
+        self, input_ids: torch.Tensor, shard: PackedShard, targets: torch.Tensor, upstream: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """:meth:`CausalLM.forward` (log-probs of ``targets``) with this run's adapters."""
+        hidden = self.hidden_states(input_ids, shard)
+        return label_logprobs(hidden, self.output_weight, targets, upstream=upstream)
+
+    def label_logprobs(self, input_ids: torch.Tensor, labels: torch.Tensor, shard: PackedShard) -> torch.Tensor:
+        return self(input_ids, shard, labels)
+
+    def logits(self, input_ids: torch.Tensor, shard: PackedShard) -> torch.Tensor:
+        """Full logits [T_local, vocab] (tests only)."""
+        return self.hidden_states(input_ids, shard) @ self.output_weight.t()

@@ -1,0 +1,67 @@
+"""A LoRA run's weights merged into full ones: ``W + scale · B @ A`` per adapter (the sampler's snapshot and the
+HF export of ``save_weights_for_sampler``).
+
+An unembedding adapter on a model with tied embeddings changes the output weight only (the forward reads
+the embedding matrix unchanged): the merged model is then *untied* (its config says
+``tie_word_embeddings: false`` and it has its own ``lm_head.weight``), so the sampler computes exactly the
+trained function. Merging is done in float64 and rounded once to the parameters' dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ringtune.models.decoder import CausalLM
+from ringtune.models.lora import UNEMBED, LoraModel
+from ringtune.models.precision import compute_like_trainer, layers_compute_dtype
+
+
+def merged_config(lora: LoraModel):
+    """The base's :class:`DecoderConfig`, untied when an unembedding adapter sits on tied embeddings."""
+    config = lora.config
+    if lora.unembed is None or not config.tie_word_embeddings:
+        return config
+    hf = dict(config.hf_config)
+    hf["tie_word_embeddings"] = False
+    if isinstance(hf.get("text_config"), dict):
+        hf["text_config"] = {**hf["text_config"], "tie_word_embeddings": False}
+    return dataclasses.replace(config, tie_word_embeddings=False, hf_config=hf)
+
+
+@torch.no_grad()
+def merged_state(lora: LoraModel) -> dict[str, torch.Tensor]:
+    """The merged model's state dict (keys of :class:`CausalLM` under :func:`merged_config`), new tensors for
+    the adapted weights, the base's own tensors (not copied) for the rest."""
+    state = dict(lora.base.state_dict())
+    copied: set[str] = set()
+    for target, a, b in lora.adapters.named_pairs():
+        delta = (b.double() @ a.double()) * lora.adapters.scale
+        if target.module == UNEMBED:
+            weight = lora.base.output_weight
+            state["lm_head.weight"] = (weight.double() + delta).to(weight.dtype)
+            continue
+        key = f"{target.module}.weight"
+        weight = state[key]
+        if target.start == 0 and target.out_features == weight.shape[0]:
+            state[key] = (weight.double() + delta).to(weight.dtype)
+        else:  # one row block of a split module (GatedDeltaNet in_proj_q/k/v): copy once, then add per block
+            if key not in copied:  # state_dict() tensors share the base's storage: never write into them
+                state[key] = weight.clone()
+                copied.add(key)
+            rows = slice(target.start, target.start + target.out_features)
+            state[key][rows] = (state[key][rows].double() + delta).to(weight.dtype)
+    return state
+
+
+def merged_model(lora: LoraModel) -> CausalLM:
+    """An inference :class:`CausalLM` with the merged weights (no gradients, on the base's device), computing as
+    the trainer's layers do under mixed precision (:func:`compute_like_trainer`)."""
+    like = lora.base.output_weight
+    with torch.device("meta"):
+        model = CausalLM(merged_config(lora))
+    model.load_state_dict({k: v.detach().clone() for k, v in merged_state(lora).items()}, assign=True)
+    model.to(device=like.device)
+    model.requires_grad_(False)
+    return compute_like_trainer(model.eval(), layers_compute_dtype(lora.base))
