@@ -8,7 +8,8 @@ import torch
 from ringtune.layout import zigzag_plan
 from ringtune.ops.attention import reference_varlen_attention, varlen_block_attention
 from ringtune.ops.attention.kernels import KERNELS, select_block_kernel
-from ringtune.ops.attention.schedule import causal_pairs, contiguous_split_work, ring_step_pairs, ring_work
+from ringtune.ops.attention.packed_blocks import varlen_groups
+from ringtune.ops.attention.schedule import BlockPair, causal_pairs, contiguous_split_work, ring_step_pairs, ring_work
 
 
 def _row(seq_lens, seed=0, hq=4, hkv=2, d=8):
@@ -19,7 +20,7 @@ def _row(seq_lens, seed=0, hq=4, hkv=2, d=8):
     return q, k, v, cu
 
 
-@pytest.mark.parametrize("kernel", ["cpu_flash", "math"])
+@pytest.mark.parametrize("kernel", ["cpu_flash", "math", "cpu_varlen_loop"])
 def test_block_kernels_equal_reference_float64(kernel):
     q, k, v, cu = _row((1, 7, 64, 130, 3))
     dout = torch.randn_like(q)
@@ -38,9 +39,39 @@ def test_block_kernels_equal_reference_float64(kernel):
 def test_kernel_choice_is_made_in_one_place():
     assert select_block_kernel(torch.device("cpu"), torch.bfloat16).name == "cpu_flash"
     assert select_block_kernel(torch.device("cpu"), torch.float32, "math").name == "math"
-    assert set(KERNELS) == {"cpu_flash", "math", "cuda_flash"}
+    assert set(KERNELS) == {"cpu_flash", "math", "cuda_flash", "cuda_varlen", "cpu_varlen_loop"}
     with pytest.raises(ValueError, match="unknown attention block kernel 'flash3'"):
         select_block_kernel(torch.device("cpu"), torch.float32, "flash3")
+    # a CUDA kernel asked for on CPU (or for a dtype it lacks) is refused with what it needs
+    with pytest.raises(ValueError, match=r"'cuda_varlen' takes cuda tensors of .*bfloat16.*; got cpu torch.float32"):
+        select_block_kernel(torch.device("cpu"), torch.float32, "cuda_varlen")
+    with pytest.raises(ValueError, match="'cpu_varlen_loop' takes cpu"):
+        select_block_kernel(torch.device("cuda"), torch.bfloat16, "cpu_varlen_loop")
+
+
+def test_varlen_groups_pack_overlapping_blocks_and_merge_them():
+    """Blocks sharing query rows (a full and a causal block per chunk, as the all-gather schedule makes) go into
+    separate varlen calls and merge by log-sum-exp: the packed kernel equals the reference (float64, ~1e-12)."""
+    q, k, v, _ = _row((8, 1, 5), seed=3)
+    pairs = [
+        BlockPair(0, 4, 0, 4, True),
+        BlockPair(4, 8, 0, 4, False),
+        BlockPair(4, 8, 4, 8, True),
+        BlockPair(8, 9, 8, 9, True),
+        BlockPair(9, 14, 9, 14, True),
+    ]
+    groups = varlen_groups(pairs)
+    assert [[p.q_start for p in g] for g in groups] == [[0, 4, 8, 9], [4]]
+    dout = torch.randn_like(q)
+    a = [x.clone().requires_grad_() for x in (q, k, v)]
+    b = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = varlen_block_attention(*a, pairs, kernel="cpu_varlen_loop")
+    ref, ref_lse = reference_varlen_attention(*b, torch.tensor([0, 8, 9, 14]))
+    (out * dout).sum().backward()
+    (ref * dout).sum().backward()
+    assert (out - ref).abs().max() < 1e-12 and (lse - ref_lse).abs().max() < 1e-12
+    for x, y in zip(a, b, strict=True):
+        assert (x.grad - y.grad).abs().max() < 1e-12
 
 
 def test_uncovered_rows_are_zero_with_minus_inf_lse():

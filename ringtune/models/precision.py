@@ -137,3 +137,29 @@ def compute_params(module: nn.Module, dtype: torch.dtype | None) -> Iterator[Non
     finally:
         for table, name, p in swapped:
             table[name] = p
+
+
+def layers_compute_dtype(model: nn.Module) -> torch.dtype | None:
+    """The compute dtype the decoder layers of ``model`` (a ``CausalLM``) were given, or None (unmixed)."""
+    layers = model.model.layers
+    return layers[0].compute_dtype if len(layers) else None
+
+
+def compute_like_trainer(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
+    """Make an inference copy ``model`` (a ``CausalLM`` without gradients) compute as a mixed trainer does; returns it.
+
+    Why: a sampler that decodes in float32 while the trainer's layers compute in bfloat16 samples from a different
+    policy than the one trained: measured KL(sampler ‖ trainer) ``kl_sample_train_v1`` (SmolLM2-135M,
+    ``benchmarks/sampler_kl_depth.py``, docs/parity.md) is over ten times the healthy figure. So under
+    ``bf16-mixed`` the sampler's decoder layers compute in bfloat16 like the trainer's: each layer's floating
+    parameters are stored rounded to ``dtype`` (the very values :func:`compute_params` hands the trainer's forward
+    at each use, kept once instead of cast per token) and the layer's ``compute_dtype`` is set, so prefill and
+    decode cast their input to it. The embeddings, final norm and head stay in the parameter dtype, as the
+    trainer keeps them. ``dtype`` None (an unmixed precision): nothing changes. In place, not differentiable.
+    """
+    if dtype is None:
+        return model
+    for layer in model.model.layers:
+        layer.to(dtype=dtype)
+        layer.compute_dtype = dtype
+    return model

@@ -22,6 +22,7 @@ import torch
 from ringtune.engine.sharding import full_state_dict
 from ringtune.errors import UserInputError
 from ringtune.models.decoder import CausalLM
+from ringtune.models.precision import compute_like_trainer, layers_compute_dtype
 from ringtune.sample.mesh_prompts import PromptForward
 from ringtune.sample.params import SamplingParams
 from ringtune.sample.sampler import PromptSamples, generate
@@ -72,7 +73,9 @@ class SampleRequest:
 
 
 def snapshot_of(model: CausalLM) -> CausalLM:
-    """An inference copy of ``model`` (same config, dtype and device; no gradients), whole on this rank.
+    """An inference copy of ``model`` (same config, dtype and device; no gradients), whole on this rank, computing
+    as the trainer does: a mixed-precision trainer's layers compute in its compute dtype, so do the copy's
+    (:func:`~ringtune.models.precision.compute_like_trainer`).
 
     An FSDP-sharded model's tensors are gathered first (collective over its mesh: every rank of it calls this
     together, as every rank runs ``create_sampler``)."""
@@ -80,7 +83,7 @@ def snapshot_of(model: CausalLM) -> CausalLM:
     copy = CausalLM(model.config).to(dtype=model.output_weight.dtype, device=device)
     copy.load_state_dict(full_state_dict(model, device=device))
     copy.requires_grad_(False)
-    return copy.eval()
+    return compute_like_trainer(copy.eval(), layers_compute_dtype(model))
 
 
 class SamplerPool:
@@ -90,6 +93,8 @@ class SamplerPool:
         load: loads a model from a source path (``None`` = the base model), e.g. ``load_model``.
         decode: token ids -> text, for stop strings (the served tokenizer), or None.
         max_snapshots: snapshots held at once.
+        compute_dtype: the trainers' layer compute dtype under mixed precision (None: unmixed); loaded models
+            compute in it as run snapshots do (:func:`~ringtune.models.precision.compute_like_trainer`).
     """
 
     def __init__(
@@ -98,10 +103,12 @@ class SamplerPool:
         *,
         decode: Callable[[list[int]], str] | None = None,
         max_snapshots: int = DEFAULT_MAX_SNAPSHOTS,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         if max_snapshots < 1:
             raise UserInputError(f"max_snapshots={max_snapshots} must be >= 1")
-        self.load, self.decode, self.max_snapshots = load, decode, max_snapshots
+        self.decode, self.max_snapshots = decode, max_snapshots
+        self.load = lambda path: compute_like_trainer(load(path), compute_dtype)
         self.snapshots: OrderedDict[tuple, CausalLM] = OrderedDict()  # key -> model, least recently used first
         self.sessions: dict[str, tuple[tuple, SamplerSource]] = {}
 

@@ -108,6 +108,7 @@ class RankExecutor:
         self.samplers = SamplerPool(
             lambda path: load_model(path or spec.source, dtype=self.precision.param_dtype),
             decode=tokenizer_decoder(spec.tokenizer_dir),
+            compute_dtype=self.precision.compute_dtype if self.precision.mixed else None,
         )
         self.handlers: dict[str, Callable[[Command], Any]] = {
             "create_run": self._create_run,

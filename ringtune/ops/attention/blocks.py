@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from ringtune.ops.attention.kernels import BlockKernel, select_block_kernel
+from ringtune.ops.attention.packed_blocks import forward_packed, grads_packed
 from ringtune.ops.attention.schedule import BlockPair
 
 
@@ -73,7 +74,11 @@ def forward_blocks(
 
     ``fresh=True`` promises that no two pairs share a query row and that the rows they cover are still
     empty (out 0, lse -inf): each block is then copied in, which equals merging it into an empty row.
+    A varlen kernel (``kernel.varlen``) runs once per group of blocks (:mod:`~ringtune.ops.attention.packed_blocks`).
     """
+    if getattr(kernel, "varlen", False):
+        forward_packed(q_h, k_h, v_h, pairs, out, lse, scale=scale, kernel=kernel, fresh=fresh)
+        return
     for p in pairs:
         block_out, block_lse = kernel.forward(
             q_h[:, :, p.q_start : p.q_end],
@@ -130,6 +135,9 @@ def block_grads(
     wants (an accumulator, or a buffer that arrives later), so no zeroed buffer needs to exist meanwhile.
     """
     lse_h = lse_h.to(accumulator_dtype(q_h.dtype))
+    if getattr(kernel, "varlen", False):  # one backward call per group of blocks (packed_blocks.py)
+        yield from grads_packed(dout_h, q_h, k_h, v_h, out_h, lse_h, pairs, dq, scale=scale, kernel=kernel)
+        return
     for p in pairs:
         qs, ks = slice(p.q_start, p.q_end), slice(p.k_start, p.k_end)
         bdq, bdk, bdv = kernel.backward(

@@ -11,8 +11,16 @@ Shapes: q [1, Hq, Sq, D], k/v [1, Hkv, Sk, D] (GQA native), out [1, Hq, Sq, D], 
 Kernels:
 - ``cpu_flash``: ``aten._scaled_dot_product_flash_attention_for_cpu`` (tiled, O(S) memory, returns LSE).
 - ``math``: plain torch on any device, materialises [Sq × Sk] per block; the portable fallback.
-- ``cuda_flash``: ``aten._scaled_dot_product_flash_attention`` on CUDA (GQA expanded). It is not
-  exercised by the CPU test suite.
+- ``cuda_flash``: ``aten._scaled_dot_product_flash_attention`` on CUDA, one call per block (GQA expanded).
+- ``cuda_varlen`` (``flash_cuda.py``): torch's varlen flash kernel, one call per group of blocks over all the
+  sequences of a row (``varlen = True``: :func:`~ringtune.ops.attention.blocks.forward_blocks` packs them); the
+  CUDA default for float16/bfloat16.
+- ``cpu_varlen_loop`` (``flash_cuda.py``): the varlen contract on CPU, one ``cpu_flash`` call per block; the
+  CPU oracle of the packing, never a default.
+
+The CUDA kernels are not exercised by the CPU test suite and have NOT YET RUN ON A GPU; ``benchmarks/gpu_check.py``
+compares them with the float64 CPU reference (docs/gpu.md). Selecting one for a CPU tensor, or for a dtype it does
+not take, is a ValueError naming the kernel, the device/dtype and what it needs.
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+
+from ringtune.ops.attention.flash_cuda import CpuVarlenLoopKernel, CudaVarlenKernel
 
 
 class BlockKernel(Protocol):
@@ -145,21 +155,39 @@ class CudaFlashKernel:
         return dq, dk.view(b, h // group, group, s, d).sum(2), dv.view(b, h // group, group, s, d).sum(2)
 
 
-KERNELS: dict[str, BlockKernel] = {k.name: k for k in (CpuFlashKernel(), MathKernel(), CudaFlashKernel())}
+KERNELS: dict[str, BlockKernel] = {
+    k.name: k for k in (CpuFlashKernel(), MathKernel(), CudaFlashKernel(), CudaVarlenKernel(), CpuVarlenLoopKernel())
+}
+
+NEEDS: dict[str, tuple[str, tuple[torch.dtype, ...]]] = {
+    "cpu_flash": ("cpu", (torch.float32, torch.float64, torch.bfloat16, torch.float16)),
+    "cpu_varlen_loop": ("cpu", (torch.float32, torch.float64, torch.bfloat16, torch.float16)),
+    "cuda_flash": ("cuda", (torch.float16, torch.bfloat16)),
+    "cuda_varlen": ("cuda", (torch.float16, torch.bfloat16)),
+}
+"""The device type and dtypes each device-bound kernel takes (``math`` takes any)."""
 
 
 def select_block_kernel(device: torch.device, dtype: torch.dtype, name: str | None = None) -> BlockKernel:
     """The block kernel for ``device``/``dtype``: the one place the choice is made.
 
-    ``name`` forces a kernel from :data:`KERNELS`. Default: ``cpu_flash`` on CPU; on CUDA
-    ``cuda_flash`` for float16/bfloat16 and ``math`` otherwise (the flash kernel has no fp32/fp64).
+    ``name`` forces a kernel from :data:`KERNELS` (ValueError if it cannot take ``device``/``dtype``, see
+    :data:`NEEDS`). Default: ``cpu_flash`` on CPU; on CUDA ``cuda_varlen`` for float16/bfloat16 and ``math``
+    otherwise (the flash kernels have no fp32/fp64).
     """
     if name is not None:
         if name not in KERNELS:
             raise ValueError(f"unknown attention block kernel {name!r}; choose one of {sorted(KERNELS)}")
+        if name in NEEDS:
+            kind, dtypes = NEEDS[name]
+            if device.type != kind or dtype not in dtypes:
+                raise ValueError(
+                    f"attention block kernel {name!r} takes {kind} tensors of {[str(d) for d in dtypes]}; "
+                    f"got {device.type} {dtype}"
+                )
         return KERNELS[name]
     if device.type == "cpu":
         return KERNELS["cpu_flash"]
     if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-        return KERNELS["cuda_flash"]
+        return KERNELS["cuda_varlen"]
     return KERNELS["math"]

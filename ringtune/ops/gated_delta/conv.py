@@ -17,6 +17,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from ringtune.ops.gated_delta.fla_kernels import fla_available, fla_causal_conv1d
 from ringtune.ops.gated_delta.inputs import check_cu_seqlens, compute_dtype
 
 ACTIVATIONS = ("silu", None)
@@ -75,7 +76,7 @@ def naive_causal_conv1d(
     return _activate(out, activation).to(x.dtype)
 
 
-def causal_conv1d(
+def torch_causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
     cu_seqlens: torch.Tensor,
@@ -84,7 +85,7 @@ def causal_conv1d(
     activation: str | None = "silu",
     initial_context: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal depthwise conv1d of a packed row, each sequence on its own (see the module docstring).
+    """Causal depthwise conv1d of a packed row in plain torch (the ``torch`` entry of :data:`CONV_KERNELS`).
 
     One ``F.conv1d`` over the whole row is right for every token at least K−1 into its sequence; the
     first K−1 tokens of each sequence (the only ones whose window crosses a boundary) are recomputed
@@ -132,3 +133,43 @@ def causal_conv1d(
         head = head + table[torch.where(pos >= lag, tok - lag, outside)] * w[:, j]
     out = out.index_copy(0, tok, head)
     return _activate(out, activation).to(x.dtype)
+
+
+def _fla_conv(x, weight, cu_seqlens, *, bias=None, activation="silu", initial_context=None):
+    if initial_context is not None:
+        raise ValueError("the fla conv kernel takes no initial_context (the CP conv halo): use kernel='torch'")
+    _check_conv_inputs(x, weight, cu_seqlens, bias, activation, None)
+    return fla_causal_conv1d(x, weight, cu_seqlens, bias=bias, activation=activation)
+
+
+CONV_KERNELS = {"torch": torch_causal_conv1d, "fla": _fla_conv}
+"""The conv kernels by name, one contract (:func:`causal_conv1d`): ``torch`` (any device, the CPU default, and the
+only one taking ``initial_context``) and ``fla`` (flash-linear-attention's Triton kernel, CUDA only, optional
+extra; not yet run on a GPU)."""
+
+
+def select_conv(device: torch.device, with_context: bool, name: str | None = None) -> str:
+    """The conv kernel's name: ``name`` if given, else ``fla`` on CUDA with fla and no context, else ``torch``."""
+    if name is not None:
+        if name not in CONV_KERNELS:
+            raise ValueError(f"conv kernel={name!r}: choose one of {', '.join(CONV_KERNELS)}")
+        return name
+    return "fla" if device.type == "cuda" and not with_context and fla_available() else "torch"
+
+
+def causal_conv1d(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    activation: str | None = "silu",
+    initial_context: torch.Tensor | None = None,
+    kernel: str | None = None,
+) -> torch.Tensor:
+    """Causal depthwise conv1d of a packed row, each sequence on its own (see the module docstring), by the kernel
+    :func:`select_conv` picks (``kernel`` forces one of :data:`CONV_KERNELS`); arguments and result as
+    :func:`torch_causal_conv1d`."""
+    name = select_conv(x.device, initial_context is not None, kernel)
+    fn = CONV_KERNELS[name]
+    return fn(x, weight, cu_seqlens, bias=bias, activation=activation, initial_context=initial_context)

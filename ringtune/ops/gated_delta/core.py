@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ringtune.ops.gated_delta.chunked import DEFAULT_CHUNK_SCAN, chunk_gated_delta_rule
+from ringtune.ops.gated_delta.chunked import chunk_gated_delta_rule
 from ringtune.ops.gated_delta.conv import causal_conv1d
 
 
@@ -41,7 +41,7 @@ def gated_delta_core(
     scale: float | None = None,
     conv_context: torch.Tensor | None = None,
     initial_state: torch.Tensor | None = None,
-    scan: str = DEFAULT_CHUNK_SCAN,
+    scan: str | None = None,
 ) -> torch.Tensor:
     """GDN core of one packed row (full, or one contiguous part); state and conv reset at ``cu_seqlens``.
 
@@ -50,7 +50,8 @@ def gated_delta_core(
         conv_weight: [2·Hk·Dk + Hv·Dv, K].
         conv_context: [n, K-1, channels] raw inputs that precede each segment (the CP conv halo), or None.
         initial_state: [n, Hv, Dk, Dv] state each segment starts from, or None (zeros).
-        scan: the chunked scan by name (``ringtune.ops.gated_delta.chunked.CHUNK_SCANS``; same values).
+        scan: the chunked scan by name (``ringtune.ops.gated_delta.chunked.CHUNK_SCANS``; same values), None: the
+            device's default.
     Returns:
         o [T, Hv, Dv] in the input dtype. Differentiable in every tensor argument.
     """

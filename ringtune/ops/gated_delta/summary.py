@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ringtune.ops.gated_delta.chunked import CHUNK_SIZE, DEFAULT_CHUNK_SCAN, chunk_scan_fn
+from ringtune.ops.gated_delta.chunked import CHUNK_SIZE, chunk_scan_fn
 from ringtune.ops.gated_delta.inputs import check_gated_delta_inputs, prepare_gated_delta_inputs
 
 
@@ -36,7 +36,7 @@ def gated_delta_affine_summary(
     beta: torch.Tensor,
     use_qk_l2norm: bool = False,
     chunk_size: int = CHUNK_SIZE,
-    scan: str = DEFAULT_CHUNK_SCAN,
+    scan: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(M, h_local)`` of every segment of a packed row, so that ``final_state = M · initial_state + h_local``.
 
@@ -56,7 +56,7 @@ def gated_delta_affine_summary(
     values = torch.cat([v, v.new_zeros(T, H, Dk)], dim=-1)
     eye = torch.eye(Dk, dtype=v.dtype, device=v.device).expand(n, H, Dk, Dk)
     start = torch.cat([v.new_zeros(n, H, Dk, Dv), eye], dim=-1)
-    _, final = chunk_scan_fn(scan)(None, k, values, g, beta, bounds, start, chunk_size=chunk_size)
+    _, final = chunk_scan_fn(scan, k.device)(None, k, values, g, beta, bounds, start, chunk_size=chunk_size)
     assert final is not None
     return final[..., Dv:], final[..., :Dv]
 

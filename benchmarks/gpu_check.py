@@ -1,0 +1,174 @@
+"""The GPU check: kernel parity, a Qwen3.5-4B training step against transformers + fla, CP=2 on one GPU.
+
+`python benchmarks/gpu_check.py --out DIR [--tokens 8192 32768 65536] [--budget-s 420]` on one CUDA GPU (built to
+fit 8 minutes on one H200), or `--smoke` on CPU at tiny sizes (the test suite runs it: tests/test_gpu_check.py).
+Writes ``DIR/gpu_check.json`` and ``DIR/gpu_check.md`` (the tables docs/gpu.md takes) and prints the markdown.
+
+1. **Kernel parity** (``gpu_parity.py``): every GPU kernel of the registries against the float64 CPU reference,
+   forward and backward, with its dtype's limit; on CPU each is replaced by its CPU counterpart, labelled so.
+2. **Training step** (``gpu_step.py``, one fresh process per configuration so each peak is its own): forward,
+   backward and AdamW of the Qwen3.5-4B shape (random weights, real sizes, bf16-mixed, selective recompute) on one
+   row of N tokens at CP=1, by ringtune and by transformers (+ fla when installed): tokens/s, MFU, peak memory,
+   and ringtune / transformers step-time and peak-memory ratios (issue 19 goals: ≤ 0.8 and ≤ 0.5). A
+   configuration that would start after ``--budget-s`` is skipped and says so.
+3. **CP=2 on one device** (``gpu_cp2.py``): two processes against CP=1, within the bf16 parity limits.
+
+Exit status 0 when every kernel-parity row and the CP=2 check pass (the step figures are reported, not gated).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from gpu_cp2 import cp2_parity
+from gpu_parity import kernel_parity
+from gpu_step import H200_BF16_TFLOPS, SMOKE_MODEL, run_step
+
+HERE = Path(__file__).resolve().parent
+TIME_GOAL, MEMORY_GOAL = 0.8, 0.5
+
+
+def versions() -> dict[str, str | None]:
+    """Versions of what the check depends on (None: not installed)."""
+    out: dict[str, str | None] = {"python": sys.version.split()[0], "torch": torch.__version__}
+    for name in ("ringtune", "triton", "flash-linear-attention", "fla-core", "liger-kernel", "transformers"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    out["cuda"] = torch.version.cuda
+    out["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    try:
+        out["commit"] = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True, check=False
+        ).stdout.strip()
+    except OSError:
+        out["commit"] = None
+    return out
+
+
+def step_subprocess(impl: str, tokens: int, timeout_s: float) -> dict:
+    """``gpu_step.py`` in a fresh process (its own CUDA context and memory peak); its JSON line or the failure."""
+    cmd = [sys.executable, str(HERE / "gpu_step.py"), "--impl", impl, "--tokens", str(tokens), "--model", "4b"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return {"impl": impl, "tokens": tokens, "status": f"timeout after {timeout_s:.0f} s"}
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"impl": impl, "tokens": tokens, "status": f"failed (exit {done.returncode}): {tail[0][:300]}"}
+    return json.loads(lines[-1])
+
+
+def training_steps(args: argparse.Namespace, started: float) -> list[dict]:
+    """Per token count: ringtune's and transformers' step (in-process at smoke size on CPU)."""
+    rows = []
+    for tokens in args.tokens:
+        pair = {}
+        for impl in ("ringtune", "transformers"):
+            if args.smoke:
+                pair[impl] = run_step(impl, "smoke", tokens, 2, torch.device("cpu"), H200_BF16_TFLOPS)
+            elif time.time() - started > args.budget_s:
+                pair[impl] = {"impl": impl, "tokens": tokens, "status": f"skipped: past --budget-s {args.budget_s}"}
+            else:
+                pair[impl] = step_subprocess(impl, tokens, args.step_timeout_s)
+        ours, theirs = pair["ringtune"], pair["transformers"]
+        both = ours.get("status") == "ok" and theirs.get("status") == "ok"
+        row = {"tokens": tokens, "ringtune": ours, "transformers": theirs}
+        if both:
+            row["time_ratio"] = ours["step_s"] / theirs["step_s"]
+            if ours.get("peak_mem_gib") and theirs.get("peak_mem_gib"):
+                row["memory_ratio"] = ours["peak_mem_gib"] / theirs["peak_mem_gib"]
+        rows.append(row)
+    return rows
+
+
+def _fmt(x: object, spec: str = ".3g") -> str:
+    return format(x, spec) if isinstance(x, float) else ("—" if x is None else str(x))
+
+
+def markdown(report: dict) -> str:
+    v = report["versions"]
+    lines = [
+        f"GPU check ({'smoke, CPU fallbacks' if report['smoke'] else 'full'}): {report['date']}, {v['device']}, "
+        f"torch {v['torch']} (CUDA {v['cuda']}), triton {v['triton']}, fla {v['flash-linear-attention']}, "
+        f"liger {v['liger-kernel']}, transformers {v['transformers']}, ringtune {v['commit']}; "
+        f"{report['elapsed_s']:.0f} s",
+        "",
+        "| kernel parity vs float64 CPU | kernel | dtype | forward | limit | backward | limit | pass |",
+        "|---|---|---|---:|---:|---:|---:|---|",
+    ]
+    for r in report["kernel_parity"]:
+        lines.append(
+            f"| {r['case']} | {r['kernel']} | {r['dtype']} | {r['forward']:.1e} | {r['limit_forward']:.0e} | "
+            f"{r['backward']:.1e} | {r['limit_backward']:.0e} | {'PASS' if r['pass'] else 'FAIL'} |"
+        )
+    lines += [
+        "",
+        "| tokens | ringtune tok/s | MFU | peak GiB | transformers tok/s | MFU | peak GiB | time ratio (≤ 0.8) "
+        "| memory ratio (≤ 0.5) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["training_step"]:
+        o, t = r["ringtune"], r["transformers"]
+
+        def cell(d, key, spec=".3g"):
+            return _fmt(d.get(key), spec) if d.get("status") == "ok" else d.get("status", "—")
+
+        lines.append(
+            f"| {r['tokens']} | {cell(o, 'tokens_per_s', '.0f')} | {cell(o, 'mfu', '.3f')} | "
+            f"{_fmt(o.get('peak_mem_gib'), '.1f')} | {cell(t, 'tokens_per_s', '.0f')} | {cell(t, 'mfu', '.3f')} | "
+            f"{_fmt(t.get('peak_mem_gib'), '.1f')} | {_fmt(r.get('time_ratio'), '.2f')} | "
+            f"{_fmt(r.get('memory_ratio'), '.2f')} |"
+        )
+    c = report["cp2"]
+    lines += ["", "| CP=2 vs CP=1 on one device | value | limit | pass |", "|---|---:|---:|---|"]
+    for key, value in (c.get("figures") or {}).items():
+        lines.append(f"| {key} ({c['backend']}) | {value:.2e} | {c['limits'][key]:.0e} | {value <= c['limits'][key]} |")
+    if c.get("failed_backends"):
+        lines.append(f"| backends that failed | {'; '.join(c['failed_backends'])} | | |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="directory for gpu_check.json and gpu_check.md")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, GPU kernels replaced by CPU ones")
+    p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 65536])
+    p.add_argument("--budget-s", type=float, default=420.0, help="start no training-step run after this many s")
+    p.add_argument("--step-timeout-s", type=float, default=150.0)
+    args = p.parse_args()
+    if args.smoke:
+        args.tokens = [96]
+    elif not torch.cuda.is_available():
+        p.error("no CUDA device: run with --smoke on CPU")
+    device = torch.device("cpu") if args.smoke else torch.device("cuda")
+    started = time.time()
+    report: dict = {"smoke": args.smoke, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    report["versions"] = versions()
+    report["kernel_parity"] = kernel_parity(device, smoke=args.smoke)
+    print(f"kernel parity: {time.time() - started:.0f} s", flush=True)
+    report["training_step"] = training_steps(args, started)
+    print(f"training steps: {time.time() - started:.0f} s", flush=True)
+    cp_model = SMOKE_MODEL if args.smoke else {**SMOKE_MODEL, "hidden_size": 512, "head_dim": 64}
+    report["cp2"] = cp2_parity(cp_model, device)
+    report["elapsed_s"] = time.time() - started
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    text = markdown(report)
+    (args.out / "gpu_check.md").write_text(text)
+    print(text, flush=True)
+    ok = all(r["pass"] for r in report["kernel_parity"]) and report["cp2"]["pass"]
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

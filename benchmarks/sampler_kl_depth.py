@@ -1,0 +1,152 @@
+"""KL(sampler ‖ trainer) by context depth, per precision, through the SDK against real ``ringtune serve`` processes.
+
+`python benchmarks/sampler_kl_depth.py [--model smollm2-135m] [--dtypes float32 bf16-mixed bfloat16]
+[--depths 1024 2048 4096 8192 12288] [--samples 2] [--tokens 128] [--out FILE.json]`
+
+For each precision a server is started (``--dtype``), a full fine-tuning client made (``rank=0``), and its weights
+handed to a sampling client (``save_weights_and_get_sampling_client``). For each depth D the prompt is the first D
+tokens of natural text (the demo's chat conversations rendered as ChatML, then ringtune's parity passage, tokenized
+by the served tokenizer); the sampler draws ``--samples`` continuations of ``--tokens`` tokens at temperature 1; the
+trainer forwards each prompt + continuation (``forward``, cross_entropy) and scores the same tokens. Per sampled
+token ``d = lp_sampler - lp_trainer``:
+
+- ``kl_sample_train_v1 = mean(d)`` and ``kl_sample_train_v2 = mean(d²)/2``, exactly as
+  ``tinker_cookbook.rl.metrics.compute_kl_sample_train`` computes them over action tokens;
+- ``se_v1``: the standard error of v1 (std(d)/sqrt(n)): v1 is an unbiased but noisy estimate; a v1 below its
+  ``se`` is indistinguishable from 0;
+- ``max_abs = max |d|``.
+
+Goal (issue 19): v1 ≤ 2e-4 in bf16-mixed at every depth. The script prints a markdown table and PASS/FAIL for the
+bf16-mixed rows; ``--out`` also writes the JSON. Set ``PYTHONPATH`` to a checkout to measure that checkout's code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import tinker
+
+from ringtune.gateway.serve_process import ServeProcess
+from ringtune.parity.text import PASSAGE
+
+API_KEY = "tml-kl-depth"
+GOAL_V1 = 2e-4
+CHAT = Path(__file__).resolve().parents[1] / "ringtune" / "demo" / "chat.jsonl"
+
+
+def natural_text() -> str:
+    """The demo conversations as ChatML, then the parity passage five times: about 13.2K SmolLM2 tokens of English
+    (10.8K before the passage; past about 12K the text repeats, which the model may copy)."""
+    parts = []
+    for line in CHAT.read_text().splitlines():
+        for m in json.loads(line)["messages"]:
+            parts.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
+    return "".join(parts) + PASSAGE * 5
+
+
+def kl_stats(sampler_lp: np.ndarray, trainer_lp: np.ndarray) -> dict[str, float]:
+    """The cookbook's v1/v2 of d = sampler - trainer (float64 arrays [n]), the standard error of v1, max |d|."""
+    d = sampler_lp - trainer_lp
+    return {
+        "kl_sample_train_v1": float(d.mean()),
+        "kl_sample_train_v2": float(0.5 * (d**2).mean()),
+        "se_v1": float(d.std(ddof=1) / np.sqrt(d.size)) if d.size > 1 else float("nan"),
+        "max_abs": float(np.abs(d).max()),
+        "tokens": int(d.size),
+    }
+
+
+def measure(
+    url: str, model: str, depths: list[int], samples: int, tokens: int, seed: int
+) -> dict[int, dict[str, float]]:
+    """Sample at each depth and score the samples on the trainer (one forward call for all); stats per depth."""
+    with tinker.ServiceClient(base_url=url, api_key=API_KEY) as sc:
+        tc = sc.create_lora_training_client(model, rank=0).result()
+        ids = tc.get_tokenizer().encode(natural_text(), add_special_tokens=False)
+        if len(ids) < max(depths):
+            raise ValueError(f"depth {max(depths)} exceeds the {len(ids)} tokens of text")
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        params = tinker.SamplingParams(max_tokens=tokens, temperature=1.0, seed=seed, stop=[])
+        futures = [
+            sampler.sample(tinker.ModelInput.from_ints(ids[:d]), num_samples=samples, sampling_params=params)
+            for d in depths
+        ]
+        datums, meta = [], []
+        for depth, future in zip(depths, futures, strict=True):
+            for seq in future.result().sequences:
+                full = ids[:depth] + list(seq.tokens)
+                datums.append(
+                    tinker.Datum(
+                        model_input=tinker.ModelInput.from_ints(full[:-1]),
+                        loss_fn_inputs={"target_tokens": full[1:], "weights": [0.0] * (len(full) - 1)},
+                    )
+                )
+                meta.append((depth, np.asarray(seq.logprobs, dtype=np.float64)))
+        outs = tc.forward(datums, "cross_entropy").result().loss_fn_outputs
+    result = {}
+    for depth in depths:
+        s = [lp for (d, lp) in meta if d == depth]
+        t = [
+            o["logprobs"].to_torch().double().numpy()[d - 1 :]
+            for o, (d, _) in zip(outs, meta, strict=True)
+            if d == depth
+        ]
+        result[depth] = kl_stats(np.concatenate(s), np.concatenate(t))
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bf16-mixed", "bfloat16"])
+    parser.add_argument("--depths", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 12288])
+    parser.add_argument("--samples", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--label", default="", help="a name for this run in the table (e.g. before / after)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    context = max(args.depths) + args.tokens + 64
+    report: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="kl-depth-") as tmp:
+        for dtype in args.dtypes:
+            started = time.time()
+            extra = ["--dtype", dtype, "--max-tokens-per-rank", str(context)]
+            server = ServeProcess(
+                args.model,
+                checkpoint_root=Path(tmp) / dtype,
+                log_path=Path(tmp) / f"serve-{dtype}.log",
+                api_key=API_KEY,
+                extra_args=extra,
+            )
+            with server:
+                report[dtype] = measure(server.url, args.model, args.depths, args.samples, args.tokens, args.seed)
+            print(f"# {dtype}: {time.time() - started:.0f} s", flush=True)
+    print(
+        f"\n{args.label} model {args.model}, {args.samples} samples x {args.tokens} tokens per depth, seed {args.seed}"
+    )
+    print("| precision | depth | kl_sample_train_v1 | ± se | kl_sample_train_v2 | max \\|d\\| |")
+    print("|---|---:|---:|---:|---:|---:|")
+    failed = False
+    for dtype, rows in report.items():
+        for depth, r in rows.items():
+            print(
+                f"| {dtype} | {depth} | {r['kl_sample_train_v1']:.2e} | {r['se_v1']:.1e} | "
+                f"{r['kl_sample_train_v2']:.2e} | {r['max_abs']:.2e} |"
+            )
+            failed |= dtype == "bf16-mixed" and r["kl_sample_train_v1"] > GOAL_V1
+    if "bf16-mixed" in report:
+        print(f"bf16-mixed v1 <= {GOAL_V1:g} at every depth: {'FAIL' if failed else 'PASS'}")
+    if args.out:
+        args.out.write_text(
+            json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "report": report}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()
