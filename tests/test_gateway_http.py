@@ -151,7 +151,7 @@ def test_malformed_requests_get_json_4xx(api):
     assert_refused(encoded, 415, "Content-Encoding")
     zero = api.fwd_message(0)
     assert_refused(api.submit_fwd(zero), 400, "seq_id=0")
-    assert_refused(api.post("create_model", json=api.create_body(5, rank=4)), 400, "full fine-tuning only")
+    assert_refused(api.post("create_model", json=api.create_body(5, rank=-1)), 400, "lora_config.rank=-1")
     assert_refused(api.post("create_model", json=api.create_body(5, base_model="x/y")), 400, "not served here")
     assert_refused(api.post("create_model", json=api.create_body(-1)), 400, "model_seq_id")
     bad_path = {"session_id": api.session, "model_seq_id": 6, "path": "tinker://../weights/x", "optimizer": True}

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -77,8 +77,9 @@ class Backend(Protocol):
         """Whether the backend can serve (cheap; may be called from the event loop)."""
         ...
 
-    def create_run(self, run_id: str, base_model: str) -> None:
-        """A fresh trainable copy of ``base_model`` (one of ``info().model_name`` / ``aliases``) under ``run_id``."""
+    def create_run(self, run_id: str, base_model: str, lora: Mapping[str, Any] | None = None) -> None:
+        """A fresh trainable copy of ``base_model`` (one of ``info().model_name`` / ``aliases``) under ``run_id``;
+        with ``lora`` (a :class:`~ringtune.models.lora.LoraSpec` as a dict) a LoRA run on the shared frozen base."""
         ...
 
     def free_run(self, run_id: str) -> None:

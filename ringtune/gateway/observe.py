@@ -72,8 +72,8 @@ class ObservedBackend:
         except OSError as exc:  # metrics are best effort: never fail a training op over them
             log.warning("metrics file %s not written: %s", path, exc)
 
-    def create_run(self, run_id: str, base_model: str) -> None:
-        self._observe("create_run", run_id, lambda: self.backend.create_run(run_id, base_model))
+    def create_run(self, run_id: str, base_model: str, lora: Mapping[str, Any] | None = None) -> None:
+        self._observe("create_run", run_id, lambda: self.backend.create_run(run_id, base_model, lora))
 
     def free_run(self, run_id: str) -> None:
         self._observe("free_run", run_id, lambda: self.backend.free_run(run_id))

@@ -79,7 +79,7 @@ async def delete_checkpoint(service: GatewayService, run_id: str, checkpoint_id:
 
 
 def weights_info(service: GatewayService, tinker_path: str) -> dict[str, Any]:
-    """``WeightsInfoResponse`` of a checkpoint path (full fine-tuning: no LoRA)."""
+    """``WeightsInfoResponse`` of a checkpoint path: a LoRA run's rank and target groups, or ``is_lora`` false."""
     try:
         parsed = translate.parse_tinker_path("tinker_path", tinker_path)
     except UserInputError as exc:
@@ -89,7 +89,14 @@ def weights_info(service: GatewayService, tinker_path: str) -> dict[str, Any]:
         raise RefusedError(
             404, f"tinker_path={tinker_path!r}: run {parsed.run_id} has no checkpoint {parsed.checkpoint_id}"
         )
-    return {"base_model": record.base_model, "is_lora": False, "lora_rank": None, "optimizer_config": {"type": "adamw"}}
+    lora = record.lora
+    return {
+        "base_model": record.base_model,
+        "is_lora": lora is not None,
+        "lora_rank": None if lora is None else lora["rank"],
+        **({} if lora is None else {k: lora[k] for k in ("train_mlp", "train_attn", "train_unembed")}),
+        "optimizer_config": {"type": "adamw"},
+    }
 
 
 def server_capabilities(service: GatewayService) -> dict[str, Any]:

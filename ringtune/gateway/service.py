@@ -236,10 +236,11 @@ class GatewayService:
     # ------------------------------------------------------------------ models
 
     def create_model(self, body: CreateModelBody) -> dict[str, Any]:
-        """Full fine-tuning run ``<session>:train:<model_seq_id>`` of ``base_model``; lora rank must be 0."""
+        """Run ``<session>:train:<model_seq_id>`` of ``base_model``: full fine-tuning (lora rank 0 or no
+        lora_config) or a LoRA run (rank > 0) on the shared frozen base."""
         session = self._session(body.session_id)
         try:
-            translate.check_full_finetune(body.lora_config.rank if body.lora_config else None)
+            lora = translate.lora_spec(body.lora_config.model_dump() if body.lora_config else None)
             translate.check_optimizer_config(body.optimizer_config)
             metadata = translate.metadata_strings("user_metadata", body.user_metadata)
         except UserInputError as exc:
@@ -251,12 +252,13 @@ class GatewayService:
         if run_id in self.registry.runs:
             raise RefusedError(400, f"model_seq_id={body.model_seq_id}: run {run_id} exists already")
         record = self._reserve_run(session, body.model_seq_id, body.base_model, metadata)
+        record.lora = lora
         request_id = self.futures.create("create_model")
         self._creates[run_id] = request_id
 
         def job() -> tuple[Outcome, Commit | None]:
             try:
-                self.backend.create_run(run_id, record.base_model)
+                self.backend.create_run(run_id, record.base_model, record.lora)
                 self.autosave.saved(run_id)
             except BaseException:
                 self._loop_call(lambda: self._forget_failed_create(record))
@@ -285,8 +287,8 @@ class GatewayService:
             "type": "get_info",
             "model_id": model_id,
             "model_data": model_data,
-            "is_lora": False,
-            "lora_rank": None,
+            "is_lora": record.lora is not None,
+            "lora_rank": None if record.lora is None else record.lora["rank"],
             "model_name": record.base_model,
             "optimizer_config": {"type": "adamw"},
         }
@@ -437,12 +439,13 @@ class GatewayService:
         except UserInputError as exc:
             raise RefusedError(400, str(exc)) from None
         record = self._reserve_run(session, int(body.model_seq_id or 0), base_model, metadata)
+        record.lora = origin.lora  # the checkpoint's run says what it holds: full weights or adapters of its spec
         request_id = self.futures.create("load_weights")
         self._creates[run_id] = request_id
 
         def job() -> tuple[Outcome, Commit | None]:
             try:
-                self.backend.create_run(run_id, base_model)
+                self.backend.create_run(run_id, base_model, record.lora)
                 try:
                     self.backend.load_state(run_id, str(path), optimizer)
                     self.autosave.saved(run_id)

@@ -95,6 +95,8 @@ class RunRecord:
     gate: SeqGate = field(default_factory=SeqGate)
     freed: bool = False
     """True once the backend was told to free it (a finished session, or a failed create)."""
+    lora: dict[str, Any] | None = None
+    """A LoRA run's spec (:meth:`ringtune.models.lora.LoraSpec.to_dict`); None: full fine-tuning."""
 
     def touch(self) -> None:
         self.last_request_time = now_utc()
@@ -104,15 +106,15 @@ class RunRecord:
         return max(found, key=lambda c: c.time) if found else None
 
     def to_wire(self) -> dict[str, Any]:
-        """The SDK's ``TrainingRun`` object (full fine-tuning: ``is_lora`` false, no rank)."""
+        """The SDK's ``TrainingRun`` object (``is_lora`` and ``lora_rank`` of a LoRA run; false / None otherwise)."""
         last, last_sampler = self.last("weights"), self.last("sampler_weights")
         return {
             "training_run_id": self.run_id,
             "base_model": self.base_model,
             "model_owner": "local",
-            "is_lora": False,
+            "is_lora": self.lora is not None,
             "corrupted": False,
-            "lora_rank": None,
+            "lora_rank": None if self.lora is None else self.lora["rank"],
             "last_request_time": self.last_request_time.isoformat(),
             "last_checkpoint": last.to_wire(self.run_id) if last else None,
             "last_sampler_checkpoint": last_sampler.to_wire(self.run_id) if last_sampler else None,
@@ -129,6 +131,7 @@ class RunRecord:
             "created": self.created.isoformat(),
             "last_request_time": self.last_request_time.isoformat(),
             "checkpoints": [c.to_json() for c in self.checkpoints.values()],
+            "lora": self.lora,
         }
 
     @staticmethod
@@ -142,6 +145,7 @@ class RunRecord:
             created=datetime.fromisoformat(d["created"]),
             last_request_time=datetime.fromisoformat(d["last_request_time"]),
             checkpoints={c.checkpoint_id: c for c in checkpoints},
+            lora=d.get("lora"),
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,7 @@ from ringtune.engine.trainer import TrainDatum
 from ringtune.errors import UserInputError
 from ringtune.gateway.paths import KINDS, check_name, check_run_id
 from ringtune.gateway.proto import ForwardBackwardCall
+from ringtune.models.lora import LoraSpec
 
 TINKER_SCHEME = "tinker://"
 ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
@@ -69,13 +71,17 @@ def adam_params(body: Mapping[str, Any] | None, *, field: str = "adam_params") -
     return params
 
 
-def check_full_finetune(lora_rank: int | None) -> None:
-    """LoRA rank 0 (or no lora_config) means full fine-tuning; any other rank is refused until LoRA exists."""
-    if lora_rank not in (None, 0):
-        raise UserInputError(
-            f"lora_config.rank={lora_rank}: this server does full fine-tuning only; pass rank=0 "
-            "(create_lora_training_client(base_model, rank=0))"
-        )
+def lora_spec(config: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``create_model``'s ``lora_config`` as a run's LoRA spec (:class:`~ringtune.models.lora.LoraSpec` dict), or
+    None for full fine-tuning (no lora_config, or rank 0: the gateway's convention). A missing seed is drawn here,
+    once, so every rank initialises the same adapters and the run's record can recreate them.
+    UserInputError naming the field, value and limit."""
+    if config is None or config.get("rank") == 0:
+        return None
+    seed = config.get("seed")
+    values = {k: config[k] for k in ("rank", "train_attn", "train_mlp", "train_unembed") if k in config}
+    spec = LoraSpec(**values, seed=secrets.randbits(63) if seed is None else seed).validate()
+    return spec.to_dict()
 
 
 def check_optimizer_config(config: Mapping[str, Any] | None) -> None:

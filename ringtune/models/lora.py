@@ -80,7 +80,9 @@ class LoraSpec:
     def validate(self) -> LoraSpec:
         """This spec, or UserInputError naming the field, the value and the limit."""
         if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 1 <= self.rank <= MAX_LORA_RANK:
-            raise UserInputError(f"lora_config.rank={self.rank!r} must be an integer in [1, {MAX_LORA_RANK}]")
+            raise UserInputError(
+                f"lora_config.rank={self.rank!r} must be an integer in [1, {MAX_LORA_RANK}] (0: full fine-tuning)"
+            )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**63:
             raise UserInputError(f"lora_config.seed={self.seed!r} must be an integer in [0, 2**63)")
         for name in ("train_attn", "train_mlp", "train_unembed"):

@@ -134,7 +134,9 @@ class SamplerPool:
         """Register session ``sampler_id`` on ``source`` and hold its snapshot (copied or loaded once)."""
         key = self._key(source, trainers)
         if source.run_id is not None:
-            self._hold(key, lambda: snapshot_of(trainers[source.run_id].model))  # type: ignore[attr-defined]
+            trainer = trainers[source.run_id]  # a LoRA run's snapshot is its merged model (sampler_snapshot)
+            make = getattr(trainer, "sampler_snapshot", None) or (lambda: snapshot_of(trainer.model))  # type: ignore[attr-defined]
+            self._hold(key, make)
         else:
             self._hold(key, lambda: self.load(source.path))
         self.sessions[sampler_id] = (key, source)

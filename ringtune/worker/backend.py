@@ -56,7 +56,7 @@ class DistributedBackend:
         if gone and not dead:
             dead = f"worker process(es) {gone} exited"
         mesh = self.executor.mesh
-        if mesh is not None and not dead:
+        if mesh is not None and not dead and dist.is_initialized():
             lost = liveness.dead_ranks([int(r) for r in mesh.ranks.flatten().tolist() if r != dist.get_rank()])
             dead = "; ".join(lost.values()) or None
         extra: dict[str, float | str] = {"live_runs": float(len(self.executor.trainers))}
@@ -78,10 +78,10 @@ class DistributedBackend:
                     self._dead = str(exc)
                 raise
 
-    def create_run(self, run_id: str, base_model: str) -> None:
+    def create_run(self, run_id: str, base_model: str, lora: Mapping[str, Any] | None = None) -> None:
         if base_model not in (self._info.model_name, *self._info.aliases):
             raise UserInputError(f"base_model={base_model!r} is not served here; use {self._info.model_name!r}")
-        self._run(Command("create_run", run_id))
+        self._run(Command("create_run", run_id, {"lora": None if lora is None else dict(lora)}))
 
     def free_run(self, run_id: str) -> None:
         self._run(Command("free_run", run_id))

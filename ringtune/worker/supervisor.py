@@ -82,6 +82,7 @@ class RunTrack:
     optimizer: bool = True
     step: int = 0
     pending: bool = False
+    lora: Mapping[str, Any] | None = None  # a LoRA run's spec (LoraSpec.to_dict), None: full fine-tuning
 
 
 @dataclass
@@ -265,7 +266,7 @@ class SupervisedBackend:
         """Every tracked run from its newest checkpoint, then every sampling session (module docstring)."""
         for run_id, track in self.runs.items():
             before, lost_grads = track.step, track.pending
-            self.inner.create_run(run_id, track.base_model)
+            self.inner.create_run(run_id, track.base_model, track.lora)
             where = "the base model (it had no checkpoint)"
             if track.checkpoint is not None:
                 try:
@@ -324,9 +325,9 @@ class SupervisedBackend:
 
     # ------------------------------------------------------------------ verbs
 
-    def create_run(self, run_id: str, base_model: str) -> None:
-        self._call(None, lambda: self.inner.create_run(run_id, base_model))
-        self.runs[run_id] = RunTrack(base_model)
+    def create_run(self, run_id: str, base_model: str, lora: Mapping[str, Any] | None = None) -> None:
+        self._call(None, lambda: self.inner.create_run(run_id, base_model, lora))
+        self.runs[run_id] = RunTrack(base_model, lora=lora)
 
     def free_run(self, run_id: str) -> None:
         self.notices.pop(run_id, None)

@@ -1,0 +1,107 @@
+"""LoRA runs through the real SDK against ``ringtune serve --cp 2`` (one server per module, float64).
+
+``create_lora_training_client(base, rank=4)`` makes a LoRA run: ``get_info`` says so; forward_backward and
+optim_step equal a single-process :class:`LoraTrainer` (same seed, hence the same initial adapters);
+save_state / create-from-state restore adapters + moments; the sampler of a LoRA run samples from the
+merged weights (its log-probs are the run's forward); a full fine-tuning run beside it still sees the
+unchanged base.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import tinker
+import torch
+from gateway_fixtures import tiny_model_dir
+from test_gateway_workers import ADAM, engine_datums, sdk_datums
+
+from ringtune.engine.lora_trainer import LoraTrainer
+from ringtune.engine.trainer import Trainer
+from ringtune.gateway.serve_process import ServeProcess
+from ringtune.models.checkpoints.hf import load_hf
+from ringtune.models.lora import LoraModel, LoraSpec
+
+API_KEY = "tml-lora"
+BUDGET = 64
+RANK, SEED = 4, 3
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora_serve")
+    model_dir = tiny_model_dir(tmp / "models" / "tiny")
+    args = ["--cp", "2", "--dtype", "float64", "--max-tokens-per-rank", str(BUDGET), "--linear-cp-mode", "chunkwise"]
+    args += ["--collective-timeout", "20"]
+    proc = ServeProcess(
+        str(model_dir), checkpoint_root=tmp / "ckpt", log_path=tmp / "serve.log", api_key=API_KEY, extra_args=args
+    )
+    with proc:
+        yield {"url": proc.url, "model_dir": model_dir}
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-9 * max(1.0, abs(b))
+
+
+def test_lora_run_through_the_sdk_at_cp2(server):
+    base = str(server["model_dir"])
+    direct = LoraTrainer(
+        LoraModel(load_hf(base, dtype=torch.float64), LoraSpec(rank=RANK, seed=SEED)), None, max_tokens_per_rank=BUDGET
+    )
+    with tinker.ServiceClient(base_url=server["url"], api_key=API_KEY) as sc:
+        tc = sc.create_lora_training_client(base, rank=RANK, seed=SEED).result()
+        info = tc.get_info()
+        assert info.is_lora is True and info.lora_rank == RANK
+        for step in range(2):
+            datums = sdk_datums(step)
+            got = tc.forward_backward(datums, "cross_entropy").result()
+            metrics = tc.optim_step(tinker.AdamParams(learning_rate=1e-2, eps=1e-8)).result().metrics
+            want = direct.forward_backward(engine_datums(datums), "cross_entropy")
+            want_metrics = direct.optim_step(ADAM)
+            assert _close(got.metrics["loss:sum"], want.metrics["loss:sum"])  # float64 at CP 2 and CP 1
+            assert _close(metrics["grad_norm:mean"], want_metrics["grad_norm:mean"]) and metrics["grad_norm:mean"] > 0
+        run = tinker.RestClient(base_url=server["url"], api_key=API_KEY).get_training_run(tc.model_id).result()
+        assert run.is_lora is True and run.lora_rank == RANK
+        # Adapter-only training state: adapters + moments + step, restored into a new LoRA run of the same spec.
+        state = tc.save_state("lora-two").result().path
+        resumed = sc.create_training_client_from_state_with_optimizer(state).result()
+        assert resumed.get_info().lora_rank == RANK
+        for client in (tc, resumed):  # the next step from the same state is the same step
+            client.forward_backward(sdk_datums(5), "cross_entropy").result()
+        adam = tinker.AdamParams(learning_rate=1e-2, eps=1e-8)
+        stepped = [c.optim_step(adam).result().metrics for c in (tc, resumed)]
+        assert stepped[0]["step:max"] == stepped[1]["step:max"] == 3.0
+        assert _close(stepped[1]["grad_norm:mean"], stepped[0]["grad_norm:mean"])
+        direct.forward_backward(engine_datums(sdk_datums(5)), "cross_entropy")
+        direct.optim_step(ADAM)
+        probe = sdk_datums(7)
+        want = direct.forward(engine_datums(probe), "cross_entropy").metrics["loss:sum"]
+        for client in (tc, resumed):
+            assert _close(client.forward(probe, "cross_entropy").result().metrics["loss:sum"], want)
+        # Sampling from the LoRA run: the merged snapshot's greedy tokens and log-probs are the run's forward.
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        params = tinker.SamplingParams(max_tokens=5, temperature=0.0, stop=[])
+        for i in range(2):
+            seq = sampler.sample(tinker.ModelInput.from_ints([1, 2, 3 + i]), 1, params).result(timeout=120).sequences[0]
+            full = [1, 2, 3 + i, *seq.tokens]
+            datum = tinker.Datum(
+                model_input=tinker.ModelInput.from_ints(full[:-1]),
+                loss_fn_inputs={"target_tokens": full[1:], "weights": [0.0] * (len(full) - 1)},
+            )
+            lp = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_torch()
+            assert torch.allclose(torch.tensor(seq.logprobs), lp[2:].float(), atol=1e-5), (i, seq.logprobs, lp)
+        named = tc.save_weights_for_sampler("lora-export").result().path
+        from_path = sc.create_sampling_client(model_path=named).result()
+        lp_path = from_path.compute_logprobs(tinker.ModelInput.from_ints(full)).result(timeout=120)
+        assert torch.allclose(torch.tensor(lp_path[1:]), lp.float(), atol=1e-5)
+        # A full fine-tuning run beside the LoRA runs: the shared base was not changed by them.
+        full_ft = sc.create_lora_training_client(base, rank=0).result()
+        assert full_ft.get_info().is_lora is False
+        plain = Trainer(load_hf(base, dtype=torch.float64), None, max_tokens_per_rank=BUDGET)
+        want_base = plain.forward(engine_datums(probe), "cross_entropy").metrics["loss:sum"]
+        assert _close(full_ft.forward(probe, "cross_entropy").result().metrics["loss:sum"], want_base)
+        fresh = sc.create_lora_training_client(base, rank=2, train_mlp=False).result()  # B = 0: the base itself
+        assert _close(fresh.forward(probe, "cross_entropy").result().metrics["loss:sum"], want_base)
+    health = httpx.get(f"{server['url']}/api/v1/healthz")
+    assert health.status_code == 200, health.text
