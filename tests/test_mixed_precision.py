@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor
 from ringtune.engine.trainer import Trainer
 from ringtune.errors import UserInputError
 from ringtune.models.checkpoints.hf import load_hf
-from ringtune.models.precision import PRECISIONS, check_compute_dtype, check_precision
+from ringtune.models.precision import PRECISIONS, check_compute_dtype, check_precision, set_compute_dtype
+from ringtune.models.shard import shard_of
 from ringtune.sample.pool import snapshot_of
 from ringtune.testing.tiny_models import hf_model
 from ringtune.worker.executor import DTYPES, ModelSpec, RankExecutor
@@ -93,8 +94,28 @@ def test_masters_moments_and_gradients_stay_float32_while_layers_compute_bf16(ch
     assert len(moments) == 2 * len(trainer.params)
     assert {m.dtype for m in moments} == {torch.float32}
     assert trainer.model.output_weight.dtype == torch.float32  # the head reads the float32 weight
-    # Sampling snapshots copy the float32 masters: sampling runs in float32 (docs/sampling.md).
-    assert snapshot_of(trainer.model).output_weight.dtype == torch.float32
+    # Sampling snapshots compute as the trainer does: layers in bfloat16, head in float32 (docs/sampling.md).
+    snap = snapshot_of(trainer.model)
+    assert snap.output_weight.dtype == torch.float32 and snap.model.norm.weight.dtype == torch.float32
+    assert {p.dtype for p in snap.model.layers.parameters()} == {BF16}
+    assert {layer.compute_dtype for layer in snap.model.layers} == {BF16}
+
+
+def test_sampler_snapshot_runs_the_mixed_trainers_forward_bit_for_bit(checkpoint):
+    """The snapshot's bf16 layer weights are the values the trainer casts its masters to at each use, so its
+    prefill forward (the trainer's own forward) gives the trainer's log-probs exactly; a float32 copy would not
+    (the sampler/trainer mismatch of docs/parity.md, 'KL(sampler ‖ trainer) by context depth')."""
+    trainer = _trainer(checkpoint, "bf16-mixed")
+    snap = snapshot_of(trainer.model)
+    shard = shard_of(LENS)
+    ids = torch.randint(0, 96, (shard.plan.local_len,), generator=torch.Generator().manual_seed(0))
+    labels = torch.roll(ids, -1)
+    with torch.no_grad():
+        want = trainer.model(ids, shard, labels)
+        assert torch.equal(snap(ids, shard, labels), want)
+        plain = snapshot_of(trainer.model)
+        set_compute_dtype(plain.float(), None)  # what the sampler ran before: float32 layers
+        assert float((plain(ids, shard, labels) - want).abs().max()) > 1e-4
 
 
 @pytest.mark.parametrize("loss_fn", ["cross_entropy", "ppo"])
