@@ -68,8 +68,8 @@ class PackedGroup:
         return cls(pairs, rows(qs), rows(ks), cum(q_lens), cum(k_lens), max(q_lens), max(k_lens))
 
     def gather(self, x_h: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Rows ``idx`` of heads-major ``x_h`` [1, H, T, D] as THD [N, H, D] (last dim contiguous)."""
-        return x_h[0].index_select(1, idx).transpose(0, 1)
+        """Rows ``idx`` of heads-major ``x_h`` [1, H, T, D] as a contiguous THD copy [N, H, D]."""
+        return x_h[0].index_select(1, idx).transpose(0, 1).contiguous()
 
 
 def forward_packed(

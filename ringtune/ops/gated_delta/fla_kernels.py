@@ -90,11 +90,7 @@ def fla_chunk_scan(
     h0 = None if initial_state is None else initial_state[keep].float().contiguous()
     qq = k if q is None else q
     o, final = fla_rule(
-        qq.unsqueeze(0),
-        k.unsqueeze(0),
-        v.unsqueeze(0),
-        g.unsqueeze(0),
-        beta.unsqueeze(0),
+        *(x.contiguous().unsqueeze(0) for x in (qq, k, v, g, beta)),
         scale=1.0,
         initial_state=h0,
         output_final_state=output_final_state,
