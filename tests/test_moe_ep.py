@@ -4,8 +4,8 @@ Each layout runs the same two packed rows (DP ranks split the rows, CP ranks the
 experts); gradients are reduced by :class:`GradientInvariant` (non-expert over DP×CP, experts over the expert
 replica group, both canaries checked), then one AdamW step. Log-probs, gradients (an expert's against the
 reference's same expert) and post-step weights must equal the one-rank run within 1e-12 (summation order
-is all that differs). Also: the expert memory per rank, the dispatch bytes against the routing's own
-count, and the invariant catching expert gradients reduced over the wrong group.
+is all that differs). Also: the expert memory per rank, the dispatch bytes against the minimum the routing
+allows, and the invariant catching expert gradients reduced over the wrong group.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def ep_accounting_case(ctx, *, root: str) -> dict[str, float]:
         h.remove()
     hidden, owner = model.config.hidden_size, torch.div(torch.cat(chosen), 2, rounding_mode="floor")  # 8 experts / 4
     remote = owner != mesh.ep_rank
-    copies = int(remote.sum())  # (token, expert) pairs whose expert is on another rank
+    copies = int(remote.sum())  # (token, expert) assignments whose expert is on another rank
     distinct = sum(len(set(row[row != mesh.ep_rank].tolist())) for row in owner)  # remote ranks per token
     sent = meter.by_op.get("expert_dispatch", 0) + meter.by_op.get("expert_combine", 0)
     invariant = GradientInvariant(
@@ -162,7 +162,8 @@ def ep_accounting_case(ctx, *, root: str) -> dict[str, float]:
     return {
         "memory_ratio": expert_bytes(model) / expert_bytes(base),
         "sent": sent,
-        "expected": 2 * copies * hidden * 8,
+        "routes": meter.by_op.get("expert_routes", 0),
+        "expected_routes": copies * (8 + 8),  # one int64 route and one float64 weight per remote assignment
         "minimum": 2 * distinct * hidden * 8,
         "tokens": ids.numel() * len(chosen),
         "caught": caught,
@@ -176,10 +177,12 @@ def test_expert_memory_dispatch_bytes_and_wrong_group(pool4, checkpoints):
     tokens = sum(r["tokens"] for r in per_rank)
     print(
         f"\nEP4: expert bytes per rank / EP1 = {per_rank[0]['memory_ratio']:.3f}; forward dispatch+combine "
-        f"{sent / tokens:.0f} B per token-layer vs minimum {minimum / tokens:.0f} (ratio {sent / minimum:.3f})"
+        f"{sent / tokens:.0f} B per token-layer vs minimum {minimum / tokens:.0f} (ratio {sent / minimum:.3f}), "
+        f"routes {sum(r['routes'] for r in per_rank) / tokens:.0f} B"
     )
-    # Over the group: one copy per remote (token, expert) pair, there and back (a rank sends back what it got).
-    assert sent == sum(r["expected"] for r in per_rank)
+    # Over the group: one row per remote (token, rank) pair, there and back (a rank sends back what it got).
+    assert sent == minimum
+    assert sum(r["routes"] for r in per_rank) == sum(r["expected_routes"] for r in per_rank)
     for r in per_rank:
         assert r["memory_ratio"] == 0.25
         assert "expert replicas" in r["caught"]

@@ -1,21 +1,25 @@
-"""Expert-parallel token dispatch: each routed token copy goes to the rank holding its expert and comes back.
+"""Expert-parallel token dispatch: each token goes once to every rank holding one of its experts, and back.
 
-Contract of :func:`dispatch_to_experts`: ``x`` [n, hidden] holds this rank's routed token copies grouped by
-global expert id (``counts`` int64 [E], the copies per expert, in expert order). Over the EP group of size N
-(rank r holds experts ``[r·E/N, (r+1)·E/N)``):
+Contract of :func:`routed_experts_ep`: ``x`` [T, hidden] (this rank's tokens), ``ids`` int64 [T, k] and
+``weights`` [T, k] (the router's choice) -> ``Σ_k weights[t, k] · expert_{ids[t, k]}(x[t])`` [T, hidden], with
+the experts spread over the EP group of size N (rank r holds experts ``[r·E/N, (r+1)·E/N)``):
 
-1. the per-expert counts are exchanged (one all-to-all of N·E/N int64), so every rank knows how many copies
-   it receives from each source for each of its experts;
-2. the copies go to their expert's rank (``torch.distributed.all_to_all_single`` with uneven splits),
-   arriving ordered by (source rank, local expert); they are regrouped by local expert, run through the
-   grouped expert matmuls, put back in arrival order and
-3. returned by the reverse all-to-all, so the result is row-aligned with ``x``.
+1. the (token, rank) pairs are formed: token t goes **once** to each rank that holds at least one of its
+   experts, whatever the number of its experts there. One small all-to-all exchanges the counts (pairs
+   and (token, expert) assignments per destination);
+2. the pairs' hidden rows go to their rank (``torch.distributed.all_to_all_single`` with uneven splits),
+   with each assignment's (row, local expert) as one int64 and its routing weight;
+3. the expert rank runs its experts on the assignments (grouped by local expert, grouped matmuls), scales
+   them by their weights and sums them per received row, so
+4. one summed row per pair comes back by the reverse all-to-all and is added to its token.
 
-Both all-to-alls are differentiable (the backward is the reverse exchange), so gradients flow to ``x`` on
-the home rank and to the experts on their owner. Every rank of the EP group must call it together, once per
-MoE layer, in the same order (forward and backward). Bytes sent are recorded (op names
-``expert_dispatch`` / ``expert_combine``, and ``expert_counts`` for step 1) on the active
-:func:`ringtune.parallel.meter.measure_comm` meter.
+Rows and weights travel through differentiable exchanges (the backward is the reverse exchange), so
+gradients reach ``x`` and the router's weights on the home rank and the experts on their owner. Every rank
+of the EP group must call it together, once per MoE layer, in the same order (forward and backward). Bytes
+sent are recorded on the active :func:`ringtune.parallel.meter.measure_comm` meter: ``expert_dispatch`` /
+``expert_combine`` (the hidden rows: the minimum, one row per remote (token, rank) pair each way),
+``expert_routes`` (int64 + weight per remote assignment) and ``expert_counts`` (2·N int64); the backward's
+under the same names with ``_grad``.
 """
 
 from __future__ import annotations
@@ -57,35 +61,46 @@ def exchange(
     return _Exchange.apply(x, group, tuple(send), tuple(recv), op, back_op)
 
 
-def exchange_counts(counts: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """counts int64 [E] (copies per global expert) -> int64 [N, E/N]: row s = what source s sends to my experts."""
-    size = dist.get_world_size(group)
-    send = counts.reshape(size, -1)
-    return _exchange(send, group, [1] * size, [1] * size, "expert_counts")
-
-
-def dispatch_to_experts(
-    x: torch.Tensor, counts: torch.Tensor, experts: nn.Module, group: dist.ProcessGroup | None
+def routed_experts_ep(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: nn.Module, group: dist.ProcessGroup
 ) -> torch.Tensor:
-    """``experts(x grouped by expert)`` [n, hidden] with experts spread over ``group`` (see the module doc).
+    """The routed experts' output [T, hidden] over the EP ``group`` (see the module doc).
 
-    ``experts(rows, local_counts)`` runs this rank's experts on rows grouped by local expert.
-    ``group`` None or of size 1: every expert is local and no communication happens.
+    ``experts(rows, counts)`` runs this rank's E/N experts on rows grouped by local expert (``counts``
+    int64 [E/N]); ``experts.num_experts`` is the global E.
     """
-    if group is None or dist.get_world_size(group) == 1:
-        return experts(x, counts)
     size = dist.get_world_size(group)
-    local = counts.numel() // size
-    recv_counts = exchange_counts(counts, group)  # [N, E_local]
-    send = counts.reshape(size, local).sum(1).tolist()
-    recv = recv_counts.sum(1).tolist()
-    arrived = exchange(x, group, send, recv, "expert_dispatch", "expert_dispatch_grad")
-    local_id = torch.arange(local, device=x.device).repeat(size).repeat_interleave(recv_counts.reshape(-1))
-    order = torch.argsort(local_id, stable=True)  # arrival order -> grouped by local expert
-    out = experts(arrived[order], recv_counts.sum(0))
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return exchange(out[inverse], group, recv, send, "expert_combine", "expert_combine_grad")
+    tokens, k = ids.shape
+    local = experts.num_experts // size
+    device = x.device
+    # 1. (token, destination) pairs, grouped by destination then token; each assignment's pair.
+    token_of = torch.arange(tokens, device=device).repeat_interleave(k)
+    flat_ids = ids.reshape(-1)
+    dest = torch.div(flat_ids, local, rounding_mode="floor")
+    pair_keys, pair_of = torch.unique(dest * tokens + token_of, return_inverse=True)
+    pair_token = pair_keys % tokens
+    send_pairs = torch.bincount(torch.div(pair_keys, tokens, rounding_mode="floor"), minlength=size)
+    order = torch.argsort(dest, stable=True)  # assignments grouped by destination
+    send_assign = torch.bincount(dest, minlength=size)
+    first_pair = torch.cumsum(send_pairs, 0) - send_pairs
+    routes = ((pair_of - first_pair[dest]) * local + flat_ids % local)[order]  # row in its block, local expert
+    counts = _exchange(torch.stack([send_pairs, send_assign], 1), group, [1] * size, [1] * size, "expert_counts")
+    recv_pairs, recv_assign = counts[:, 0], counts[:, 1]
+    sp, sa, rp, ra = (c.tolist() for c in (send_pairs, send_assign, recv_pairs, recv_assign))
+    # 2. rows, routes and weights to the expert ranks.
+    rows = exchange(x[pair_token], group, sp, rp, "expert_dispatch", "expert_dispatch_grad")
+    routes = _exchange(routes, group, sa, ra, "expert_routes")
+    w = exchange(weights.reshape(-1, 1)[order], group, sa, ra, "expert_routes", "expert_routes_grad")
+    # 3. every received assignment through its expert, weighted, summed per received row.
+    source = torch.arange(size, device=device).repeat_interleave(recv_assign)
+    row = torch.div(routes, local, rounding_mode="floor") + (torch.cumsum(recv_pairs, 0) - recv_pairs)[source]
+    expert = routes % local
+    by_expert = torch.argsort(expert, stable=True)
+    out = experts(rows[row[by_expert]], torch.bincount(expert, minlength=local)) * w[by_expert]
+    summed = rows.new_zeros(rows.shape).index_add(0, row[by_expert], out)
+    # 4. one summed row per pair back home, added to its token.
+    back = exchange(summed, group, rp, sp, "expert_combine", "expert_combine_grad")
+    return x.new_zeros(x.shape).index_add(0, pair_token, back)
 
 
 def gather_expert_state(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:

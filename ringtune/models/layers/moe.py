@@ -11,7 +11,7 @@ Per token t (x [T, hidden], routing per token, so CP needs no communication here
 
 Expert parallelism: with :func:`set_expert_parallel` each rank of the EP group keeps experts
 ``[r·E/N, (r+1)·E/N)`` only; the tokens routed to others go there and back by
-:func:`ringtune.parallel.expert_dispatch.dispatch_to_experts` (an all-to-all of uneven sizes, differentiable).
+:func:`ringtune.parallel.expert_dispatch.routed_experts_ep` (all-to-alls of uneven sizes, differentiable).
 Every rank of the EP group must then run each MoE layer's forward (and backward) together.
 """
 
@@ -112,6 +112,21 @@ class Experts(nn.Module):
         return grouped_linear(F.silu(gate) * up, self.down_proj, counts)
 
 
+def routed_experts_local(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
+    """``Σ_k weights[t, k] · expert_{ids[t, k]}(x[t])`` [T, hidden] with every expert here (one grouped pass).
+
+    The (token, slot) copies are sorted by expert (stable: each expert sees its tokens in row order), run
+    through the grouped matmuls, scaled by their weights and added back per token.
+    """
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token_of = order // k
+    counts = torch.bincount(flat, minlength=experts.num_experts)
+    routed = experts(x[token_of], counts) * weights.reshape(-1)[order, None]
+    return x.new_zeros(x.shape).index_add(0, token_of, routed)
+
+
 class SparseMoE(nn.Module):
     """``mlp`` of a MoE layer: router, routed experts, optional sigmoid-gated shared expert.
 
@@ -147,20 +162,15 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; ``replay`` int64 [T, top_k] or None (see :class:`TopKRouter`)."""
-        from ringtune.parallel.expert_dispatch import dispatch_to_experts
+        from ringtune.parallel.expert_dispatch import routed_experts_ep
 
         if replay is not None:
             self.check_replay(replay, x.shape[0])
         weights, ids = self.gate(x, replay)
-        tokens = x.shape[0]
-        k = ids.shape[1]
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # assignments grouped by expert, token order inside
-        token_of = order // k
-        counts = torch.bincount(flat, minlength=self.experts.num_experts)
-        routed = dispatch_to_experts(x[token_of], counts, self.experts, self.ep_group)
-        routed = routed * weights.reshape(-1)[order, None]
-        out = x.new_zeros((tokens, x.shape[1])).index_add(0, token_of, routed)
+        if self.ep_group is not None and dist.get_world_size(self.ep_group) > 1:
+            out = routed_experts_ep(x, ids, weights, self.experts, self.ep_group)
+        else:
+            out = routed_experts_local(x, ids, weights, self.experts)
         if hasattr(self, "shared_expert"):
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
@@ -173,7 +183,7 @@ def moe_blocks(model: nn.Module) -> list[SparseMoE]:
 
 def is_expert_parameter(name: str) -> bool:
     """Whether parameter ``name`` is a routed expert's (sharded over EP, replicated over (DP·CP)/EP ranks)."""
-    return ".mlp.experts." in name or name.startswith("mlp.experts.")
+    return name.split(".")[-2:] in (["experts", "gate_up_proj"], ["experts", "down_proj"])
 
 
 def set_expert_parallel(model: nn.Module, group: dist.ProcessGroup | None) -> None:
