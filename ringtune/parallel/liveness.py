@@ -51,6 +51,9 @@ rank whose process this host can see)."""
 POLL_S = 1.0
 """How often a waiting rank re-checks whether the ranks it waits for are alive."""
 
+STALL_S = 5.0
+"""A store call that takes longer than this means the store stalled: heartbeat silence is counted from its end."""
+
 MAX_SLEEP_S = 0.05
 """Longest pause between two looks for an awaited key (an idle worker looks 20 times a second)."""
 
@@ -208,9 +211,12 @@ def _status(rank: int) -> tuple[bool, str]:
             return True, f"process {who.pid} is {state}"
         reason = f"rank {rank} (pid {who.pid}) {'exited' if state == 'zombie' else 'is gone'}: its process ended"
     else:
+        asked = time.monotonic()
         count, now = probe.add(_alive_key(rank), 0), time.monotonic()
         last, since = _state["beats"].get(rank, (None, now))
-        if count != last:
+        if now - asked > STALL_S:  # the store itself stalled (rank 0 stopped): nobody could beat meanwhile
+            since = now
+        if count != last or since == now:
             _state["beats"][rank] = (count, now)
             return True, "heartbeat moved"
         silent = now - since
