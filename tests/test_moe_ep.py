@@ -186,3 +186,67 @@ def test_expert_memory_dispatch_bytes_and_wrong_group(pool4, checkpoints):
     for r in per_rank:
         assert r["memory_ratio"] == 0.25
         assert "expert replicas" in r["caught"]
+
+
+TRAINER_LAYOUTS = ((2, 2, 4), (2, 1, 2))
+
+
+def trainer_case(ctx, *, root: str, out: str) -> dict[str, float]:
+    """The Trainer at EP layouts against the one-process Trainer: loss, log-probs, grad norm, post-step weights."""
+    from ringtune.engine.optimizer import AdamParams
+    from ringtune.engine.trainer import Trainer
+    from ringtune.errors import ParallelConfigError
+    from ringtune.parallel.expert_dispatch import gather_expert_state
+
+    adam = AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01, grad_clip_norm=0.0)
+    path = pathlib.Path(root) / "qwen3_5_moe"
+    data = _datums(96)
+    ref = Trainer(load_hf(path, dtype=torch.float64), None, max_tokens_per_rank=64)
+    want = ref.forward_backward(data, "cross_entropy")
+    want_norm = ref.optim_step(adam)["grad_norm:mean"]
+    ref_weights = ref.model.state_dict()
+    out_errors = {}
+    for dp, cp, ep in TRAINER_LAYOUTS:
+        mesh = ctx.mesh(dp=dp, cp=cp, ep=ep)
+        trainer = Trainer(load_hf(path, dtype=torch.float64), mesh, max_tokens_per_rank=64, gated_delta="chunkwise")
+        got = trainer.forward_backward(data, "cross_entropy")
+        norm = trainer.optim_step(adam)["grad_norm:mean"]
+        weights = gather_expert_state(trainer.model)
+        errors = [abs(norm - want_norm), max(float((weights[n] - t).abs().max()) for n, t in ref_weights.items())]
+        if trainer.is_result_rank:
+            errors.append(abs(got.metrics["loss:sum"] - want.metrics["loss:sum"]))
+            for a, b in zip(got.outputs, want.outputs, strict=True):
+                errors.append(float((a["logprobs"] - b["logprobs"]).abs().max()))
+        out_errors[f"DP{dp} CP{cp} EP{ep}"] = max(errors)
+    trainer.export_hf(out)  # the last layout's weights, experts gathered
+    try:
+        trainer.save_state(out + "_state")
+        refused = ""
+    except ParallelConfigError as exc:
+        refused = str(exc)
+    out_errors["refused"] = refused
+    return out_errors
+
+
+def _datums(vocab: int):
+    from ringtune.engine.batch import TrainDatum
+
+    gen = torch.Generator().manual_seed(7)
+    data = []
+    for n in (2, 17, 5, 40, 3, 9, 2, 13):
+        inputs = {"target_tokens": torch.randint(0, vocab, (n,), generator=gen)}
+        inputs["weights"] = torch.randn(n, generator=gen, dtype=torch.float64)
+        data.append(TrainDatum(tokens=torch.randint(0, vocab, (n,), generator=gen), inputs=inputs))
+    return data
+
+
+def test_trainer_under_ep_equals_one_process(pool4, checkpoints, tmp_path):
+    per_rank = pool4.run(trainer_case, root=str(checkpoints), out=str(tmp_path / "export"))
+    for key in per_rank[0]:
+        if key != "refused":
+            worst = max(r[key] for r in per_rank)
+            print(f"\nTrainer {key} vs one process (loss, log-probs, grad norm, post-step weights): {worst:.1e}")
+            assert worst < 1e-12, (key, worst)
+    assert all("save_state with ep=2" in r["refused"] for r in per_rank)
+    exported = load_hf(tmp_path / "export", dtype=torch.float64)  # every expert, written by rank 0
+    assert exported.model.layers[0].mlp.experts.num_local == 8

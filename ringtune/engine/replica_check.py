@@ -4,7 +4,8 @@ ranks must hold alike are compared across those ranks by a bitwise checksum exch
 Which ranks hold the same tensors (:func:`replica_key`), by the trainer's sharding
 (:data:`ringtune.engine.sharding.SHARDINGS`):
 
-- ``none``: every rank of the DP×CP group holds the whole model and its AdamW state;
+- ``none``: every rank of the DP×CP group holds the whole model and its AdamW state (with expert parallelism,
+  the ranks of one expert replica group: same ``ep_rank``);
 - ``dp``: the ranks of one CP group (same DP coordinate) hold the same shards (``Replicate()`` over CP);
 - ``dp_cp``: every rank holds its own shard: there is nothing to compare (the check exchanges nothing).
 
@@ -66,7 +67,7 @@ def replica_key(mesh: ParallelMesh | None, sharding: str) -> tuple[int, ...] | N
         return None
     if sharding == "dp":
         return (mesh.dp_rank,)
-    return ()
+    return (mesh.ep_rank,) if mesh.ep_size > 1 else ()  # EP: the ranks holding the same experts
 
 
 @dataclass

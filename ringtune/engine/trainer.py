@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringtune.engine import faults, sharding
+from ringtune.engine import expert_parallel, faults, sharding
 from ringtune.engine.batch import MAX_TARGET_K, Batch, TrainDatum, build_batch
 from ringtune.engine.checkpoint import export_hf_weights, load_checkpoint, save_checkpoint
 from ringtune.engine.gather import gather_row
@@ -46,6 +46,7 @@ from ringtune.errors import NonFiniteError, ParallelConfigError
 from ringtune.layout.zigzag import zigzag_slice
 from ringtune.losses import PER_TARGET_KEYS, fixed_logprob_gradient, local_token_losses
 from ringtune.models.decoder import CausalLM
+from ringtune.models.layers.moe import set_expert_parallel
 from ringtune.models.logprob_head import IGNORE_INDEX
 from ringtune.models.precision import check_compute_dtype, export_dtype, set_compute_dtype
 from ringtune.models.recompute import DEFAULT_RECOMPUTE, check_recompute_mode, set_recompute
@@ -59,6 +60,7 @@ from ringtune.parallel.control import (
     all_gather_objects,
     gather_object_to,
 )
+from ringtune.parallel.expert_dispatch import gather_expert_state
 from ringtune.parallel.mesh import ParallelMesh, rebuild_mesh
 
 SHARDED_GROUPS_LOST = "a rank failed mid-request and FSDP-sharded parameters cannot move to new groups"
@@ -132,6 +134,7 @@ class Trainer:
         model.config.check_parallel(cp_size=self.cp_size, attention=attention, gated_delta=gated_delta)
         self.fsdp_units: list = []
         self.shard_params = sharding.check_sharding(shard_params)
+        expert_parallel.setup(model, mesh, self.shard_params)  # EP > 1: this rank keeps 1/EP of the experts
         if self.shard_params != "none":
             if mesh is None:
                 raise ParallelConfigError(
@@ -142,7 +145,8 @@ class Trainer:
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=0.0)
-        self.invariant = GradientInvariant(lambda: self.dp_cp_group, fault=fault)
+        expert_group = (lambda: self.mesh.expert_replica_group) if expert_parallel.ep_size(mesh) > 1 else None
+        self.invariant = GradientInvariant(lambda: self.dp_cp_group, fault=fault, expert_group=expert_group)
         self.invariant.startup_check()
         self.replicas = ReplicaCheck(mesh, self.shard_params)  # replicas compared after every optim_step
         self.step = 0
@@ -364,6 +368,7 @@ class Trainer:
             return
         try:
             rebuild_mesh(self.mesh)
+            set_expert_parallel(self.model, self.mesh.ep_group)  # EP > 1: the blocks' rebuilt EP group
         except BaseException as exc:
             self.broken = f"rebuilding the data groups failed ({type(exc).__name__}: {exc})"
             raise
@@ -394,8 +399,14 @@ class Trainer:
                 norm = sharding.sharded_grad_norm(self.params, sharding.shard_group(self.mesh, self.shard_params).group)
             else:
                 with faults.injecting(self.debug_fault, cp_size=self.cp_size, cp_rank=self.cp_rank):  # DEBUG-FAULT HOOK
-                    self.invariant.reduce_and_check([p.grad for p in self.params])
-                norm = global_grad_norm(self.params)
+                    if expert_parallel.ep_size(self.mesh) > 1:  # experts SUM over their replica group
+                        self.invariant.reduce_and_check(*expert_parallel.split(self.params, self.names))
+                    else:
+                        self.invariant.reduce_and_check([p.grad for p in self.params])
+                if expert_parallel.ep_size(self.mesh) > 1:
+                    norm = expert_parallel.grad_norm(self.params, self.names, self.mesh)
+                else:
+                    norm = global_grad_norm(self.params)
             bad_weights = [self.names[id(p)] for p in self.params if not bool(torch.isfinite(p.detach()).all())]
             if math.isfinite(norm) and not bad_weights:  # clipped here; dropped with the gradients if refused
                 prepare_step(self.optimizer, self.params, adam, norm=norm)
@@ -451,6 +462,7 @@ class Trainer:
         """Weights + AdamW state + step, atomically (torch.distributed.checkpoint, manifest-checked on load);
         collective over the mesh's control group."""
         self._check_usable()
+        expert_parallel.refuse_state_checkpoint(self.mesh, "save_state")
         sharding.reshard_all(self.fsdp_units)  # the registered parameters are the shards (the root may be unsharded)
         save_checkpoint(
             path, model=self.model, optimizer=self.optimizer, step=self.step, extra=extra, group=self.control_group
@@ -463,6 +475,7 @@ class Trainer:
         Accumulated gradients are dropped by a successful load.
         """
         self._check_usable()
+        expert_parallel.refuse_state_checkpoint(self.mesh, "load_state")
         sharding.reshard_all(self.fsdp_units)  # loaded into the shards: the next forward all-gathers them
         step, extra = load_checkpoint(
             path, model=self.model, optimizer=self.optimizer if optimizer else None, group=self.control_group
@@ -481,4 +494,6 @@ class Trainer:
         state = None
         if self.fsdp_units:  # gathered whole on every rank in turn, kept only by the writer (control rank 0)
             state = sharding.full_state_dict(self.model, keep=self.is_result_rank)
+        if expert_parallel.ep_size(self.mesh) > 1:  # every expert, gathered over each EP group
+            state = gather_expert_state(self.model, state)
         export_hf_weights(self.model, path, group=self.control_group, dtype=self.export_dtype, state=state)

@@ -1,0 +1,68 @@
+"""The Trainer's expert-parallel hooks: shard the experts over the mesh's EP group, split and norm the gradients.
+
+With ``mesh.ep_size > 1`` (``ringtune serve --ep N``) every rank keeps 1/N of each MoE layer's experts
+(:func:`ringtune.models.layers.moe.set_expert_parallel`); the non-expert gradients SUM over DP×CP and the
+expert gradients over the expert replica group (:class:`ringtune.engine.gradients.GradientInvariant` checks
+both); the global gradient norm adds the expert norms of the whole EP group. Not yet supported under EP (refused
+by name): FSDP sharding (``shard_params``) and DCP training-state checkpoints (``save_state`` / ``load_state``:
+DCP would keep one rank's copy of tensors that share a name). HF exports gather the experts first. See docs/moe.md.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ringtune.errors import ParallelConfigError
+from ringtune.models.decoder import CausalLM
+from ringtune.models.layers.moe import is_expert_parameter, set_expert_parallel
+from ringtune.parallel.mesh import ParallelMesh
+
+
+def ep_size(mesh: ParallelMesh | None) -> int:
+    """The mesh's expert-parallel size (1 without a mesh)."""
+    return 1 if mesh is None else mesh.ep_size
+
+
+def setup(model: CausalLM, mesh: ParallelMesh | None, shard_params: str) -> None:
+    """Shard ``model``'s experts over ``mesh.ep_group`` when EP > 1; ParallelConfigError for what EP cannot do yet."""
+    size = ep_size(mesh)
+    if size == 1:
+        return
+    model.config.check_expert_parallel(size)
+    if shard_params != "none":
+        raise ParallelConfigError(
+            f"shard_params={shard_params!r} with ep={size}: FSDP of expert parameters is not "
+            "supported yet; use shard_params='none'"
+        )
+    set_expert_parallel(model, mesh.ep_group)
+
+
+def refuse_state_checkpoint(mesh: ParallelMesh | None, what: str) -> None:
+    """ParallelConfigError when EP > 1: DCP training-state checkpoints of expert shards are not supported yet."""
+    if ep_size(mesh) > 1:
+        raise ParallelConfigError(
+            f"{what} with ep={ep_size(mesh)}: training-state checkpoints of expert-parallel shards are not "
+            "supported yet (save_weights_for_sampler / HF export works)"
+        )
+
+
+def split(params: list[torch.nn.Parameter], names: dict[int, str]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(non-expert gradients, expert gradients) of ``params`` (every one has a ``.grad``)."""
+    dense = [p.grad for p in params if not is_expert_parameter(names[id(p)])]
+    expert = [p.grad for p in params if is_expert_parameter(names[id(p)])]
+    return dense, expert
+
+
+def grad_norm(params: list[torch.nn.Parameter], names: dict[int, str], mesh: ParallelMesh | None) -> float:
+    """The L2 norm of the whole (reduced) gradient: non-expert here, experts summed over the EP group; float64."""
+    dense, expert = split(params, names)
+    total = sum(float(g.detach().double().pow(2).sum()) for g in dense)
+    experts = sum(float(g.detach().double().pow(2).sum()) for g in expert)
+    if ep_size(mesh) > 1:
+        summed = torch.tensor(experts, dtype=torch.float64, device=mesh.device)
+        dist.all_reduce(summed, group=mesh.ep_group)
+        experts = float(summed)
+    return math.sqrt(total + experts)
