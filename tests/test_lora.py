@@ -25,6 +25,7 @@ from ringtune.layout import zigzag_slice
 from ringtune.models.checkpoints.hf import load_hf
 from ringtune.models.lora import LoraModel, LoraSpec
 from ringtune.models.lora_merge import merged_model
+from ringtune.models.lora_peft import write_peft_adapter
 from ringtune.models.shard import shard_of
 from ringtune.testing.tiny_models import hf_model, next_token_labels, packed_tokens
 
@@ -235,6 +236,35 @@ def test_merged_model_checkpoint_and_bf16_mixed(pool4, roots, tmp_path):
         # bf16 layers (8-bit mantissa): measured cos 0.99995 (per tensor <= 0.02 relative, as for full weights)
         assert r["bf16_grad_cos"] > 0.999
     assert 1e-5 < results[0]["bf16_lp"] <= 0.05  # bf16 shows, within test_mixed_precision's LOGPROB_ATOL
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5"])
+def test_peft_export_loads_in_peft(roots, tmp_path, family):
+    """The PEFT export (GatedDeltaNet's split q/k/v as one rank-3r adapter) loads onto the transformers model with
+    no missing or unexpected key and computes our log-probs."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    ours = LoraModel(load_hf(pathlib.Path(roots) / family, dtype=torch.float32), LoraSpec(rank=RANK, seed=1))
+    randomize(ours, seed=11, std=0.05)
+    write_peft_adapter(ours, tmp_path)
+    seed = 21 if family == "qwen3_5" else 7
+    model = get_peft_model(hf_model(family, seed=seed), LoraConfig.from_pretrained(tmp_path))
+    loaded = set_peft_model_state_dict(model, load_file(tmp_path / "adapter_model.safetensors"))
+    assert loaded.unexpected_keys == [] and [k for k in loaded.missing_keys if "lora_" in k] == []
+    ids = packed_tokens(LENS, ours.config.vocab_size, seed=3)
+    labels = next_token_labels(ids, LENS)
+    shard = shard_of(LENS)
+    with torch.no_grad():
+        lp = row_logprobs(ours, ids, labels, shard)
+        ref, start = [], 0
+        for n in LENS:
+            logp = model(input_ids=ids[start : start + n][None]).logits[0].log_softmax(-1)
+            lab = labels[start : start + n]
+            ref.append(torch.where(lab >= 0, logp.gather(-1, lab.clamp(min=0)[:, None])[:, 0], 0.0))
+            start += n
+    real = shard.plan.is_real
+    assert float((lp[real] - torch.cat(ref)[shard.plan.row_index[real]]).abs().max()) <= 1e-5  # measured 1e-6
 
 
 def test_spec_checks():

@@ -37,7 +37,23 @@ def server(tmp_path_factory):
         str(model_dir), checkpoint_root=tmp / "ckpt", log_path=tmp / "serve.log", api_key=API_KEY, extra_args=args
     )
     with proc:
-        yield {"url": proc.url, "model_dir": model_dir}
+        yield {"url": proc.url, "model_dir": model_dir, "root": tmp / "ckpt"}
+
+
+def peft_logprobs(base_dir, adapter_dir, tokens: list[int]) -> torch.Tensor:
+    """Log-probs of ``tokens[1:]`` by transformers + peft (base in float32, the adapter as written); checks
+    that every adapter tensor loads (no missing or unexpected keys)."""
+    import transformers
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig.from_pretrained(adapter_dir))
+    loaded = set_peft_model_state_dict(model, load_file(adapter_dir / "adapter_model.safetensors"))
+    assert loaded.unexpected_keys == [] and [k for k in loaded.missing_keys if "lora_" in k] == []
+    with torch.no_grad():
+        logp = model(input_ids=torch.tensor([tokens])).logits[0].log_softmax(-1)
+    return logp[:-1].gather(-1, torch.tensor(tokens[1:])[:, None])[:, 0]
 
 
 def _close(a: float, b: float) -> bool:
@@ -95,6 +111,10 @@ def test_lora_run_through_the_sdk_at_cp2(server):
         from_path = sc.create_sampling_client(model_path=named).result()
         lp_path = from_path.compute_logprobs(tinker.ModelInput.from_ints(full)).result(timeout=120)
         assert torch.allclose(torch.tensor(lp_path[1:]), lp.float(), atol=1e-5)
+        # The export's PEFT adapter, loaded by peft onto the transformers base, gives the server's log-probs.
+        export = server["root"] / tc.model_id / "sampler_weights" / "lora-export"
+        peft_lp = peft_logprobs(server["model_dir"], export, full)
+        assert float((peft_lp - lp.float()).abs().max()) <= 1e-4
         # A full fine-tuning run beside the LoRA runs: the shared base was not changed by them.
         full_ft = sc.create_lora_training_client(base, rank=0).result()
         assert full_ft.get_info().is_lora is False

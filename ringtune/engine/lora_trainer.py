@@ -25,6 +25,8 @@ from ringtune.errors import ParallelConfigError
 from ringtune.models.decoder import CausalLM
 from ringtune.models.lora import LoraModel
 from ringtune.models.lora_merge import merged_config, merged_model, merged_state
+from ringtune.models.lora_peft import write_peft_adapter
+from ringtune.parallel.control import run_on_source
 from ringtune.parallel.mesh import ParallelMesh
 
 
@@ -50,12 +52,16 @@ class LoraTrainer(Trainer):
 
     def export_hf(self, path: str) -> None:
         """The merged weights as an HF checkpoint directory (untied when the unembedding is adapted on tied
-        embeddings), in ``export_dtype`` when mixed; written by the control group's rank 0."""
+        embeddings), in ``export_dtype`` when mixed, plus the adapters in the PEFT format
+        (:mod:`ringtune.models.lora_peft`: ``adapter_model.safetensors`` + ``adapter_config.json``) in the same
+        directory; written by the control group's rank 0. The HF part is written atomically, the two adapter
+        files right after it (the gateway records the export only once both are in place)."""
         self._check_usable()
         with torch.device("meta"):
             shell = CausalLM(merged_config(self.lora))  # only its config is read by the writer
         state = merged_state(self.lora) if self.is_result_rank else None
         export_hf_weights(shell, path, group=self.control_group, dtype=self.export_dtype, state=state)
+        run_on_source(lambda: write_peft_adapter(self.lora, path), self.control_group)
 
     def sampler_snapshot(self) -> CausalLM:
         """The sampler's inference copy of this run now: the merged model (see :mod:`ringtune.models.lora_merge`)."""
