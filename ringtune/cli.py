@@ -89,6 +89,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (ranks per packed row)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (rows in parallel)")
     p.add_argument(
+        "--ep", type=int, default=1, help="expert-parallel size for MoE models (divides dp x cp; docs/moe.md)"
+    )
+    p.add_argument(
         "--attention", default=None, choices=ATTENTION_MODES, help="CP attention mode (default: the first that fits)"
     )
     p.add_argument(
@@ -191,6 +194,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             source=args.model,
             dp=args.dp,
             cp=args.cp,
+            ep=args.ep,
             attention=args.attention,
             gated_delta=args.linear_cp_mode,
             dtype=args.dtype,
@@ -211,7 +215,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     if not args.liveness_timeout > 0:
         raise UserInputError(f"--liveness-timeout={args.liveness_timeout} must be > 0 seconds")
     layout = WorkerLayout(
-        dp=args.dp, cp=args.cp, timeout_s=args.collective_timeout, liveness_timeout_s=args.liveness_timeout
+        dp=args.dp, cp=args.cp, ep=args.ep, timeout_s=args.collective_timeout, liveness_timeout_s=args.liveness_timeout
     )
     spec = ModelSpec(
         source=args.model,

@@ -38,12 +38,14 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerLayout:
-    """The mesh of the worker ranks: ``dp`` × ``cp`` processes, data-group timeout ``timeout_s`` seconds,
+    """The mesh of the worker ranks: ``dp`` × ``cp`` processes (expert parallelism ``ep`` carved out of them,
+    :func:`~ringtune.parallel.mesh.build_mesh`), data-group timeout ``timeout_s`` seconds,
     liveness timeout ``liveness_timeout_s`` (:mod:`ringtune.parallel.liveness`: used only for a rank on another
     host, whose process this one cannot see)."""
 
     dp: int = 1
     cp: int = 1
+    ep: int = 1
     timeout_s: float = DEFAULT_TIMEOUT_S
     liveness_timeout_s: float = liveness.DEFAULT_TIMEOUT_S
 
@@ -76,7 +78,7 @@ def _worker_entry(rank: int, layout: WorkerLayout, spec: ModelSpec, init_method:
     )
     if _backend_kind() == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    mesh = build_mesh(dp=layout.dp, cp=layout.cp, timeout_s=layout.timeout_s)
+    mesh = build_mesh(dp=layout.dp, cp=layout.cp, ep=layout.ep, timeout_s=layout.timeout_s)
     code = worker_loop(RankExecutor(spec, mesh))
     if code == 0:
         dist.destroy_process_group()
@@ -159,7 +161,7 @@ def spawn_world(
         backend=_backend_kind(),
         timeout_s=layout.timeout_s,
     )
-    mesh = build_mesh(dp=layout.dp, cp=layout.cp, timeout_s=layout.timeout_s)
+    mesh = build_mesh(dp=layout.dp, cp=layout.cp, ep=layout.ep, timeout_s=layout.timeout_s)
     return DistributedBackend(RankExecutor(spec, mesh, spare=spare), info, workers=workers)
 
 
@@ -176,7 +178,7 @@ def join_torchrun_world(
     rank = init_from_env(timeout_s=layout.timeout_s)
     if dist.get_world_size() != layout.world_size:
         raise SystemExit(f"torchrun started {dist.get_world_size()} processes; --dp·--cp = {layout.world_size}")
-    mesh = build_mesh(dp=layout.dp, cp=layout.cp, timeout_s=layout.timeout_s)
+    mesh = build_mesh(dp=layout.dp, cp=layout.cp, ep=layout.ep, timeout_s=layout.timeout_s)
     model = info = None
     if rank == 0:
         model, info = _load_and_describe(spec, layout, model_name, tokenizer_dir, tokenizer_cache)

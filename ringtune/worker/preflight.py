@@ -48,6 +48,7 @@ class ServeSettings:
     source: str
     dp: int = 1
     cp: int = 1
+    ep: int = 1
     attention: str | None = None
     gated_delta: str | None = None
     dtype: str = "float32"
@@ -116,9 +117,13 @@ def _choose_modes(config: DecoderConfig, s: ServeSettings) -> tuple[str, str, li
 
 def preflight(s: ServeSettings) -> Preflight:
     """Check ``s`` against the model; raises UserInputError naming the flag, value and limit (see module doc)."""
-    for name in ("dp", "cp"):
+    for name in ("dp", "cp", "ep"):
         if getattr(s, name) < 1:
             raise UserInputError(f"--{name}={getattr(s, name)} must be >= 1")
+    if (s.dp * s.cp) % s.ep:
+        raise UserInputError(f"--ep={s.ep} must divide --dp x --cp = {s.dp * s.cp} (EP is carved out of those ranks)")
+    if s.ep > 1 and s.shard_params != "none":
+        raise UserInputError(f"--shard-params={s.shard_params} with --ep={s.ep}: not supported yet (docs/moe.md)")
     check_precision(s.dtype, field="--dtype")
     check_recompute_mode(s.recompute, field="--recompute")
     check_sharding(s.shard_params, field="--shard-params")
@@ -133,6 +138,8 @@ def preflight(s: ServeSettings) -> Preflight:
     if s.tokenizer_dir is not None:
         find_tokenizer_dir(s.source, s.tokenizer_dir, None)
     config = read_config(s.source)
+    if s.ep > 1 and (not config.has_moe or config.num_experts % s.ep):
+        raise UserInputError(f"--ep={s.ep} must divide the model's num_experts={config.num_experts} (0: not MoE)")
     attention, gated_delta, notes = _choose_modes(config, s)
     context = max_datum_len(s.max_tokens_per_rank, cp_size=s.cp, multiple=stream_pad_multiple(1, PAD_MULTIPLIER))
     if context < 1:
