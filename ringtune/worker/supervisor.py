@@ -46,6 +46,7 @@ from ringtune.engine.optimizer import AdamParams
 from ringtune.engine.trainer import TrainDatum
 from ringtune.errors import RankFailedError, UserInputError
 from ringtune.gateway.backend import BackendHealth, BackendInfo
+from ringtune.parallel import liveness, store_exchange
 from ringtune.sample.pool import SampleRequest, SamplerSource
 from ringtune.sample.sampler import PromptSamples
 from ringtune.worker.backend import DistributedBackend
@@ -110,21 +111,10 @@ def checkpoint_step(path: str) -> int:
 
 def forget_world() -> None:
     """Forget this process's part in a torn-down world (the default process group must be destroyed first):
-    the per-process state of :mod:`ringtune.parallel.liveness` (identities, heartbeat thread, dead ranks) and
-    :mod:`ringtune.parallel.store_exchange` (sequence numbers) starts over, so the next world lines up with the
-    fresh worker processes (whose counters start at 0)."""
-    from ringtune.parallel import liveness, store_exchange
-
-    if hasattr(liveness, "leave"):
-        liveness.leave()
-    else:  # until liveness offers leave(): the same reset from outside
-        with liveness._lock:
-            liveness._state.update(thread=None, probe=None, identities={}, beats={}, dead={})
-    if hasattr(store_exchange, "reset"):
-        store_exchange.reset()
-    else:
-        store_exchange._sequence.clear()
-        store_exchange._unread.clear()
+    liveness (identities, heartbeat, dead ranks) and the store exchanges' sequence numbers start over, so the
+    next world lines up with the fresh worker processes (whose counters start at 0)."""
+    liveness.leave()
+    store_exchange.reset()
 
 
 class SupervisedBackend:
