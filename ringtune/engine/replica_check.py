@@ -11,9 +11,11 @@ Which ranks hold the same tensors (:func:`replica_key`), by the trainer's shardi
 
 Replicas run identical math on identical reduced gradients (the SUM over DP×CP is one all-reduce whose result
 every rank receives), so they are expected to be *bit-identical*, in float32, float64, bfloat16 and bf16-mixed
-alike. The checksum of a tensor (:func:`checksums`) is the sum of its raw bits read as integers (int16 / int32 /
-int64 by element size), exact modulo 2^64: any change of one element's bits changes it (+0/-0 and NaN payloads
-included). Cost: one read of every parameter and moment per step (benchmarks/replica_check.py).
+alike. The checksum of a tensor (:func:`checksums`) is the sum of its raw bits read as integers of the element's
+own width (int16 / int32 / int64), wrapping, so exact modulo 2^width: a change of one element's bits changes its
+integer by a nonzero amount below 2^width, so it changes the sum (+0/-0 and NaN payloads included). Summing in
+the element's own width keeps it one vectorised read of every parameter and moment per step (widening each
+element to int64 first cost ~65x more); benchmarks/replica_check.py measures it.
 
 A mismatch raises :class:`ReplicaDivergedError` (a server error, not a user error: the engine is wrong), naming
 the tensors and the ranks that disagree, on every rank alike; the run is *untrusted* from then on and every later
@@ -47,17 +49,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def checksums(tensors: list[torch.Tensor]) -> list[int]:
-    """Per tensor: the sum of its elements' raw bits as integers (int64 accumulation, exact modulo 2^64).
-
-    One changed element changes its integer image by a nonzero amount, so the sum changes. DTensors are read
-    through their local shard; a 0-d tensor (the AdamW step) as a 1-element tensor.
+    """Per tensor: the wrapping sum of its elements' raw bits as integers of their own width (exact modulo
+    2^width). One changed element changes its integer by a nonzero amount below 2^width, so the sum changes.
+    DTensors are read through their local shard; a 0-d tensor (the AdamW step) as a 1-element tensor.
     """
     sums = []
     for t in tensors:
         x = _local(t).detach().contiguous().reshape(-1)
         if x.is_complex() or x.element_size() not in _BITS:
             raise TypeError(f"cannot checksum a {x.dtype} tensor")
-        sums.append(x.view(_BITS[x.element_size()]).sum(dtype=torch.int64))
+        bits = _BITS[x.element_size()]
+        sums.append(x.view(bits).sum(dtype=bits).to(torch.int64))
     return [int(s) for s in torch.stack(sums).tolist()] if sums else []
 
 
@@ -127,10 +129,10 @@ class ReplicaCheck:
         self.last_seconds = time.perf_counter() - start
         self.compared = len(named)
         if problems:
-            self.untrusted = f"replicas diverged at step {step}: {problems}"
+            self.untrusted = f"replicas diverged after optim_step {step}: {problems}"
             raise ReplicaDivergedError(
-                f"optim_step {step}: {problems}. Ranks that must hold identical parameters and AdamW moments do not "
-                "(an engine bug, not your request); this run is untrusted from now on"
+                f"replicas diverged after optim_step {step}: {problems}. Ranks that must hold identical parameters "
+                "and AdamW moments do not (an engine bug, not your request); this run is untrusted from now on"
             )
         return self.last_seconds
 
