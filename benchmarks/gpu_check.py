@@ -68,9 +68,23 @@ def step_subprocess(impl: str, tokens: int, timeout_s: float) -> dict:
     return json.loads(lines[-1])
 
 
-def training_steps(args: argparse.Namespace, started: float) -> list[dict]:
-    """Per token count: ringtune's and transformers' step (in-process at smoke size on CPU)."""
-    rows = []
+def cp2_subprocess(timeout_s: float) -> dict:
+    """``gpu_cp2.py --device cuda`` in a fresh process under ``timeout_s``; its JSON or why there is none."""
+    cmd = [sys.executable, str(HERE / "gpu_cp2.py"), "--device", "cuda"]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        return {"backend": "nccl", "pass": False, "failed_backends": [f"nccl: timeout after {timeout_s:.0f} s"]}
+    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
+    if done.returncode or not lines:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {"backend": "nccl", "pass": False, "failed_backends": [f"exit {done.returncode}: {tail[0][:300]}"]}
+    return json.loads(lines[-1])
+
+
+def training_steps(args: argparse.Namespace, started: float, save, rows: list[dict]) -> None:
+    """Per token count: ringtune's and transformers' step (in-process at smoke size on CPU), appended to ``rows``;
+    ``save()`` after each."""
     for tokens in args.tokens:
         pair = {}
         for impl in ("ringtune", "transformers"):
@@ -88,7 +102,7 @@ def training_steps(args: argparse.Namespace, started: float) -> list[dict]:
             if ours.get("peak_mem_gib") and theirs.get("peak_mem_gib"):
                 row["memory_ratio"] = ours["peak_mem_gib"] / theirs["peak_mem_gib"]
         rows.append(row)
-    return rows
+        save()
 
 
 def _fmt(x: object, spec: str = ".3g") -> str:
@@ -107,6 +121,9 @@ def markdown(report: dict) -> str:
         "|---|---|---|---:|---:|---:|---:|---|",
     ]
     for r in report["kernel_parity"]:
+        if "error" in r:
+            lines.append(f"| {r['case']} | {r['kernel']} | — | error: {r['error']} | | | | FAIL |")
+            continue
         lines.append(
             f"| {r['case']} | {r['kernel']} | {r['dtype']} | {r['forward']:.1e} | {r['limit_forward']:.0e} | "
             f"{r['backward']:.1e} | {r['limit_backward']:.0e} | {'PASS' if r['pass'] else 'FAIL'} |"
@@ -145,6 +162,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 65536])
     p.add_argument("--budget-s", type=float, default=420.0, help="start no training-step run after this many s")
     p.add_argument("--step-timeout-s", type=float, default=150.0)
+    p.add_argument("--cp2-timeout-s", type=float, default=90.0)
     args = p.parse_args()
     if args.smoke:
         args.tokens = [96]
@@ -154,18 +172,24 @@ def main() -> int:
     started = time.time()
     report: dict = {"smoke": args.smoke, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     report["versions"] = versions()
-    report["kernel_parity"] = kernel_parity(device, smoke=args.smoke)
-    print(f"kernel parity: {time.time() - started:.0f} s", flush=True)
-    report["training_step"] = training_steps(args, started)
-    print(f"training steps: {time.time() - started:.0f} s", flush=True)
-    cp_model = SMOKE_MODEL if args.smoke else {**SMOKE_MODEL, "hidden_size": 512, "head_dim": 64}
-    report["cp2"] = cp2_parity(cp_model, device)
-    report["elapsed_s"] = time.time() - started
+    report["kernel_parity"], report["cp2"], report["training_step"] = [], {"pass": False}, []
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1))
-    text = markdown(report)
-    (args.out / "gpu_check.md").write_text(text)
-    print(text, flush=True)
+
+    def save() -> str:  # after every part: a run stopped by its time limit still leaves what it measured
+        report["elapsed_s"] = time.time() - started
+        (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+        text = markdown(report)
+        (args.out / "gpu_check.md").write_text(text)
+        return text
+
+    report["kernel_parity"] = kernel_parity(device, smoke=args.smoke)
+    save()
+    print(f"kernel parity: {time.time() - started:.0f} s", flush=True)
+    report["cp2"] = cp2_parity(SMOKE_MODEL, device) if args.smoke else cp2_subprocess(args.cp2_timeout_s)
+    save()
+    print(f"CP=2: {time.time() - started:.0f} s", flush=True)
+    training_steps(args, started, save, report["training_step"])
+    print(save(), flush=True)
     ok = all(r["pass"] for r in report["kernel_parity"]) and report["cp2"]["pass"]
     return 0 if ok else 1
 

@@ -6,13 +6,17 @@ CP modes (ring attention, headwise GatedDeltaNet). Compared: the row's label log
 the global gradient norm (|gn₂/gn₁ − 1|) against the bf16 parity limits of docs/parity.md (``ringtune.parity.compare
 .LIMITS["bf16-mixed"]``: lp mean 1e-3, p99 5e-3, grad norm 5e-3).
 
-The data groups take ``backend``: ``gloo`` on CPU; on CUDA ``nccl`` first. NCCL refuses two ranks on one GPU on
-some versions ("Duplicate GPU detected"); the check then says so and tries gloo with CUDA tensors, which only some
-gloo builds accept. NOT YET RUN ON A GPU.
+The data groups take ``backend``: ``gloo`` on CPU, ``nccl`` on CUDA. NCCL refuses two ranks on one GPU
+("Duplicate GPU detected", ncclInvalidUsage, in the NCCL versions users report it from); the check then reports that
+reason instead of a figure. Gloo is no fallback for CUDA tensors: its send/recv hand the tensor's data pointer to
+the host transport. ``python gpu_cp2.py --device cuda`` runs the check alone and prints its JSON (``gpu_check.py``
+runs it so, under a timeout, so that a hung collective cannot eat the whole run). NOT YET RUN ON A GPU.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 from typing import Any
 
 import torch
@@ -66,7 +70,7 @@ def cp_worker(rank: int, cfg: dict[str, Any], device: str, backend: str, seq_len
 def cp2_parity(cfg: dict[str, Any], device: torch.device) -> dict:
     """Run CP=1 and CP=2 (each in fresh processes) on ``device``; the figures and their limits."""
     limits = LIMITS["bf16-mixed"]
-    backends = ["nccl", "gloo"] if device.type == "cuda" else ["gloo"]
+    backends = ["nccl"] if device.type == "cuda" else ["gloo"]
     ref = spawn(cp_worker, 1, cfg, str(device), "gloo", SEQ_LENS, threads=1)[0]
     attempts = []
     for backend in backends:
@@ -86,3 +90,18 @@ def cp2_parity(cfg: dict[str, Any], device: torch.device) -> dict:
         ok = all(figures[k] <= lim[k] for k in figures)
         return {"backend": backend, "figures": figures, "limits": lim, "pass": ok, "failed_backends": attempts}
     return {"backend": None, "pass": False, "failed_backends": attempts}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--hidden", type=int, default=512)
+    a = p.parse_args()
+    from gpu_step import SMOKE_MODEL
+
+    cfg = {**SMOKE_MODEL, "hidden_size": a.hidden, "head_dim": 64}
+    print(json.dumps(cp2_parity(cfg, torch.device(a.device))), flush=True)
+
+
+if __name__ == "__main__":
+    main()
