@@ -72,12 +72,11 @@ def measure(
             raise ValueError(f"depth {max(depths)} exceeds the {len(ids)} tokens of text")
         sampler = tc.save_weights_and_get_sampling_client().result()
         params = tinker.SamplingParams(max_tokens=tokens, temperature=1.0, seed=seed, stop=[])
-        futures = [
-            sampler.sample(tinker.ModelInput.from_ints(ids[:d]), num_samples=samples, sampling_params=params)
-            for d in depths
-        ]
         datums, meta = [], []
-        for depth, future in zip(depths, futures, strict=True):
+        for depth in depths:  # one depth at a time: a decode batch holds the KV cache of its rows at full length
+            future = sampler.sample(
+                tinker.ModelInput.from_ints(ids[:depth]), num_samples=samples, sampling_params=params
+            )
             for seq in future.result().sequences:
                 full = ids[:depth] + list(seq.tokens)
                 datums.append(
@@ -87,6 +86,7 @@ def measure(
                     )
                 )
                 meta.append((depth, np.asarray(seq.logprobs, dtype=np.float64)))
+            print(f"#   sampled at depth {depth}", flush=True)
         outs = tc.forward(datums, "cross_entropy").result().loss_fn_outputs
     result = {}
     for depth in depths:
