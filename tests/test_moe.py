@@ -226,3 +226,24 @@ def test_grouped_mm_forward_equals_loop():
     counts = torch.tensor([4, 0, 6])
     want = GROUPED_LINEAR["loop"](x, w, counts)
     assert torch.allclose(GROUPED_LINEAR["grouped_mm"](x, w, counts), want, rtol=1e-5, atol=1e-5)
+
+
+def test_replay_through_the_decoder(checkpoints):
+    """``PackedShard.replay_experts`` reaches every MoE layer: its own routing replayed gives the same logits;
+    another routing in one layer changes them; a wrong entry count is refused."""
+    import dataclasses
+
+    model = load_hf(checkpoints / "qwen3_5_moe", dtype=torch.float64)
+    ids = packed_tokens((16,), model.config.vocab_size, seed=6)
+    chosen = _routing(model, ids)
+    shard = shard_of((16,))
+    local = zigzag_slice(ids, shard.plan)
+    with torch.no_grad():
+        plain = model.logits(local, shard)
+        replayed = model.logits(local, dataclasses.replace(shard, replay_experts=tuple(chosen)))
+        other = (chosen[2] + 1) % model.config.num_experts
+        changed = model.logits(local, dataclasses.replace(shard, replay_experts=(None, None, other, None)))
+    assert torch.equal(replayed, plain)
+    assert (changed - plain).abs().max() > 1e-3
+    with pytest.raises(ValueError, match=r"one entry per layer \(4\)"):
+        model.logits(local, dataclasses.replace(shard, replay_experts=(None,)))
