@@ -84,15 +84,11 @@ def _transformers(cfg: dict[str, Any], device: torch.device):
     return model
 
 
-def matmul_params(model: torch.nn.Module) -> int:
-    """Parameters of every 2-D weight except the embedding table (counted once more if the head is tied to it)."""
+def matmul_params(model: torch.nn.Module, cfg: dict[str, Any]) -> int:
+    """Parameters of every 2-D weight but the embedding table, plus the head's [V, D] when it is the tied table."""
     embed = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
     total = sum(p.numel() for p in model.parameters() if p.dim() == 2 and id(p) not in embed)
-    tied = not any(
-        isinstance(m, torch.nn.Linear) and m.out_features == model.config.vocab_size for m in model.modules()
-    )
-    vocab_hidden = model.config.vocab_size * model.config.hidden_size
-    return total + (vocab_hidden if tied else 0)
+    return total + (cfg["vocab_size"] * cfg["hidden_size"] if cfg.get("tie_word_embeddings") else 0)
 
 
 def run_step(impl: str, model_name: str, tokens: int, steps: int, device: torch.device, peak_tflops: float) -> dict:
@@ -141,7 +137,7 @@ def run_step(impl: str, model_name: str, tokens: int, steps: int, device: torch.
             times.append(time.perf_counter() - start)
         first_loss = float(loss.detach()) if first_loss is None else first_loss
     step_s = statistics.median(times) if times else float("nan")
-    flops = model_flops(cfg, tokens, matmul_params(model))
+    flops = model_flops(cfg, tokens, matmul_params(model, cfg))
     return {
         "impl": impl,
         "model": model_name,
