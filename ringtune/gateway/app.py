@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ringtune.errors import UserInputError
 from ringtune.gateway import rest
@@ -148,6 +149,13 @@ def create_app(service: GatewayService) -> Guard:
     @app.exception_handler(UserInputError)
     async def _user(_: Request, exc: UserInputError) -> JSONResponse:
         return problem(400, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Starlette's own refusals (unknown route 404, wrong method 405, an unparsable body 400) in our shape
+        if exc.status_code >= 500:
+            return problem(exc.status_code, f"internal error: {exc.detail}", "server")
+        return problem(exc.status_code, f"{exc.detail} ({exc.status_code})")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:

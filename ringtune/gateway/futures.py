@@ -130,6 +130,10 @@ class SeqGate:
     KEEP_KNOWN = 4096
     """How many past seq_ids remember their request_id (for resubmits)."""
 
+    MAX_AHEAD = 100_000
+    """How far beyond the next expected seq_id an op may arrive (an SDK client is as far ahead as it has ops in
+    flight); a larger ``seq_id`` is refused, so a gap never spans more than this many skipped ids."""
+
     def __init__(self, first: int = 1) -> None:
         self.next_seq = first
         self._held: dict[int, tuple[str, Callable[[], None]]] = {}
@@ -150,6 +154,10 @@ class SeqGate:
                 f"seq_id={seq_id} comes too late: this model already runs seq_id {self.next_seq} "
                 "(it was skipped after waiting, or never submitted)"
             )
+        if seq_id > self.next_seq + self.MAX_AHEAD:
+            raise UserInputError(
+                f"seq_id={seq_id} is more than {self.MAX_AHEAD} ahead of this model's next seq_id {self.next_seq}"
+            )
         self._known[seq_id] = request_id
         self._held[seq_id] = (request_id, start)
         if self._blocked_since is None:
@@ -165,12 +173,13 @@ class SeqGate:
         for old in [s for s in self._known if s < self.next_seq - self.KEEP_KNOWN]:
             del self._known[old]
 
-    def skip_stale_gap(self, now: float, gap_timeout_s: float) -> list[int]:
-        """If later ops have waited ``gap_timeout_s`` for a missing seq_id, skip to the smallest held one."""
+    def skip_stale_gap(self, now: float, gap_timeout_s: float) -> range:
+        """If later ops have waited ``gap_timeout_s`` for a missing seq_id, skip to the smallest held one;
+        the skipped seq_ids (empty if none)."""
         if not self._held or self._blocked_since is None or now - self._blocked_since < gap_timeout_s:
-            return []
+            return range(0)
         first = min(self._held)
-        skipped = list(range(self.next_seq, first))
+        skipped = range(self.next_seq, first)
         self.next_seq = first
         self._release(now)
         return skipped
