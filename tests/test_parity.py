@@ -17,15 +17,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from ringtune.cli import main
-from ringtune.engine.faults import DEBUG_FAULTS
 from ringtune.layout.contiguous import contiguous_part
-from ringtune.layout.zigzag import chunk_len, zigzag_plan
+from ringtune.layout.zigzag import chunk_len, zigzag_plan, zigzag_slice
 from ringtune.parity.compare import ComparisonRefusedError, compare_dumps
 from ringtune.parity.datums import build_datum_set, text_token_stream
-from ringtune.parity.matrix import MatrixConfig, run_matrix
+from ringtune.parity.matrix import FAULT_LAYOUTS, MatrixConfig, run_matrix
 from ringtune.parity.sampler_kl import PROMPT_CAP, SAMPLE_TOKENS, kl_estimates, sampler_prompts
+from ringtune.parity.servers import ServeSpec
 from ringtune.parity.windows import Layout, request_positions
 
 ROW_TOKENS = 512
@@ -38,6 +39,14 @@ EXPECTED = {
     "gradients_averaged": "grad_norm.cross_entropy",
     "gdn_state_dropped": "lp.split[",
     "loss_sign_flipped": "loss.cross_entropy.per_token",
+    # New in issue 22: a replica that skips weight decay fails the replica check at the first decayed step; a
+    # rank without scored tokens that drops its backward loses the tail datum's gradient through it; a ring
+    # shift in the wrong direction (CP=4 only) reads the wrong K/V blocks; a decay rounded to bf16 on its way
+    # through the relayout moves the positions every honest layout computes bit-identically (chunk 0).
+    "weight_decay_skipped_cp1": "replicas.identical",
+    "unscored_backward_skipped": "grad_norm.long_step",
+    "ring_shift_reversed": "lp.mean",
+    "gdn_decay_relayout_bf16": "lp.chunk[0].moved",
 }
 
 
@@ -67,9 +76,25 @@ def test_datum_set_is_fixed_and_sized_to_the_context():
     a = build_datum_set(seed=0, vocab_size=96, context_length=1024, stream=stream)
     b = build_datum_set(seed=0, vocab_size=96, context_length=1024, stream=stream)
     assert a.digest() == b.digest()
-    assert [len(d.tokens) for d in a.main[:16]] == list(range(2, 18))
-    assert [len(d.tokens) for d in a.long] == [500, 1000]
+    assert [len(d.tokens) for d in a.main[:17]] == list(range(1, 18))
+    assert [len(d.tokens) for d in a.long] == [500, 1000] and len(a.tail.tokens) == 763
     assert all(w == 0.0 for w in a.long[1].weights[:500]) and all(w > 0 for w in a.long[1].weights[500:])
+    # The tail datum alone in its row: at CP 2 and 4 only rank 0 holds scored tokens (its last zigzag chunk), and
+    # the others hold tokens that precede them; short rows end on every CP rank.
+    scored = np.flatnonzero(np.asarray(a.tail.weights) > 0)
+    for cp in (2, 4):
+        for rank in range(cp):
+            plan = zigzag_plan([len(a.tail.tokens)], cp_size=cp, cp_rank=rank, pad_multiplier=8)
+            held = zigzag_slice(torch.arange(len(a.tail.tokens)), plan, pad_value=-1)
+            assert bool(np.isin(scored, held.numpy()).any()) == (rank == 0), (cp, rank)
+        last = set()
+        for d in a.main[:17]:
+            n = len(d.tokens)
+            for rank in range(cp):
+                plan = zigzag_plan([n], cp_size=cp, cp_rank=rank, pad_multiplier=8)
+                if n - 1 in zigzag_slice(torch.arange(n), plan, pad_value=-1).tolist():
+                    last.add(rank)
+        assert last == set(range(cp)), (cp, last)
     assert build_datum_set(seed=1, vocab_size=96, context_length=1024, stream=stream).digest() != a.digest()
 
 
@@ -106,7 +131,7 @@ def matrix(tmp_path_factory):
         modes=("headwise", "chunkwise"),
         dtypes=("float32",),
         row_tokens=ROW_TOKENS,
-        faults=DEBUG_FAULTS,
+        faults=tuple(EXPECTED),
     )
     return config, run_matrix(config)
 
@@ -126,7 +151,7 @@ def test_clean_layouts_pass_and_faults_fail(matrix):
         assert row.result.figure("grad_norm.cross_entropy").value <= 1e-5  # the brief's float32 bound
         assert row.png.is_file() and row.png.stat().st_size > 1000
     faults = {r.spec.debug_fault: r for r in report.rows if r.expect_fail}
-    assert set(faults) == set(DEBUG_FAULTS)
+    assert set(faults) == set(EXPECTED)
     for name, row in faults.items():
         names = [f.name for f in row.result.failures]
         assert any(n.startswith(EXPECTED[name]) for n in names), (name, names)
@@ -140,7 +165,7 @@ def test_clean_layouts_pass_and_faults_fail(matrix):
     assert "| tiny-qwen3.5 | float32 | CP2 chunkwise | pass |" in text
     assert "| tiny-qwen3.5 | float32 | DP2 CP2 chunkwise | pass |" in text and "| DP2 CP1 | pass |" in text
     assert "sampler KL" in text and "not measured" not in text
-    assert all(f"`{name}`" in text for name in DEBUG_FAULTS)
+    assert all(f"`{name}`" in text for name in EXPECTED)
 
 
 def _dump(config: MatrixConfig, name: str) -> Path:
@@ -155,9 +180,11 @@ def test_compare_cli_exit_codes_and_noise(matrix, tmp_path, capsys):
     assert main(["parity", "compare", str(ref), str(hw), "--png", str(png), "--json", str(figures)]) == 0
     assert png.is_file() and json.loads(figures.read_text())
     for fault, figure in EXPECTED.items():
-        mode = "chunkwise" if fault == "gdn_state_dropped" else "headwise"
-        bad = _dump(config, f"cp2-{mode}-dp1-float32-fault-{fault}")
-        assert main(["parity", "compare", str(ref), str(bad)]) == 1
+        cp, mode, dtype = FAULT_LAYOUTS[fault]
+        spec = ServeSpec(model="m", cp=cp, dtype=dtype, linear_cp_mode=mode, debug_fault=fault)
+        bad = _dump(config, spec.name)
+        reference = _dump(config, f"cp1-dp1-{dtype}")
+        assert main(["parity", "compare", str(reference), str(bad)]) == 1
         assert figure in capsys.readouterr().out
     # --noise: another correct layout's deviation only widens limits; a clean candidate still passes and a
     # fault still fails (its deviation is orders of magnitude above the noise run's).

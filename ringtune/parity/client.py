@@ -9,10 +9,15 @@ Requests, in order, on one fresh training run (LoRA rank 0 = full fine-tuning):
    ``optim_step`` (main set). IS and CISPO take sampler log-probs ``q`` = this server's ``forward.main`` log-probs
    plus seeded noise (sd 0.05) and seeded N(0, 1) advantages, so ``exp(lp - q)`` stays near 1 on any model; the
    difference of ``q`` between two servers is their forward deviation, as for a real sampler.
-3. ``long_step.lone`` and ``long_step.long`` (loss on the second half) then ``optim_step``.
+3. ``long_step.lone``, ``long_step.long`` (loss on the second half) and ``long_step.tail`` (loss on the last
+   1/16: every CP rank but 0 holds no scored token) then ``optim_step``.
 4. ``after.main`` / ``after.long``: forwards after the four steps.
 
-Each record keeps per-datum log-probs and summed losses; ``grad_norms`` the four steps' ``grad_norm:mean``.
+The first step is plain AdamW (:data:`ADAM`); the other three add weight decay and gradient clipping
+(:data:`ADAM_DECAY`). Each record keeps per-datum log-probs and summed losses; ``grad_norms`` the four steps'
+``grad_norm:mean``; ``replica_check`` each step's replica check (milliseconds, tensors compared). A request that
+fails with a server error (e.g. replicas that diverged) ends the run: the dump records it in ``server_error``
+(request and message) and holds what came back before.
 The server's layout (CP, DP, dtype, per-rank budget, CP modes, debug fault) comes from the ``ringtune`` key of
 ``GET /api/v1/get_server_capabilities``. Last, when the server samples (``sampleable``), the on-policy check
 KL(sampler ‖ trainer) on the weights after the steps (:mod:`ringtune.parity.sampler_kl`); otherwise the dump
@@ -38,6 +43,10 @@ FORMAT = "ringtune-parity/1"
 ADAM = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
 """One small AdamW step per loss: lr 1e-4 moves weights by ~1e-4 (sign-like first steps), enough for the
 post-step log-probs to show a wrong update, small enough that both layouts stay in the same basin."""
+ADAM_DECAY = {**ADAM, "weight_decay": 0.1, "grad_clip_norm": 1e-3}
+"""Steps 2-4: decoupled weight decay (a replica that skips it drifts by lr·wd·|w| per step) and clipping far
+below any real summed-loss grad norm (the clip scale is applied on every step; Adam's update barely depends on
+it, but the clipping path runs and must agree across ranks)."""
 TOKENIZER_MIN_VOCAB = 1000
 """Below this vocabulary the served tokenizer is a test one (no English words): text rows use bytes mod vocab."""
 
@@ -110,36 +119,58 @@ def run_parity(
             seed=seed, vocab_size=vocab, context_length=context, stream=stream, long_context=long_context
         )
         rng = np.random.default_rng(seed + 1)
-        adam = tinker.AdamParams(**ADAM)
         records: dict[str, Any] = {}
         grad_norms: dict[str, float] = {}
+        replica_check: dict[str, dict[str, float]] = {}
+        server_error: dict[str, str] | None = None
 
         def forward(name: str, datums: Sequence[ParityDatum]) -> None:
             records[name] = _record(tc.forward([_to_tinker(d) for d in datums], "cross_entropy").result(), datums)
 
-        def step(name: str) -> None:
-            grad_norms[name] = float(tc.optim_step(adam).result().metrics["grad_norm:mean"])
+        def train(name: str, datums: Sequence[ParityDatum], inputs: list[tinker.Datum] | None = None) -> None:
+            loss_fn = name if inputs is not None else "cross_entropy"
+            batch = inputs if inputs is not None else [_to_tinker(d) for d in datums]
+            records[name] = _record(tc.forward_backward(batch, loss_fn).result(), datums)
 
-        main, long = list(data.main), list(data.long)
-        forward("forward.main", main)
-        forward("forward.lone", [data.lone])
-        forward("forward.long", long)
-        q = records["forward.main"]["logprobs"]
-        result = tc.forward_backward([_to_tinker(d) for d in main], "cross_entropy").result()
-        records["cross_entropy"] = _record(result, main)
-        step("cross_entropy")
-        for loss_fn in ("importance_sampling", "cispo"):
-            result = tc.forward_backward(_policy_inputs(main, q, rng), loss_fn).result()
-            records[loss_fn] = _record(result, main)
-            step(loss_fn)
-        result = tc.forward_backward([_to_tinker(data.lone)], "cross_entropy").result()
-        records["long_step.lone"] = _record(result, [data.lone])
-        result = tc.forward_backward([_to_tinker(d) for d in long], "cross_entropy").result()
-        records["long_step.long"] = _record(result, long)
-        step("long_step")
-        forward("after.main", main)
-        forward("after.long", long)
-        if model.get("sampleable"):
+        def step(name: str, params: dict[str, float]) -> None:
+            metrics = tc.optim_step(tinker.AdamParams(**params)).result().metrics
+            grad_norms[name] = float(metrics["grad_norm:mean"])
+            replica_check[name] = {
+                "ms": float(metrics.get("replica_check_ms:max", float("nan"))),
+                "tensors": float(metrics.get("replica_tensors:max", 0.0)),
+            }
+
+        main, long = list(data.main), [*data.long, data.tail]
+
+        def _policy(datums: Sequence[ParityDatum]) -> list[tinker.Datum]:
+            return _policy_inputs(datums, records["forward.main"]["logprobs"], rng)
+
+        requests = [
+            ("forward.main", lambda: forward("forward.main", main)),
+            ("forward.lone", lambda: forward("forward.lone", [data.lone])),
+            ("forward.long", lambda: forward("forward.long", long)),
+            ("cross_entropy", lambda: train("cross_entropy", main)),
+            ("optim_step cross_entropy", lambda: step("cross_entropy", ADAM)),
+            ("importance_sampling", lambda: train("importance_sampling", main, _policy(main))),
+            ("optim_step importance_sampling", lambda: step("importance_sampling", ADAM_DECAY)),
+            ("cispo", lambda: train("cispo", main, _policy(main))),
+            ("optim_step cispo", lambda: step("cispo", ADAM_DECAY)),
+            ("long_step.lone", lambda: train("long_step.lone", [data.lone])),
+            ("long_step.long", lambda: train("long_step.long", list(data.long))),
+            ("long_step.tail", lambda: train("long_step.tail", [data.tail])),
+            ("optim_step long_step", lambda: step("long_step", ADAM_DECAY)),
+            ("after.main", lambda: forward("after.main", main)),
+            ("after.long", lambda: forward("after.long", long)),
+        ]
+        for name, request in requests:
+            try:
+                request()
+            except tinker.RequestFailedError as exc:  # a server error ends the run (later requests would fail too)
+                server_error = {"request": name, "message": str(exc)}
+                break
+        if server_error is not None:
+            sampler_kl = skipped_sampler_kl(f"a request failed: {server_error['message'][:200]}")
+        elif model.get("sampleable"):
             sampler_kl = measure_sampler_kl(tc, sampler_prompts(data, context), seed=seed + 2)
         else:
             sampler_kl = skipped_sampler_kl(
@@ -156,11 +187,14 @@ def run_parity(
             "seed": seed,
             "long_context": long_context,
             "adam": ADAM,
+            "adam_decay": ADAM_DECAY,
             "text": "tokenizer" if encode else "bytes",
         },
         "data_digest": data.digest(),
         "records": records,
         "grad_norms": grad_norms,
+        "replica_check": replica_check,
+        "server_error": server_error,
         "sampler_kl": sampler_kl,
         "seconds": round(time.time() - started, 2),
     }

@@ -35,11 +35,19 @@ def add_parity_parser(sub: argparse._SubParsersAction) -> None:
         help="CP 1/2/4 and DP 1/2 (DP·CP <= 4) x both GDN modes x float32/bfloat16/float64, SmolLM2-135M at "
         "CP 1/2, and every debug fault",
     )
-    m.add_argument("--cp", type=int, nargs="+", default=None, help="CP sizes (default 1 2)")
+    m.add_argument("--cp", type=int, nargs="+", default=None, help="CP sizes (default 1 2 4)")
     m.add_argument("--dp", type=int, nargs="+", default=None, help="DP sizes (default 1; DP·CP <= 4)")
     m.add_argument("--modes", nargs="+", default=None, choices=["headwise", "chunkwise"])
-    m.add_argument("--dtypes", nargs="+", default=None, choices=["float32", "bfloat16", "float64"])
-    m.add_argument("--faults", nargs="*", default=None, choices=DEBUG_FAULTS, help="debug faults to serve at CP=2")
+    m.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=None,
+        choices=["float32", "bfloat16", "float64"],
+        help="default float32 float64",
+    )
+    m.add_argument(
+        "--faults", nargs="*", default=None, choices=DEBUG_FAULTS, help="debug faults to serve, each at its layout"
+    )
     m.add_argument("--row-tokens", type=int, default=1024, help="tokens per packed row (= context length)")
     m.add_argument("--embedded-cp", type=int, nargs="*", default=None, help="CP sizes for SmolLM2-135M")
     m.add_argument("--long-context", type=int, default=None)
@@ -95,10 +103,10 @@ def run_parity_command(args: argparse.Namespace) -> int:
         workdir=Path(args.workdir).resolve(),
         doc=Path(args.doc).resolve(),
         png_dir=Path(args.png_dir).resolve(),
-        cps=tuple(args.cp or ((1, 2, 4) if full else (1, 2))),
+        cps=tuple(args.cp or (1, 2, 4)),
         dps=tuple(args.dp or ((1, 2) if full else (1,))),
         modes=tuple(args.modes or ("headwise", "chunkwise")),
-        dtypes=tuple(args.dtypes or (("float32", "bfloat16", "float64") if full else ("float32",))),
+        dtypes=tuple(args.dtypes or (("float32", "bfloat16", "float64") if full else ("float32", "float64"))),
         row_tokens=args.row_tokens,
         embedded_cps=tuple(args.embedded_cp if args.embedded_cp is not None else ((1, 2) if full else ())),
         faults=tuple(args.faults if args.faults is not None else (DEBUG_FAULTS if full else ())),

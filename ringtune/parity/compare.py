@@ -17,6 +17,10 @@ Log-prob deltas ``Δ = lp_B - lp_A`` per scored position. Figures (``value <= li
   per token); ``grad_norm.<step>``: ``|gn_B / gn_A - 1|`` of each optimizer step;
 - ``lp.<record>.mean`` / ``.p99`` for the requests after the first optimizer step (looser: AdamW's first steps
   are sign-like, so layout noise in a near-zero gradient component moves that weight by up to ±lr);
+- ``replicas.identical`` (1 when a request of the run failed because ranks that must hold identical parameters
+  and AdamW moments did not: :mod:`ringtune.engine.replica_check`, checked after every optimizer step; limit 0)
+  and ``server.error`` (1 when a request failed with another server error); either ends the comparison: the
+  dump holds nothing after it;
 - ``sampler_kl.k3`` / ``sampler_kl.max_abs``: the candidate's own KL(sampler ‖ trainer) on its samples (k3 estimate)
   and largest ``|lp_trainer - lp_sampler|`` (:mod:`ringtune.parity.sampler_kl`), when its dump measured them; the
   reference's figures are shown beside them. Not a difference of two servers: each server's decode path must
@@ -37,113 +41,35 @@ from typing import Any
 
 import numpy as np
 
+from ringtune.parity.limits import COARSENESS, LIMITS, Limits
 from ringtune.parity.windows import Layout, request_positions
 
 PRE_STEP = ("forward.main", "forward.lone", "forward.long")
-POST_STEP = ("importance_sampling", "cispo", "long_step.lone", "long_step.long", "after.main", "after.long")
-LOSS_RECORDS = ("cross_entropy", "importance_sampling", "cispo", "long_step.lone", "long_step.long")
+POST_STEP = (
+    "importance_sampling",
+    "cispo",
+    "long_step.lone",
+    "long_step.long",
+    "long_step.tail",
+    "after.main",
+    "after.long",
+)
+LOSS_RECORDS = (
+    "cross_entropy",
+    "importance_sampling",
+    "cispo",
+    "long_step.lone",
+    "long_step.long",
+    "long_step.tail",
+)
+REPLICA_DIVERGED = "replicas diverged"
+"""What a server error says when the ranks' replicas came apart (ringtune.engine.replica_check)."""
 LONG_KINDS = ("text", "long")
 NOISE_WIDENING = 1.5
 
 
 class ComparisonRefusedError(ValueError):
     """The two dumps cannot be compared (other data, row budget or pad multiplier)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Limits:
-    """Per-dtype limits (the coarser dtype of the two dumps decides). See :data:`LIMITS` for the reasoning."""
-
-    lp_mean: float
-    lp_p99: float
-    kl: float
-    short_max: float
-    window_ratio: float
-    window_floor: float
-    loss_per_token: float
-    grad_norm: float
-    grad_norm_later: float
-    post_mean: float
-    post_p99: float
-    post_loss_per_token: float
-    sampler_k3: float
-    sampler_max: float
-
-
-LIMITS: dict[str, Limits] = {
-    # float64 compute, but log-probs and per-token losses cross the wire as float32: a log-prob of magnitude 4-16
-    # rounds by up to 1 ulp = 4.8e-7..9.5e-7, so every log-prob figure sits at float32 rounding (2e-6 = 2-4 ulps);
-    # grad norms come back as float64 JSON numbers and a CP sum differs from the CP=1 sum only in summation
-    # order (~1e-15 relative): 1e-12.
-    "float64": Limits(
-        lp_mean=1e-6,
-        lp_p99=2e-6,
-        kl=1e-12,
-        short_max=2e-6,
-        window_ratio=4.0,
-        window_floor=1e-6,
-        loss_per_token=2e-6,
-        grad_norm=1e-12,
-        grad_norm_later=1e-10,
-        post_mean=1e-6,
-        post_p99=2e-6,
-        post_loss_per_token=4e-6,
-        sampler_k3=1e-12,
-        sampler_max=2e-6,  # measured 0: decode and training forward in float64, both rounded to float32
-    ),
-    # float32: each CP layout sums attention blocks, GDN chunks and gradient partials in another order. Measured
-    # (docs/validation.md): the tiny Qwen3.5 at CP 2/4 moves log-probs by mean 5e-8, p99 4.8e-7 (1 ulp at
-    # |lp| ~ 4.6); SmolLM2-135M at CP 2 (30 layers, 49K vocabulary, |lp| up to ~20 where 1 ulp is 1.9e-6) by mean
-    # 2.1e-6, p99 9.5e-6, short-row max 1.7e-5, per-token loss 4.9e-5 (importance sampling, whose ratio
-    # exp(lp - q) amplifies both servers' q noise). Limits ~3-5x above the real model; the smallest fault (an
-    # off-by-one position on one chunk) moves the mean by 4.6e-4. Windows skip their ratio test only below 2e-6
-    # (float32 rounding of a log-prob), so a state drop that lifts a split window 100x over a quiet interior
-    # still fails there. Step-1 grad norm: the brief's 1e-5 (measured 8e-9); later steps 1e-4 (measured 9e-7).
-    "float32": Limits(
-        lp_mean=1e-5,
-        lp_p99=5e-5,
-        kl=1e-10,
-        short_max=5e-5,
-        window_ratio=4.0,
-        window_floor=2e-6,
-        loss_per_token=2e-5,
-        grad_norm=1e-5,
-        grad_norm_later=1e-4,
-        post_mean=2e-5,
-        post_p99=1e-4,
-        post_loss_per_token=2e-4,
-        # sampler KL (docs/validation.md): tiny model 2-3e-14 at CP 1/2/4, SmolLM2-135M 9e-12; the off-by-one
-        # fault 3.8e-6, the GDN state drop 4.4e-10 (2.9e-9 at a 512-token row budget). Max |Δ|: 9.5e-7 (1-2
-        # ulps), SmolLM2 1.9e-5; the faults 1.6e-2 and 1.8e-4.
-        sampler_k3=1e-10,
-        sampler_max=1e-4,
-    ),
-    # bfloat16 keeps 8 significant bits (relative rounding 2^-9 ≈ 2e-3 per op): a different reduction order moves
-    # hidden states and log-probs. Measured on the tiny Qwen3.5 at CP 2 and 4 (docs/validation.md): mean |Δlp|
-    # 2.2e-4, p99 1.0e-3, short-row max 1.4e-3, per-token loss 1.8e-3 (cispo), step-1 grad norm 6e-4 relative,
-    # later steps 1e-3. Limits ~5x above (KL, a square, 25x); the grad-norm limit 5e-3 is the 0.2-0.3% the
-    # comparable system saw from layout changes on a 4B model, with headroom. The window ratio stays 4.
-    "bfloat16": Limits(
-        lp_mean=1e-3,
-        lp_p99=5e-3,
-        kl=1e-6,
-        short_max=7e-3,
-        window_ratio=4.0,
-        window_floor=1e-3,
-        loss_per_token=2e-3,
-        grad_norm=5e-3,
-        grad_norm_later=1e-2,
-        post_mean=2e-3,
-        post_p99=7e-3,
-        post_loss_per_token=1e-2,
-        sampler_k3=1e-6,  # measured 2e-9 at CP 1, 6e-8 at CP 2 (bf16 decode vs bf16 packed forward)
-        sampler_max=7e-3,  # measured 6.7e-4 at CP 1, 1.2e-3 at CP 2: bf16 hidden states rounded in another order
-    ),
-}
-# bf16-mixed computes the decoder layers in bfloat16 (ringtune.models.precision): a CP layout changes the same bf16
-# roundings as in "bfloat16", so the same limits apply (not yet measured with the parity matrix).
-LIMITS["bf16-mixed"] = LIMITS["bfloat16"]
-_COARSENESS = ("float64", "float32", "bf16-mixed", "bfloat16")
 
 
 @dataclass
@@ -214,7 +140,7 @@ def check_comparable(a: Mapping[str, Any], b: Mapping[str, Any]) -> None:
 
 
 def _dtype(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
-    return max(a["layout"]["dtype"], b["layout"]["dtype"], key=_COARSENESS.index)
+    return max(a["layout"]["dtype"], b["layout"]["dtype"], key=COARSENESS.index)
 
 
 def _deltas(ra: Mapping[str, Any], rb: Mapping[str, Any]) -> list[np.ndarray]:
@@ -233,6 +159,8 @@ def compute_figures(a: Mapping[str, Any], b: Mapping[str, Any], *, window_layout
     """Every figure of ``b`` against ``a`` (windows placed by ``window_layout``); see the module docstring."""
     figures: list[Figure] = []
     ra, rb = a["records"], b["records"]
+    if set(ra) != set(rb):
+        raise ComparisonRefusedError(f"the dumps hold other requests: {sorted(set(ra) ^ set(rb))} in one only")
     pre = {name: _deltas(ra[name], rb[name]) for name in PRE_STEP}
     everything = np.abs(np.concatenate([d for name in PRE_STEP for d in pre[name]]))
     figures.append(Figure("lp.mean", _stat(everything, "mean"), limits.lp_mean))
@@ -253,6 +181,7 @@ def compute_figures(a: Mapping[str, Any], b: Mapping[str, Any], *, window_layout
     k3 = np.expm1(raw) - raw
     kept = k3[k3 <= np.percentile(k3, 99)]
     figures.append(Figure("lp.trimmed_kl", float(np.mean(kept)), limits.kl))
+    figures.append(_local_chunk_figure(ra, pre, window_layout))
 
     for name in ("forward.main", "forward.lone"):
         record = ra[name]
@@ -279,7 +208,7 @@ def compute_figures(a: Mapping[str, Any], b: Mapping[str, Any], *, window_layout
         for j, s in enumerate(p.splits):
             window(f"lp.split[{datum}@{s}]", d[p.near_split == j], note=f"GDN split row {s} of {datum}")
 
-    for name in LOSS_RECORDS:
+    for name in (n for n in LOSS_RECORDS if n in ra):  # older dumps lack the newer requests
         x, y = ra[name], rb[name]
         per_token = max(abs(ly - lx) / n for lx, ly, n in zip(x["losses"], y["losses"], x["lengths"], strict=True))
         limit = limits.loss_per_token if name == "cross_entropy" else limits.post_loss_per_token
@@ -289,7 +218,7 @@ def compute_figures(a: Mapping[str, Any], b: Mapping[str, Any], *, window_layout
         value = abs(gn_b / gn_a - 1.0) if gn_a else abs(gn_b)
         limit = limits.grad_norm if step == "cross_entropy" else limits.grad_norm_later
         figures.append(Figure(f"grad_norm.{step}", value, limit, note=f"{gn_b:.10g} / {gn_a:.10g}"))
-    for name in ("cross_entropy", *POST_STEP):
+    for name in (n for n in ("cross_entropy", *POST_STEP) if n in ra):
         d = np.abs(np.concatenate(_deltas(ra[name], rb[name])))
         pre_step = name == "cross_entropy"
         figures.append(Figure(f"lp.{name}.mean", _stat(d, "mean"), limits.lp_mean if pre_step else limits.post_mean))
@@ -308,6 +237,46 @@ def compute_figures(a: Mapping[str, Any], b: Mapping[str, Any], *, window_layout
     )
 
 
+LOCAL_MOVED_LIMIT = 0.1
+"""Largest fraction of zigzag-chunk-0 positions allowed to differ at all from the reference (see below)."""
+
+
+def _local_chunk_figure(ra: Mapping[str, Any], pre: Mapping[str, list[np.ndarray]], layout: Layout) -> Figure:
+    """``lp.chunk[0].moved``: the fraction of the starting-weight positions in zigzag chunk 0 of their datum whose
+    log-prob differs from the reference *at all*.
+
+    A chunk-0 position's whole causal context is chunk 0 of its own datum, held by rank 0 and computed before any
+    exchange: its attention is rank 0's step-0 block, its GDN scan starts at the datum's start (headwise: whole
+    sequences; chunkwise: rank 0's contiguous part begins there). Every honest layout computes it with the
+    reference's ops in the reference's order, so bit-identically, in every dtype (measured: exactly the chunk-0
+    share of positions, 25% at CP=2 and 12.8% at CP=4, are unchanged in bfloat16). A perturbation applied to
+    every token (a value rounded to another dtype on its way through a relayout) moves them: ~99% moved.
+    The limit 10% leaves room for a kernel that picks another blocking for another row length."""
+    moved, total = 0, 0
+    for name in ("forward.main", "forward.long"):
+        positions = request_positions(ra[name]["lengths"], layout)
+        for delta, p in zip(pre[name], positions, strict=True):
+            local = p.chunk == 0
+            moved += int(np.count_nonzero(delta[local]))
+            total += int(np.count_nonzero(local))
+    value = moved / total if total else 0.0
+    return Figure("lp.chunk[0].moved", value, LOCAL_MOVED_LIMIT, note=f"{moved} of {total} chunk-0 positions")
+
+
+def server_error_figures(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[Figure]:
+    """``replicas.identical`` / ``server.error`` (value 1, limit 0) for each dump whose run ended in a server
+    error; empty when both ran every request."""
+    figures = []
+    for side, dump in (("candidate", b), ("reference", a)):
+        error = dump.get("server_error")
+        if not error:
+            continue
+        name = "replicas.identical" if REPLICA_DIVERGED in error["message"] else "server.error"
+        note = f"{side}: {error['request']} failed: {error['message'][:300]}"
+        figures.append(Figure(name, 1.0, 0.0, note=note))
+    return figures
+
+
 def _sampler_figures(ref: Mapping[str, Any], cand: Mapping[str, Any], limits: Limits) -> list[Figure]:
     """``sampler_kl.k3`` and ``sampler_kl.max_abs`` of the candidate (none if it did not measure them)."""
     if cand.get("status") != "measured":
@@ -324,13 +293,20 @@ def _sampler_figures(ref: Mapping[str, Any], cand: Mapping[str, Any], limits: Li
     ]
 
 
-def compare_dumps(a: Mapping[str, Any], b: Mapping[str, Any], noise: Mapping[str, Any] | None = None) -> Comparison:
+def compare_dumps(
+    a: Mapping[str, Any],
+    b: Mapping[str, Any],
+    noise: Mapping[str, Any] | None = None,
+) -> Comparison:
     """B against reference A (and the noise run C against A, to widen the limits). Raises ComparisonRefusedError."""
     check_comparable(a, b)
     la, lb = Layout.from_dump(a["layout"]), Layout.from_dump(b["layout"])
     window_layout = lb if lb.cp_size >= la.cp_size else la
     dtype = _dtype(a, b)
     limits = LIMITS[dtype]
+    failed = server_error_figures(a, b)
+    if failed:
+        return Comparison(str(a.get("label")), str(b.get("label")), dtype, window_layout, failed)
     result = compute_figures(a, b, window_layout=window_layout, limits=limits)
     result.dtype = dtype
     if noise is not None:

@@ -1,12 +1,16 @@
 """The fixed, seeded datum set of ``ringtune parity run`` (a pure function of the seed, the vocabulary, the
 server's context length and the token source, so two servers of the same model get identical requests).
 
-- ``short``: 16 rows of 2..17 tokens (at CP 2 and 4 some rank holds one scored position or none);
+- ``short``: 17 rows of 1..17 tokens (a 1-token datum; at CP 2 and 4 some rank holds one scored position or
+  none, and the last token of most rows lands on a rank other than 0);
 - ``text``: rows of 1/8, 1/4, 1/2 and all of ``min(context, 8192)`` tokens cut from natural text;
 - ``lone``: one 7-token datum sent alone (at DP > 1 every other DP rank runs a pad-only microbatch);
 - ``long``: two lone datums of ``context · 4000/8192`` and ``context · 8000/8192`` tokens (the 4000- and
   8000-token datums of an 8K server), whose loss is on their second half only, so the gradient of the first half
-  crosses every chunkwise-GDN split backwards.
+  crosses every chunkwise-GDN split backwards;
+- ``tail``: one lone datum of ``context · 3/4 - 5`` tokens whose loss is on its last 1/16 only: sent alone, its
+  row's scored tokens all sit in the last zigzag chunk (rank 0), so every other CP rank holds no scored token
+  while its tokens still shape theirs (its backward matters).
 
 Targets are the next token of the text (cross-entropy on real text), weights are seeded in [0.5, 1.5].
 """
@@ -21,11 +25,12 @@ import numpy as np
 
 from ringtune.parity.text import PASSAGE
 
-SHORT_LENGTHS = tuple(range(2, 18))
+SHORT_LENGTHS = tuple(range(1, 18))
 TEXT_FRACTIONS = (8, 4, 2, 1)
 TEXT_CAP = 8192
 LONE_LENGTH = 7
 LONG_FRACTIONS = (4000 / 8192, 8000 / 8192)
+TAIL_FRACTION, TAIL_SCORED = 3 / 4, 1 / 16
 
 
 @dataclass(frozen=True)
@@ -42,16 +47,17 @@ class ParityDatum:
 
 @dataclass(frozen=True)
 class DatumSet:
-    """The requests' datums: ``main`` (short + text rows), ``lone`` and the two ``long`` ones."""
+    """The requests' datums: ``main`` (short + text rows), ``lone``, the two ``long`` ones and ``tail``."""
 
     main: tuple[ParityDatum, ...]
     lone: ParityDatum
     long: tuple[ParityDatum, ...]
+    tail: ParityDatum
 
     def digest(self) -> str:
         """SHA-256 of every token, target and weight (compare refuses dumps of different data)."""
         h = hashlib.sha256()
-        for d in (*self.main, self.lone, *self.long):
+        for d in (*self.main, self.lone, *self.long, self.tail):
             h.update(repr((d.name, d.tokens, d.targets, d.weights)).encode())
         return h.hexdigest()
 
@@ -85,11 +91,10 @@ def build_datum_set(
         window = (base * (reps + 1))[start : start + n + 1]
         return window[:-1], window[1:]
 
-    def datum(name: str, kind: str, n: int, second_half: bool = False) -> ParityDatum:
+    def datum(name: str, kind: str, n: int, scored_from: float = 0.0) -> ParityDatum:
         tokens, targets = cut(n)
         weights = rng.uniform(0.5, 1.5, n)
-        if second_half:
-            weights[: n // 2] = 0.0
+        weights[: int(n * scored_from)] = 0.0
         return ParityDatum(name, kind, tuple(tokens), tuple(targets), tuple(float(w) for w in weights))
 
     short = [datum(f"short{n}", "short", n) for n in SHORT_LENGTHS]
@@ -97,5 +102,6 @@ def build_datum_set(
     # Odd offsets keep the lengths off multiples of 2C, so tail pads appear at every CP size.
     text = [datum(f"text{k}", "text", max(text_ctx // f - 3, 18)) for k, f in enumerate(TEXT_FRACTIONS)]
     lone = datum("lone", "lone", LONE_LENGTH)
-    long = [datum(f"long{k}", "long", max(int(ctx * f), 32), second_half=True) for k, f in enumerate(LONG_FRACTIONS)]
-    return DatumSet(main=(*short, *text), lone=lone, long=tuple(long))
+    long = [datum(f"long{k}", "long", max(int(ctx * f), 32), 0.5) for k, f in enumerate(LONG_FRACTIONS)]
+    tail = datum("tail", "long", int(ctx * TAIL_FRACTION) - 5, 1 - TAIL_SCORED)
+    return DatumSet(main=(*short, *text), lone=lone, long=tuple(long), tail=tail)

@@ -65,16 +65,30 @@ def running_server(spec: ServeSpec, workdir: Path, *, timeout_s: float = 300.0) 
         server.stop()
 
 
+BF16_EXACT_MARK = "bf16-exact-weights"
+"""File in the tiny model's folder saying its float32 weights are bfloat16 values (see :func:`tiny_qwen35_dir`)."""
+
+
 def tiny_qwen35_dir(dest: Path, *, seed: int = 0) -> Path:
     """A random tiny Qwen3.5 (``ringtune.testing.tiny_models.hf_model``) saved to ``dest`` with a 96-word
-    word-level tokenizer (``w0`` .. ``w95``); reused when ``dest`` already holds one."""
-    if (dest / "config.json").is_file() and (dest / "tokenizer.json").is_file():
+    word-level tokenizer (``w0`` .. ``w95``); reused when ``dest`` already holds one.
+
+    Its float32 weights are rounded to bfloat16 once, so a bfloat16 server loads exactly the weights a float32 or
+    float64 server holds (every dtype of the matrix computes from the same model).
+    """
+    if all((dest / name).is_file() for name in ("config.json", "tokenizer.json", BF16_EXACT_MARK)):
         return dest
+    import torch
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     from ringtune.testing.tiny_models import hf_model
 
-    hf_model("qwen3_5", seed=seed).save_pretrained(dest)
+    model = hf_model("qwen3_5", seed=seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).to(p.dtype))
+    model.save_pretrained(dest)
+    (dest / BF16_EXACT_MARK).write_text("every weight is a bfloat16 value stored as float32\n")
     tokenizer = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(96)}, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.save(str(dest / "tokenizer.json"))

@@ -1,0 +1,101 @@
+"""The per-dtype limits of ``ringtune parity compare`` (:mod:`ringtune.parity.compare`), with their reasoning."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    """Per-dtype limits (the coarser dtype of the two dumps decides). See :data:`LIMITS` for the reasoning."""
+
+    lp_mean: float
+    lp_p99: float
+    kl: float
+    short_max: float
+    window_ratio: float
+    window_floor: float
+    loss_per_token: float
+    grad_norm: float
+    grad_norm_later: float
+    post_mean: float
+    post_p99: float
+    post_loss_per_token: float
+    sampler_k3: float
+    sampler_max: float
+
+
+LIMITS: dict[str, Limits] = {
+    # float64 compute, but log-probs and per-token losses cross the wire as float32: a log-prob of magnitude 4-16
+    # rounds by up to 1 ulp = 4.8e-7..9.5e-7, so every log-prob figure sits at float32 rounding (2e-6 = 2-4 ulps);
+    # grad norms come back as float64 JSON numbers and a CP sum differs from the CP=1 sum only in summation
+    # order (~1e-15 relative): 1e-12.
+    "float64": Limits(
+        lp_mean=1e-6,
+        lp_p99=2e-6,
+        kl=1e-12,
+        short_max=2e-6,
+        window_ratio=4.0,
+        window_floor=1e-6,
+        loss_per_token=2e-6,
+        grad_norm=1e-12,
+        grad_norm_later=1e-10,
+        post_mean=1e-6,
+        post_p99=2e-6,
+        post_loss_per_token=4e-6,
+        sampler_k3=1e-12,
+        sampler_max=2e-6,  # measured 0: decode and training forward in float64, both rounded to float32
+    ),
+    # float32: each CP layout sums attention blocks, GDN chunks and gradient partials in another order. Measured
+    # (docs/validation.md): the tiny Qwen3.5 at CP 2/4 moves log-probs by mean 5e-8, p99 4.8e-7 (1 ulp at
+    # |lp| ~ 4.6); SmolLM2-135M at CP 2 (30 layers, 49K vocabulary, |lp| up to ~20 where 1 ulp is 1.9e-6) by mean
+    # 2.1e-6, p99 9.5e-6, short-row max 1.7e-5, per-token loss 4.9e-5 (importance sampling, whose ratio
+    # exp(lp - q) amplifies both servers' q noise). Limits ~3-5x above the real model; the smallest fault (an
+    # off-by-one position on one chunk) moves the mean by 4.6e-4. Windows skip their ratio test only below 2e-6
+    # (float32 rounding of a log-prob), so a state drop that lifts a split window 100x over a quiet interior
+    # still fails there. Step-1 grad norm: the brief's 1e-5 (measured 8e-9); later steps 1e-4 (measured 9e-7).
+    "float32": Limits(
+        lp_mean=1e-5,
+        lp_p99=5e-5,
+        kl=1e-10,
+        short_max=5e-5,
+        window_ratio=4.0,
+        window_floor=2e-6,
+        loss_per_token=2e-5,
+        grad_norm=1e-5,
+        grad_norm_later=1e-4,
+        post_mean=2e-5,
+        post_p99=1e-4,
+        post_loss_per_token=2e-4,
+        # sampler KL (docs/validation.md): tiny model 2-3e-14 at CP 1/2/4, SmolLM2-135M 9e-12; the off-by-one
+        # fault 3.8e-6, the GDN state drop 4.4e-10 (2.9e-9 at a 512-token row budget). Max |Δ|: 9.5e-7 (1-2
+        # ulps), SmolLM2 1.9e-5; the faults 1.6e-2 and 1.8e-4.
+        sampler_k3=1e-10,
+        sampler_max=1e-4,
+    ),
+    # bfloat16 keeps 8 significant bits (relative rounding 2^-9 ≈ 2e-3 per op): a different reduction order moves
+    # hidden states and log-probs. Measured on the tiny Qwen3.5 at CP 2 and 4 (docs/validation.md): mean |Δlp|
+    # 2.2e-4, p99 1.0e-3, short-row max 1.4e-3, per-token loss 1.8e-3 (cispo), step-1 grad norm 6e-4 relative,
+    # later steps 1e-3. Limits ~5x above (KL, a square, 25x); the grad-norm limit 5e-3 is the 0.2-0.3% the
+    # comparable system saw from layout changes on a 4B model, with headroom. The window ratio stays 4.
+    "bfloat16": Limits(
+        lp_mean=1e-3,
+        lp_p99=5e-3,
+        kl=1e-6,
+        short_max=7e-3,
+        window_ratio=4.0,
+        window_floor=1e-3,
+        loss_per_token=2e-3,
+        grad_norm=5e-3,
+        grad_norm_later=1e-2,
+        post_mean=2e-3,
+        post_p99=7e-3,
+        post_loss_per_token=1e-2,
+        sampler_k3=1e-6,  # measured 2e-9 at CP 1, 6e-8 at CP 2 (bf16 decode vs bf16 packed forward)
+        sampler_max=7e-3,  # measured 6.7e-4 at CP 1, 1.2e-3 at CP 2: bf16 hidden states rounded in another order
+    ),
+}
+# bf16-mixed computes the decoder layers in bfloat16 (ringtune.models.precision): a CP layout changes the same bf16
+# roundings as in "bfloat16", so the same limits apply (not yet measured with the parity matrix).
+LIMITS["bf16-mixed"] = LIMITS["bfloat16"]
+COARSENESS = ("float64", "float32", "bf16-mixed", "bfloat16")
