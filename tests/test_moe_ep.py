@@ -159,7 +159,26 @@ def ep_accounting_case(ctx, *, root: str) -> dict[str, float]:
         caught = ""
     except GradientInvariantError as exc:
         caught = str(exc)
+    import torch.distributed as dist
+
+    from ringtune.errors import ParallelConfigError
+    from ringtune.parallel.mesh import build_mesh
+
+    groups = {}
+    for dp, cp, ep in ((2, 2, 4), (1, 4, 2), (2, 2, 2), (2, 1, 2)):
+        m = ctx.mesh(dp=dp, cp=cp, ep=ep)
+        groups[dp, cp, ep] = (
+            dist.get_process_group_ranks(m.ep_group),
+            dist.get_process_group_ranks(m.expert_replica_group),
+        )
+    try:
+        build_mesh(dp=1, cp=4, ep=3)
+        mesh_refused = ""
+    except ParallelConfigError as exc:
+        mesh_refused = str(exc)
     return {
+        "groups": groups,
+        "mesh_refused": mesh_refused,
         "memory_ratio": expert_bytes(model) / expert_bytes(base),
         "sent": sent,
         "routes": meter.by_op.get("expert_routes", 0),
@@ -183,6 +202,18 @@ def test_expert_memory_dispatch_bytes_and_wrong_group(pool4, checkpoints):
     # Over the group: one row per remote (token, rank) pair, there and back (a rank sends back what it got).
     assert sent == minimum
     assert sum(r["routes"] for r in per_rank) == sum(r["expected_routes"] for r in per_rank)
+    # EP groups: consecutive DP×CP indices (l = dp_rank·cp + cp_rank); expert replicas: same l % ep. DP2×CP1 is
+    # two meshes side by side in the pool of 4 (ranks 0-1 and 2-3), each with one replica per expert.
+    want = {
+        (2, 2, 4): ([[0, 1, 2, 3]] * 4, [[0], [1], [2], [3]]),
+        (1, 4, 2): ([[0, 1], [0, 1], [2, 3], [2, 3]], [[0, 2], [1, 3], [0, 2], [1, 3]]),
+        (2, 2, 2): ([[0, 1], [0, 1], [2, 3], [2, 3]], [[0, 2], [1, 3], [0, 2], [1, 3]]),
+        (2, 1, 2): ([[0, 1], [0, 1], [2, 3], [2, 3]], [[0], [1], [2], [3]]),
+    }
+    for rank, r in enumerate(per_rank):
+        for layout, (ep_groups, replica_groups) in want.items():
+            assert r["groups"][layout] == (ep_groups[rank], replica_groups[rank]), (rank, layout, r["groups"][layout])
+        assert "ep=3 must divide dp·cp = 1·4 = 4" in r["mesh_refused"]
     for r in per_rank:
         assert r["memory_ratio"] == 0.25
         assert "expert replicas" in r["caught"]
