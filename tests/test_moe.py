@@ -247,3 +247,20 @@ def test_replay_through_the_decoder(checkpoints):
     assert (changed - plain).abs().max() > 1e-3
     with pytest.raises(ValueError, match=r"one entry per layer \(4\)"):
         model.logits(local, dataclasses.replace(shard, replay_experts=(None,)))
+
+
+def test_serve_preflight_refuses_bad_ep(checkpoints, tmp_path):
+    """``ringtune serve --ep``: refused by name before any rank starts when it cannot shard the experts."""
+    from ringtune.worker.preflight import ServeSettings, preflight
+
+    moe = str(checkpoints / "qwen3_5_moe")
+    preflight(ServeSettings(source=moe, cp=2, ep=2))  # fits
+    with pytest.raises(UserInputError, match=r"--ep=3 must divide --dp x --cp = 4"):
+        preflight(ServeSettings(source=moe, dp=2, cp=2, ep=3))
+    with pytest.raises(UserInputError, match=r"--ep=3 must divide the model's num_experts=8"):
+        preflight(ServeSettings(source=moe, dp=3, ep=3))
+    with pytest.raises(UserInputError, match=r"--shard-params=dp with --ep=2"):
+        preflight(ServeSettings(source=moe, dp=2, ep=2, shard_params="dp"))
+    hf_model("qwen3", seed=0).save_pretrained(tmp_path / "dense")
+    with pytest.raises(UserInputError, match=r"num_experts=0 \(0: not MoE\)"):
+        preflight(ServeSettings(source=str(tmp_path / "dense"), cp=2, ep=2))
