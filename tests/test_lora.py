@@ -290,3 +290,44 @@ def load_hf_model_moe():
     from ringtune.testing.tiny_models import hf_config
 
     return CausalLM(DecoderConfig.from_hf(hf_config("qwen3_moe").to_dict()))
+
+
+def test_admission_counts_memory():
+    """``max_live_runs`` in full-run equivalents: four full runs as before, many LoRA runs on the shared base."""
+    from ringtune.gateway.backend import BackendInfo
+    from ringtune.gateway.run_memory import check_admission
+    from ringtune.models.config import DecoderConfig
+    from ringtune.models.decoder import CausalLM
+    from ringtune.models.lora import lora_params_per_rank
+    from ringtune.testing.tiny_models import hf_config
+
+    with torch.device("meta"):
+        model = CausalLM(DecoderConfig.from_hf(hf_config("llama").to_dict()))
+    groups = lora_params_per_rank(model)
+    # hidden 32, 4 q heads and 2 kv heads of 8, MLP 48, vocab 96, 4 layers: per layer q 64 + k 48 + v 48 + o 64
+    assert groups == {"attn": 4 * 224, "mlp": 4 * 3 * (32 + 48), "unembed": 96 + 32}
+    params = sum(p.numel() for p in model.parameters())
+    info = BackendInfo(
+        model_name="m", arch="llama", tokenizer_dir=None, context_length=64, max_tokens_per_rank=64,
+        dtype="float32", vocab_size=96, param_count=params, lora_params_per_rank=groups,
+    )  # fmt: skip
+    full: list = []
+    for _ in range(4):
+        check_admission(info, full, None, max_live_runs=4)
+        full.append(None)
+    with pytest.raises(UserInputError, match="the limit is 4 full-run equivalents"):
+        check_admission(info, full, None, max_live_runs=4)
+    spec = LoraSpec(rank=2, seed=0).to_dict()
+    lora: list = []
+    while True:
+        try:
+            check_admission(info, lora, spec, max_live_runs=4)
+        except UserInputError as exc:
+            assert "LoRA run of rank 2" in str(exc)
+            break
+        lora.append(spec)
+    # budget 16·P; the shared base P once; each run 4 × 2 × (896 + 960 + 128) parameters
+    assert len(lora) == (15 * params) // (4 * 2 * (896 + 960 + 128))
+    blind = BackendInfo(**{**info.__dict__, "param_count": 0})  # unknown size: runs are counted
+    with pytest.raises(UserInputError, match="the limit is 1"):
+        check_admission(blind, [spec], spec, max_live_runs=1)

@@ -41,6 +41,9 @@ class BackendInfo:
         vocab_size: the model's vocabulary (embedding rows).
         modes: the engine options that shape the numbers (``attention``, ``gated_delta``, ``pad_multiplier``,
             ``debug_fault``), reported for the parity client (``ringtune parity run`` records them).
+        param_count: parameters of the served model (0: unknown; ``max_live_runs`` then counts runs).
+        lora_params_per_rank: LoRA parameters per unit of rank by target group (``attn``, ``mlp``, ``unembed``;
+            a group absent: not adaptable), for memory admission (:mod:`ringtune.gateway.run_memory`).
     """
 
     model_name: str
@@ -54,6 +57,8 @@ class BackendInfo:
     dtype: str
     vocab_size: int
     modes: Mapping[str, object] = field(default_factory=dict)
+    param_count: int = 0
+    lora_params_per_rank: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

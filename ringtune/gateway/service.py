@@ -30,6 +30,7 @@ from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.futures import FutureStore, Outcome
 from ringtune.gateway.observe import ObservedBackend
 from ringtune.gateway.paths import CheckpointPaths, check_name, dir_bytes
+from ringtune.gateway.run_memory import check_admission
 from ringtune.gateway.sampling import CreateSamplingSessionBody, SamplingService, new_sampler_id
 from ringtune.gateway.state import CheckpointRecord, Registry, RunRecord, Session, now_utc
 from ringtune.gateway.wire import (
@@ -158,19 +159,24 @@ class GatewayService:
                 400, f"base_model={base_model!r} is not served here; this server trains {info.model_name!r}"
             )
 
-    def _reserve_run(self, session: Session, model_seq_id: int, base_model: str, metadata: dict[str, str]) -> RunRecord:
+    def _reserve_run(
+        self,
+        session: Session,
+        model_seq_id: int,
+        base_model: str,
+        metadata: dict[str, str],
+        lora: dict[str, Any] | None = None,
+    ) -> RunRecord:
         if isinstance(model_seq_id, bool) or model_seq_id < 0:
             raise RefusedError(400, f"model_seq_id={model_seq_id!r} must be an integer >= 0")
-        live = len(self.registry.live_runs())
-        if live >= self.config.max_live_runs:
-            raise RefusedError(
-                400,
-                f"{live} training runs are live, the limit is {self.config.max_live_runs} (max_live_runs); "
-                "finish a session (ServiceClient.close) to free its runs",
-            )
+        live = [r.lora for r in self.registry.live_runs()]
+        try:  # memory, not a count: a LoRA run costs its adapters' state (gateway/run_memory.py)
+            check_admission(self.backend.info(), live, lora, self.config.max_live_runs)
+        except UserInputError as exc:
+            raise RefusedError(400, str(exc)) from None
         run_id = f"{session.session_id}:train:{model_seq_id}"
         now = now_utc()
-        record = RunRecord(run_id, base_model, session.session_id, metadata, now, now, live=True)
+        record = RunRecord(run_id, base_model, session.session_id, metadata, now, now, live=True, lora=lora)
         self.registry.runs[run_id] = record
         session.runs.append(run_id)
         return record
@@ -251,8 +257,7 @@ class GatewayService:
             return {"request_id": self._creates[run_id], "model_id": run_id}
         if run_id in self.registry.runs:
             raise RefusedError(400, f"model_seq_id={body.model_seq_id}: run {run_id} exists already")
-        record = self._reserve_run(session, body.model_seq_id, body.base_model, metadata)
-        record.lora = lora
+        record = self._reserve_run(session, body.model_seq_id, body.base_model, metadata, lora)
         request_id = self.futures.create("create_model")
         self._creates[run_id] = request_id
 
@@ -438,8 +443,8 @@ class GatewayService:
             metadata = translate.metadata_strings("user_metadata", body.user_metadata) or dict(origin.user_metadata)
         except UserInputError as exc:
             raise RefusedError(400, str(exc)) from None
-        record = self._reserve_run(session, int(body.model_seq_id or 0), base_model, metadata)
-        record.lora = origin.lora  # the checkpoint's run says what it holds: full weights or adapters of its spec
+        # the checkpoint's run says what it holds: full weights or adapters of its spec
+        record = self._reserve_run(session, int(body.model_seq_id or 0), base_model, metadata, origin.lora)
         request_id = self.futures.create("load_weights")
         self._creates[run_id] = request_id
 

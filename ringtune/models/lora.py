@@ -154,6 +154,21 @@ def lora_targets(base: CausalLM, spec: LoraSpec) -> list[Target]:
     return targets
 
 
+def lora_params_per_rank(base: CausalLM) -> dict[str, int]:
+    """Adapter parameters per unit of rank of each target group (``attn``, ``mlp``, ``unembed``) on ``base``:
+    ``sum(in + out)`` over the group's targets (the cookbook's ``_LORA_PARAMS_PER_RANK_BY_COMPONENT``); a group
+    LoRA cannot adapt here (MoE MLPs) is left out."""
+    out: dict[str, int] = {}
+    for group in ("attn", "mlp", "unembed"):
+        flags = {f"train_{g}": g == group for g in ("attn", "mlp", "unembed")}
+        try:
+            targets = lora_targets(base, LoraSpec(rank=1, **flags))
+        except UserInputError:
+            continue
+        out[group] = sum(t.in_features + t.out_features for t in targets)
+    return out
+
+
 def _key(name: str) -> str:
     """A parameter-dict key for a module path (``.`` is not allowed in parameter names)."""
     return name.replace(".", "-")

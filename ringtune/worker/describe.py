@@ -15,6 +15,7 @@ from ringtune.gateway.backend import BackendInfo
 from ringtune.layout.zigzag import stream_pad_multiple
 from ringtune.models.checkpoints.load import EMBEDDED_DEFAULT
 from ringtune.models.decoder import CausalLM
+from ringtune.models.lora import lora_params_per_rank
 from ringtune.worker.executor import ModelSpec
 
 
@@ -72,4 +73,6 @@ def describe(
         dtype=spec.dtype,
         vocab_size=model.config.vocab_size,
         modes=modes,
+        param_count=sum(p.numel() for p in model.parameters()),
+        lora_params_per_rank=lora_params_per_rank(model),
     )
