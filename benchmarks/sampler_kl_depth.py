@@ -1,7 +1,7 @@
 """KL(sampler ‖ trainer) by context depth, per precision, through the SDK against real ``ringtune serve`` processes.
 
 `python benchmarks/sampler_kl_depth.py [--model smollm2-135m] [--dtypes float32 bf16-mixed bfloat16]
-[--depths 1024 2048 4096 8192 12288] [--samples 2] [--tokens 128] [--out FILE.json]`
+[--depths 1024 4096 12288] [--samples 1] [--tokens 192] [--out FILE.json]`
 
 For each precision a server is started (``--dtype``), a full fine-tuning client made (``rank=0``), and its weights
 handed to a sampling client (``save_weights_and_get_sampling_client``). For each depth D the prompt is the first D
@@ -62,9 +62,11 @@ def kl_stats(sampler_lp: np.ndarray, trainer_lp: np.ndarray) -> dict[str, float]
 
 
 def measure(
-    url: str, model: str, depths: list[int], samples: int, tokens: int, seed: int
+    url: str, model: str, depths: list[int], samples: int, tokens: int, seed: int, report=None
 ) -> dict[int, dict[str, float]]:
-    """Sample at each depth and score the samples on the trainer (one forward call for all); stats per depth."""
+    """Per depth (shallow first): sample, score the samples on the trainer, record the stats (``report(depth, stats)``
+    after each, so a run cut short keeps its shallower depths)."""
+    result: dict[int, dict[str, float]] = {}
     with tinker.ServiceClient(base_url=url, api_key=API_KEY) as sc:
         tc = sc.create_lora_training_client(model, rank=0).result()
         ids = tc.get_tokenizer().encode(natural_text(), add_special_tokens=False)
@@ -72,11 +74,11 @@ def measure(
             raise ValueError(f"depth {max(depths)} exceeds the {len(ids)} tokens of text")
         sampler = tc.save_weights_and_get_sampling_client().result()
         params = tinker.SamplingParams(max_tokens=tokens, temperature=1.0, seed=seed, stop=[])
-        datums, meta = [], []
-        for depth in depths:  # one depth at a time: a decode batch holds the KV cache of its rows at full length
+        for depth in sorted(depths):  # one depth at a time: a decode batch holds its rows' KV caches at full length
             future = sampler.sample(
                 tinker.ModelInput.from_ints(ids[:depth]), num_samples=samples, sampling_params=params
             )
+            datums, sampled = [], []
             for seq in future.result().sequences:
                 full = ids[:depth] + list(seq.tokens)
                 datums.append(
@@ -85,18 +87,12 @@ def measure(
                         loss_fn_inputs={"target_tokens": full[1:], "weights": [0.0] * (len(full) - 1)},
                     )
                 )
-                meta.append((depth, np.asarray(seq.logprobs, dtype=np.float64)))
-            print(f"#   sampled at depth {depth}", flush=True)
-        outs = tc.forward(datums, "cross_entropy").result().loss_fn_outputs
-    result = {}
-    for depth in depths:
-        s = [lp for (d, lp) in meta if d == depth]
-        t = [
-            o["logprobs"].to_torch().double().numpy()[d - 1 :]
-            for o, (d, _) in zip(outs, meta, strict=True)
-            if d == depth
-        ]
-        result[depth] = kl_stats(np.concatenate(s), np.concatenate(t))
+                sampled.append(np.asarray(seq.logprobs, dtype=np.float64))
+            outs = tc.forward(datums, "cross_entropy").result().loss_fn_outputs
+            trained = [o["logprobs"].to_torch().double().numpy()[depth - 1 :] for o in outs]
+            result[depth] = kl_stats(np.concatenate(sampled), np.concatenate(trained))
+            if report is not None:
+                report(depth, result[depth])
     return result
 
 
@@ -104,9 +100,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bf16-mixed", "bfloat16"])
-    parser.add_argument("--depths", nargs="+", type=int, default=[1024, 2048, 4096, 8192, 12288])
-    parser.add_argument("--samples", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--depths", nargs="+", type=int, default=[1024, 4096, 12288])
+    parser.add_argument("--samples", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=192)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--label", default="", help="a name for this run in the table (e.g. before / after)")
     parser.add_argument("--out", type=Path)
@@ -124,8 +120,18 @@ def main() -> None:
                 api_key=API_KEY,
                 extra_args=extra,
             )
+            report[dtype] = {}
+
+            def record(depth: int, stats: dict, dtype: str = dtype, started: float = started) -> None:
+                report[dtype][depth] = stats
+                print(f"# {dtype} depth {depth}: {json.dumps(stats)} ({time.time() - started:.0f} s)", flush=True)
+                if args.out:
+                    args.out.write_text(
+                        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "report": report}, indent=1)
+                    )
+
             with server:
-                report[dtype] = measure(server.url, args.model, args.depths, args.samples, args.tokens, args.seed)
+                measure(server.url, args.model, args.depths, args.samples, args.tokens, args.seed, record)
             print(f"# {dtype}: {time.time() - started:.0f} s", flush=True)
     print(
         f"\n{args.label} model {args.model}, {args.samples} samples x {args.tokens} tokens per depth, seed {args.seed}"
