@@ -4,8 +4,9 @@ One server per module (float64, tiny Qwen3.5, ``--autosave-every 2``), driven by
 A worker rank is SIGKILLed during a forward_backward: that request fails with ``category: server`` (never a
 hang), rank 0 restarts the worker ranks, healthz answers 200 again, the run is restored from its autosave at
 step 2 (its next request fails once naming that step, then it works and repeats step 3 bit for bit), the
-sampling session built from a saved export samples the same tokens as before, and a second kill heals too
-(fresh store, fresh process group each time).
+sampling session built from a saved export samples the same tokens as before; autosaves are pruned and their
+prefix is reserved; a second kill while idle heals too (fresh store and process group each time), and a run
+autosaved at its current step goes on without an error.
 """
 
 from __future__ import annotations
@@ -128,11 +129,19 @@ def test_sigkill_of_a_worker_heals_and_restores_the_run(server):
             " steps lost 1 (3 -> autosave at 2)"
         )
 
-        # A second death (idle this time, found by the watcher) heals as well; the run is at step 3 after
-        # the step above, its autosave at 2: restored to 2 again.
+        # Step 4 is autosaved (autosave-00000002 pruned: --autosave-keep 1); a reserved name is refused.
+        tc.forward_backward(sdk_datums(3), "cross_entropy").result()
+        assert tc.optim_step(ADAM).result().metrics["step:max"] == 4.0
+        rest = tinker.RestClient(base_url=url, api_key=API_KEY)
+        listed = [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints]
+        assert sorted(c for c in listed if "autosave" in c) == ["weights/autosave-00000004"], listed
+        with pytest.raises(tinker.RequestFailedError, match="reserved for automatic checkpoints"):
+            tc.save_state("autosave-mine").result()
+
+        # A second death, idle this time (found by the watcher): heals too; the run's newest checkpoint is at
+        # its current step, so it goes on without any error.
         os.kill(new[0], signal.SIGKILL)
         time.sleep(1.0)
         wait_healthy(url)
-        with pytest.raises(tinker.RequestFailedError, match="restored to step 2"):
-            tc.forward(sdk_datums(5), "cross_entropy").result()
+        assert worker_pids(server["pid"]) not in ([], new)
         assert tc.forward(sdk_datums(5), "cross_entropy").result().metrics["loss:sum"] > 0

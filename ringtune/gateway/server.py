@@ -24,7 +24,7 @@ from ringtune.gateway.service import GatewayService
 
 log = logging.getLogger(__name__)
 
-DRAIN_GRACE_S = 30.0
+DRAIN_GRACE_S = 10.0
 """After a shutdown signal, how long results made since then wait to be retrieved before HTTP stops."""
 
 

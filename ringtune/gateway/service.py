@@ -22,7 +22,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from ringtune.errors import UserInputError
+from ringtune.errors import RankFailedError, UserInputError
 from ringtune.gateway import proto, translate
 from ringtune.gateway.autosave import Autosaver, check_user_name
 from ringtune.gateway.backend import Backend
@@ -94,6 +94,9 @@ class GatewayService:
                 return job()
             except UserInputError as exc:
                 return Outcome.error(str(exc), "user"), None
+            except RankFailedError as exc:  # a rank failed or died; the message says what happened and what next
+                log.error("request %s failed: %s", request_id, exc)
+                return Outcome.error(str(exc), "server"), None
             except Exception as exc:
                 log.exception("request %s failed", request_id)
                 return Outcome.error(f"internal error: {type(exc).__name__}: {exc}", "server"), None

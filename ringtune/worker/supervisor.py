@@ -222,6 +222,12 @@ class SupervisedBackend:
                 self._tear_down()
                 self.inner = self._start()
                 self.phase = RESTORING
+                log.warning(
+                    "supervisor: new worker ranks up %.1f s after the failure; restoring %d run(s), %d sampler(s)",
+                    time.monotonic() - report.detected,
+                    len(self.runs),
+                    len(self.samplers),
+                )
                 self._restore(report)
             except Exception as exc:  # the new world failed too: nothing left to try automatically
                 log.exception("supervisor: the restart failed")
