@@ -1,9 +1,10 @@
 """The Tinker verbs without HTTP: validation, per-run ordering, futures, errors.
 
 Threading: every method runs on the event loop thread (state needs no locks). Backend calls run as jobs
-on one worker thread (``ThreadPoolExecutor(max_workers=1)``: FIFO, so ops dispatched in ``seq_id`` order
-run in that order); a job returns an :class:`Outcome` and, optionally, a commit that updates the state on
-the loop thread once it is done.
+on one worker thread (:class:`~ringtune.gateway.scheduler.FairExecutor`: a FIFO queue per training run, served
+round-robin, so ops dispatched in ``seq_id`` order run in that order and one run's burst does not hold the
+others back; sampling drains queue under ``"sampling"``); a job returns an :class:`Outcome` and,
+optionally, a commit that updates the state on the loop thread once it is done.
 
 Errors: a request the gateway cannot even address (undecodable body, unknown model/session/future, bad
 seq_id) raises :class:`RefusedError` (a JSON 4xx). Anything wrong with a request's content is found inside
@@ -17,7 +18,6 @@ import asyncio
 import logging
 import shutil
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from ringtune.gateway.observe import ObservedBackend
 from ringtune.gateway.paths import CheckpointPaths, check_name, dir_bytes
 from ringtune.gateway.run_memory import check_admission
 from ringtune.gateway.sampling import CreateSamplingSessionBody, SamplingService, new_sampler_id
+from ringtune.gateway.scheduler import DEFAULT_KEY, FairExecutor
 from ringtune.gateway.state import CheckpointRecord, Registry, RunRecord, Session, now_utc
 from ringtune.gateway.wire import (
     CreateModelBody,
@@ -71,11 +72,11 @@ class GatewayService:
             max_age_s=config.future_max_age_s,
             retrieved_keep_s=config.retrieved_keep_s,
         )
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ringtune-backend")
+        self.executor = FairExecutor("ringtune-backend")
         self.sampling = SamplingService(
             self.backend,
             self.futures,
-            submit=lambda fn: self.executor.submit(fn),
+            submit=lambda fn: self.executor.submit_for("sampling", fn),
             call_on_loop=self._loop_call,
             max_prompt_tokens=backend.info().context_length,
         )
@@ -86,8 +87,9 @@ class GatewayService:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _dispatch(self, request_id: str, job: Job) -> None:
-        """Run ``job`` on the worker thread; resolve the future (and apply its commit) back on the loop."""
+    def _dispatch(self, request_id: str, job: Job, key: str = DEFAULT_KEY) -> None:
+        """Run ``job`` on the worker thread, queued under ``key`` (a run's id: its ops keep their order); resolve
+        the future (and apply its commit) back on the loop."""
 
         def guarded() -> tuple[Outcome, Commit | None]:
             try:
@@ -117,7 +119,7 @@ class GatewayService:
         if self.stopping:
             self.futures.resolve(request_id, Outcome.error(SHUTTING_DOWN, "server"))
             return
-        asyncio.get_running_loop().run_in_executor(self.executor, guarded).add_done_callback(done)
+        asyncio.wrap_future(self.executor.submit_for(key, guarded)).add_done_callback(done)
 
     def _run(self, model_id: str, *, live: bool = True) -> RunRecord:
         record = self.registry.runs.get(model_id)
@@ -148,7 +150,8 @@ class GatewayService:
             return {"request_id": known, "model_id": record.run_id}
         request_id = self.futures.create(op)
         try:
-            record.gate.add(seq, request_id, lambda: self._dispatch(request_id, job), self.futures.clock())
+            dispatch = lambda: self._dispatch(request_id, job, record.run_id)  # noqa: E731
+            record.gate.add(seq, request_id, dispatch, self.futures.clock())
         except UserInputError as exc:
             self.futures.resolve(request_id, Outcome.error(str(exc), "user"))
             raise RefusedError(400, str(exc)) from None
@@ -224,7 +227,7 @@ class GatewayService:
             shutil.rmtree(ephemeral, ignore_errors=True)
             return Outcome("json", {}), None
 
-        self._dispatch(self.futures.create("free_run"), job)
+        self._dispatch(self.futures.create("free_run"), job, record.run_id)
         log.info("freed run %s: %s", record.run_id, why)
 
     def tick(self) -> None:
@@ -273,7 +276,7 @@ class GatewayService:
                 raise
             return Outcome("json", {"model_id": run_id, "type": "create_model"}), lambda: self.registry.save(record)
 
-        self._dispatch(request_id, job)
+        self._dispatch(request_id, job, run_id)
         return {"request_id": request_id, "model_id": run_id}
 
     def _loop_call(self, fn: Callable[[], None]) -> None:
@@ -466,7 +469,7 @@ class GatewayService:
             result = {"path": body.path, "model_id": run_id, "type": "load_weights"}
             return Outcome("json", result), lambda: self.registry.save(record)
 
-        self._dispatch(request_id, job)
+        self._dispatch(request_id, job, run_id)
         return {"request_id": request_id, "model_id": run_id}
 
     # ------------------------------------------------------------------ futures
