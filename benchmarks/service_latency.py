@@ -7,10 +7,11 @@ One server (``ringtune serve --model smollm2-135m --cp 2 --context-length <conte
 prompt, ``max_tokens=4``, greedy), each waiting for its answer before the next:
 
 1. **baseline** for ``--baseline-s`` seconds: p50 / p95 / max latency of the short requests;
-2. **long generation**: another client asks for ``max_tokens = context - prompt`` (no stop: the whole context,
+2. **long generation**: another client asks for ``max_tokens = context - prompt`` (the served context, from
+   ``get_server_capabilities``; no stop: the whole context,
    the longest request the server accepts); the short requests go on until it is answered: their p50 / p95 /
    max latency during it, and its own duration;
-3. **refused**: ``max_tokens = context`` on the same prompt is a ``user`` error naming both limits;
+3. **refused**: one token more (``max_tokens = context - prompt + 1``) is a ``user`` error naming both limits;
 4. healthz after it all (must be 200) and one more short request (must work).
 
 Printed: the figures above, and the p95 ratio during / baseline. The gateway runs one backend command at a time,
@@ -88,6 +89,7 @@ def main() -> int:
         args.model, checkpoint_root=tmp / "ckpt", log_path=tmp / "serve.log", api_key=API_KEY, extra_args=extra
     )
     phase = ["warm-up"]
+    print(f"starting {server.command} ...", flush=True)
     with server:
         clients = [ShortClient(server.url, args.model, phase) for _ in range(args.clients)]
         for c in clients:
@@ -95,17 +97,21 @@ def main() -> int:
         time.sleep(5)
         phase[0] = "baseline"
         time.sleep(args.baseline_s)
+        caps = httpx.get(f"{server.url}/api/v1/get_server_capabilities", headers={"X-API-Key": API_KEY}).json()
+        context = caps["supported_models"][0]["max_context_length"]  # served: --context-length rounded up
+        print(f"baseline done; long generation of {context - len(PROMPT)} tokens ...", flush=True)
         with tinker.ServiceClient(base_url=server.url, api_key=API_KEY) as sc:
             sampler = sc.create_sampling_client(base_model=args.model).result()
             prompt = tinker.ModelInput.from_ints(PROMPT)
-            long_params = tinker.SamplingParams(max_tokens=args.context - len(PROMPT), temperature=0.0, stop=[])
+            long_params = tinker.SamplingParams(max_tokens=context - len(PROMPT), temperature=0.0, stop=[])
             phase[0] = "during long generation"
             start = time.monotonic()
             generated = len(sampler.sample(prompt, 1, long_params).result(timeout=3600).sequences[0].tokens)
             long_s = time.monotonic() - start
             phase[0] = "after"
             try:
-                sampler.sample(prompt, 1, tinker.SamplingParams(max_tokens=args.context, stop=[])).result(timeout=600)
+                over = tinker.SamplingParams(max_tokens=context - len(PROMPT) + 1, stop=[])
+                sampler.sample(prompt, 1, over).result(timeout=600)
                 refused = "accepted (wrong)"
             except tinker.BadRequestError as exc:  # refused when it arrives: a JSON 400
                 refused = f"{exc.body.get('category')}: {exc.body.get('error')}"
@@ -116,9 +122,10 @@ def main() -> int:
             c.join(timeout=600)
         health = httpx.get(f"{server.url}/api/v1/healthz", timeout=10).status_code
     print(
-        f"\nserver: ringtune serve --model {args.model} --cp 2 --context-length {args.context}; {args.clients} clients"
+        f"\nserver: ringtune serve --model {args.model} --cp 2 --context-length {args.context} (served: {context}); "
+        f"{args.clients} clients"
     )
-    print(f"long generation: {generated} tokens (max_tokens = context - prompt) in {long_s:.1f} s")
+    print(f"long generation: {generated} tokens (max_tokens = served context - prompt) in {long_s:.1f} s")
     merged: dict[str, list[float]] = {}
     for c in clients:
         for name, values in c.latencies.items():
@@ -130,9 +137,9 @@ def main() -> int:
         print(f"short-request p95 during / baseline: {pct(during, 0.95) / pct(base, 0.95):.1f}x")
     errors = [e for c in clients for e in c.errors]
     print(f"short requests failed: {len(errors)}" + (f" (first: {errors[0]})" if errors else ""))
-    print(f"max_tokens = context: {refused}")
+    print(f"max_tokens = served context - prompt + 1: {refused}")
     print(f"healthz afterwards: {health}")
-    ok = generated == args.context - len(PROMPT) and refused.startswith("user") and health == 200 and not errors
+    ok = generated == context - len(PROMPT) and refused.startswith("user") and health == 200 and not errors
     print(f"goal: long request completes, over-context refused as user error, mesh healthy: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 
