@@ -1,8 +1,9 @@
 """The parity client (issue 11): the small matrix through real ``ringtune serve`` subprocesses and the real SDK.
 
 One module-scoped matrix on a tiny random Qwen3.5 (row budget 512 tokens): CP=1 reference, CP=2 headwise and
-chunkwise, DP=2 at CP=1 and at CP=2 in both modes (float32), and every debug fault at CP=2. Clean layouts must
-pass ``compare`` (step-1 grad-norm ratio within 1e-5), each fault must fail it naming the figure, the CLI exits
+chunkwise, DP=2 at CP=1 and at CP=2 in both modes (float32), and every debug fault compare catches, at its layout
+(``FAULT_LAYOUTS``: CP=2 or CP=4, float32 or bfloat16 with its own CP=1 reference). Clean layouts must pass
+``compare`` (step-1 grad-norm ratio within 1e-5), each fault must fail it naming the figure, the CLI exits
 0 / 1 / 2, and the report and PNGs exist.
 Every server samples, so every dump holds its KL(sampler ‖ trainer): clean layouts pass it, and a trainer that
 reads wrong positions fails it. Plus the window math against :mod:`ringtune.layout`, the KL estimators and the

@@ -196,6 +196,10 @@ def replica_cell(dump: dict[str, Any]) -> str:
     return f"{tensors:.0f} in {sum(c['ms'] for c in checks) / len(checks):.1f} ms"
 
 
+def _list(values) -> str:
+    return "/".join(str(v) for v in values) if values else "none"
+
+
 def _fmt(x: float) -> str:
     return f"{x:.3g}"
 
@@ -230,7 +234,15 @@ def write_report(report: MatrixReport, config: MatrixConfig) -> None:
         "grad norm: `gn_CP / gn_CP1` of the first optimizer step (cross_entropy), and the largest",
         "`|gn_CP / gn_CP1 - 1|` of all four steps; sampler KL: the layout's own KL(sampler ‖ trainer) (k3",
         "estimate, and the largest `|lp_trainer - lp_sampler|`) on its samples after the steps",
-        "(`ringtune/parity/sampler_kl.py`); s: seconds of the client run (server start-up excluded).",
+        "(`ringtune/parity/sampler_kl.py`); replica check / step: the tensors (parameters and both AdamW moments)",
+        "compared bit-for-bit across the ranks after each optimizer step and the mean milliseconds on rank 0",
+        "(`ringtune/engine/replica_check.py`); s: seconds of the client run (server start-up excluded).",
+        "",
+        f"This run served CP {_list(config.cps)}, DP {_list(config.dps)}, GDN modes {_list(config.modes)}, dtypes "
+        f"{_list(config.dtypes)}"
+        + (f", SmolLM2-135M at CP {_list(config.embedded_cps)}" if config.embedded_cps else "")
+        + (f", and the faults {', '.join(config.faults)}" if config.faults else "")
+        + ".",
         "",
         "| model | dtype | layout | result | mean \\|Δlp\\| | p99 \\|Δlp\\| | worst window | step-1 grad norm ratio "
         "| max \\|ratio-1\\| (4 steps) | sampler KL (max \\|Δ\\|) | replica check / step | plot | s |",
