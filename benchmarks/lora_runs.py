@@ -15,6 +15,7 @@ early when the machine's MemAvailable falls under ``--min-available-gib`` (the m
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import tempfile
 import time
@@ -111,6 +112,10 @@ def main() -> int:
             if len(rows) >= 3:
                 n = len(rows) - 1
                 slopes = [(rows[-1][r] - rows[0][r]) / n / 2**20 for r in range(len(pids))]
+                later = rows[1:]  # increments from run 2 on (run 1 also pays one-off allocations)
+                steps = [sorted(b[r] - a[r] for a, b in itertools.pairwise(later)) for r in range(len(pids))]
+                medians = [round(s[len(s) // 2] / 2**20, 1) for s in steps]
+                print(f"median increment per added run from run 2 on (MiB per rank): {medians}")
                 print(
                     f"per-rank cost of one more rank-{args.rank} LoRA run (MiB, runs 1->{len(rows)}): "
                     f"{[round(s, 1) for s in slopes]}"

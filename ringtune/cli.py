@@ -131,7 +131,12 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=LIVENESS_TIMEOUT_S,
         help="seconds without a heartbeat before a rank on another host is dead (ranks on this host: the OS says)",
     )
-    p.add_argument("--max-live-runs", type=int, default=d.max_live_runs)
+    p.add_argument(
+        "--max-live-runs",
+        type=int,
+        default=d.max_live_runs,
+        help="memory for training runs, in full fine-tuning runs of the model (a LoRA run costs its adapters' state)",
+    )
     p.add_argument(
         "--autosave-every",
         type=int,

@@ -16,7 +16,9 @@ class GatewayConfig:
         api_key: when set, every request but ``/api/v1/healthz`` must carry it as ``X-API-Key``.
         max_body_bytes: larger request bodies get 413 (before they are read in full).
         poll_timeout_s: how long ``retrieve_future`` holds a pending future (well under the SDK's 45 s).
-        max_live_runs: training runs whose weights are held at once; more creates are refused (user error).
+        max_live_runs: the memory training runs may hold, in full fine-tuning runs of the served model: a create
+            that would exceed it is refused (user error); a LoRA run costs its adapters' state
+            (:mod:`ringtune.gateway.run_memory`).
         session_timeout_s: a session without heartbeat this long is finished (its live runs freed); 0 = never.
         gap_timeout_s: how long later ops wait for a missing ``seq_id`` before it is skipped.
         max_done_futures, future_max_age_s, retrieved_keep_s: bounds of finished futures (count, age unretrieved,
