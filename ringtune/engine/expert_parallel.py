@@ -32,6 +32,8 @@ def setup(model: CausalLM, mesh: ParallelMesh | None, shard_params: str) -> None
     size = ep_size(mesh)
     if size == 1:
         return
+    if not isinstance(model, CausalLM):  # e.g. a LoRA wrapper: its merged sampler snapshot assumes whole experts
+        raise ParallelConfigError(f"ep={size}: only full fine-tuning runs are supported under EP yet (not LoRA)")
     model.config.check_expert_parallel(size)
     if shard_params != "none":
         raise ParallelConfigError(
