@@ -331,3 +331,25 @@ def test_admission_counts_memory():
     blind = BackendInfo(**{**info.__dict__, "param_count": 0})  # unknown size: runs are counted
     with pytest.raises(UserInputError, match="the limit is 1"):
         check_admission(blind, [spec], spec, max_live_runs=1)
+
+
+def test_executor_shares_one_base_and_frees_a_run(roots):
+    """Two LoRA runs on one rank hold the same frozen base; a fresh run computes the base (B = 0) like a full
+    fine-tuning run beside it; freeing the run whose adapters are active drops them from the base's hooks."""
+    from ringtune.worker.commands import Command
+    from ringtune.worker.executor import ModelSpec, RankExecutor
+
+    executor = RankExecutor(
+        ModelSpec(source=str(pathlib.Path(roots) / "llama"), dtype="float64", max_tokens_per_rank=64), None
+    )
+    spec = LoraSpec(rank=2, seed=0).to_dict()
+    for run_id, lora in (("a", spec), ("b", spec), ("full", None)):
+        executor.execute(Command("create_run", run_id, {"lora": lora}))
+    a, b = executor.trainers["a"], executor.trainers["b"]
+    assert a.lora.base is b.lora.base and a.lora.adapters is not b.lora.adapters
+    data = make_data(96, "cross_entropy")
+    args = {"data": data, "loss_fn": "cross_entropy", "loss_config": None, "forward_only": True}
+    losses = {r: executor.execute(Command("forward_backward", r, args))[1]["loss:sum"] for r in ("a", "full")}
+    assert abs(losses["a"] - losses["full"]) <= 1e-12 * abs(losses["full"])
+    executor.execute(Command("free_run", "a"))
+    assert a.lora.slot.active is None and "a" not in executor.trainers

@@ -175,7 +175,9 @@ class RankExecutor:
         )
 
     def _free_run(self, command: Command) -> None:
-        if self.trainers.pop(command.run_id or "", None) is not None:
+        trainer = self.trainers.pop(command.run_id or "", None)
+        if trainer is not None:
+            self.lora_base.forget(trainer)  # a LoRA run's adapters may still be the base's active ones
             gc.collect()
 
     def _sample(self, command: Command) -> list[PromptSamples] | None:

@@ -32,6 +32,12 @@ class SharedBase:
             self.model.requires_grad_(False)
         return self.model
 
+    def forget(self, trainer: object) -> None:
+        """A run is freed: if its adapters are the active ones on the base, drop them (their memory goes)."""
+        lora = getattr(trainer, "lora", None)
+        if self.model is not None and lora is not None and lora.slot.active is lora.adapters:
+            lora.slot.active = None
+
     def trainer(
         self, lora: Mapping[str, Any], mesh: ParallelMesh | None, *, max_tokens_per_rank: int, **options: Any
     ) -> LoraTrainer:
