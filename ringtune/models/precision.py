@@ -148,10 +148,13 @@ def layers_compute_dtype(model: nn.Module) -> torch.dtype | None:
 def compute_like_trainer(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
     """Make an inference copy ``model`` (a ``CausalLM`` without gradients) compute as a mixed trainer does; returns it.
 
-    Why: a sampler that decodes in float32 while the trainer's layers compute in bfloat16 samples from a different
-    policy than the one trained: measured KL(sampler ‖ trainer) ``kl_sample_train_v1`` (SmolLM2-135M,
-    ``benchmarks/sampler_kl_depth.py``, docs/parity.md) is over ten times the healthy figure. So under
-    ``bf16-mixed`` the sampler's decoder layers compute in bfloat16 like the trainer's: each layer's floating
+    Why: a sampler that decodes in float32 while the trainer's layers compute in bfloat16 uses other weights (the
+    unrounded masters) and another arithmetic than the policy being trained. Measured on CPU (SmolLM2-135M,
+    ``benchmarks/sampler_kl_depth.py``, docs/parity.md), this alone does not shrink KL(sampler ‖ trainer): the
+    mismatch there is dominated by bf16 rounding-order differences between the decode path and the packed forward,
+    and is of the same size either way. It is the default because it samples with the trainer's weights and dtype
+    (and half the layer memory, bf16 tensor cores on a GPU). Under ``bf16-mixed`` the sampler's decoder layers
+    compute in bfloat16 like the trainer's: each layer's floating
     parameters are stored rounded to ``dtype`` (the very values :func:`compute_params` hands the trainer's forward
     at each use, kept once instead of cast per token) and the layer's ``compute_dtype`` is set, so prefill and
     decode cast their input to it. The embeddings, final norm and head stay in the parameter dtype, as the
