@@ -4,7 +4,8 @@
 - a rank stopped (SIGSTOP) for 5 s, five times the liveness timeout, is waited for on this host (its pid is
   there), and the value it then sends arrives; seen as another host's rank (heartbeat only), the same stop is
   a death after the timeout;
-- a rank SIGKILLed while its peer waits for it is named dead within seconds, and :func:`dead_ranks` says so.
+- a rank SIGKILLed while its peer waits for it is named dead within seconds, and :func:`dead_ranks` says so;
+- broadcasts and gathers through the store deliver in order, and the read messages are deleted.
 """
 
 from __future__ import annotations
@@ -128,3 +129,22 @@ def test_a_killed_rank_is_named_within_seconds(pool2):
     assert got["rank"] == 1 and "its process ended" in got["error"], got
     assert got["after"] < 3 * liveness.POLL_S + 2, got  # a poll or two; the heartbeat timeout is 60 s
     assert list(got["dead"]) == [1]
+
+
+def _round_trips(ctx) -> list:
+    world, got = _world(), []
+    for i in range(3):
+        got.append(broadcast_from(f"message {i}" if ctx.rank == 0 else None, world, src=0))
+        got.append(gather_objects_to((ctx.rank, i), world, dst=0))
+    exchange_objects(None, world)  # every receiver has read every message
+    broadcast_from("one more", world, src=0)  # the source deletes the messages read by all
+    store, name = liveness.default_store(), world.group_name
+    left = [seq for seq in range(3) if store.check([f"ringtune/b/{name}/{seq}"])]
+    return [got, left]
+
+
+def test_broadcast_and_gather_through_the_store(pool2):
+    (got0, left0), (got1, _) = pool2.run(_round_trips)
+    assert got0 == ["message 0", [(0, 0), (1, 0)], "message 1", [(0, 1), (1, 1)], "message 2", [(0, 2), (1, 2)]]
+    assert got1 == ["message 0", None, "message 1", None, "message 2", None]
+    assert left0 == []  # nothing piles up in the store
