@@ -81,14 +81,16 @@ def datums() -> list[tinker.Datum]:
 
 
 def spinners(count: int, seconds: float) -> list[subprocess.Popen]:
-    code = "while True: pass"
-    return [subprocess.Popen(["timeout", str(int(seconds)), sys.executable, "-c", code]) for _ in range(count)]
+    """``count`` spinning processes, each in a process group of its own (``timeout`` and its child)."""
+    command = ["timeout", str(int(seconds)), sys.executable, "-c", "while True: pass"]
+    return [subprocess.Popen(command, start_new_session=True) for _ in range(count)]
 
 
 def end_spinners(procs: list[subprocess.Popen]) -> None:
+    """Kill each spinner's whole group (killing ``timeout`` alone would orphan its spinning child)."""
     for p in procs:
         with contextlib.suppress(ProcessLookupError):
-            p.kill()
+            os.killpg(p.pid, signal.SIGKILL)
         p.wait()
 
 
