@@ -229,7 +229,7 @@ def write_report(report: MatrixReport, config: MatrixConfig) -> None:
         "the real `tinker` SDK (`ringtune parity run`) and compared with the DP=1, CP=1 server of the same model and",
         "dtype at the same packed-row budget (`max_tokens_per_rank · CP` = "
         f"{config.row_tokens} tokens on the tiny model) by `ringtune parity compare` (limits in",
-        "`ringtune/parity/compare.py`, with their reasoning). `|Δlp|`: the starting-weight forwards;",
+        "`ringtune/parity/limits.py`, with their reasoning). `|Δlp|`: the starting-weight forwards;",
         "worst window: the largest window/interior ratio over zigzag chunks, chunk boundaries and GDN split rows;",
         "grad norm: `gn_CP / gn_CP1` of the first optimizer step (cross_entropy), and the largest",
         "`|gn_CP / gn_CP1 - 1|` of all four steps; sampler KL: the layout's own KL(sampler ‖ trainer) (k3",
