@@ -9,7 +9,7 @@ behind it), SIGKILLs the worker rank and prints:
 - what each request got: A's (in flight) a server error; B's (queued) runs after the heal (B lost nothing);
 - per run, the step it was at and the step it was restored to (steps lost), from the one-time notice.
 
-    .venv/bin/python benchmarks/heal.py [--model smollm2-135m] [--cp 2]
+    .venv/bin/python benchmarks/heal.py [--model smollm2-135m] [--cp 2] [--length 256] [--vocab 1000]
 """
 
 from __future__ import annotations
@@ -31,11 +31,15 @@ from ringtune.gateway.serve_process import ServeProcess
 ADAM = tinker.AdamParams(learning_rate=1e-4)
 
 
+VOCAB = [1000]
+"""Token ids are drawn below this (``--vocab``)."""
+
+
 def datums(seed: int, n: int, length: int) -> list[tinker.Datum]:
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        tokens = torch.randint(10, 1000, (length + 1,), generator=gen).tolist()
+        tokens = torch.randint(1, VOCAB[0], (length + 1,), generator=gen).tolist()
         out.append(
             tinker.Datum(
                 model_input=tinker.ModelInput.from_ints(tokens[:-1]),
@@ -61,7 +65,9 @@ def main() -> None:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--cp", type=int, default=2)
     parser.add_argument("--length", type=int, default=256, help="tokens per datum")
+    parser.add_argument("--vocab", type=int, default=1000, help="token ids are drawn below this")
     args = parser.parse_args()
+    VOCAB[0] = args.vocab
     with tempfile.TemporaryDirectory() as tmp:
         extra = ["--cp", str(args.cp), "--autosave-every", "2", "--autosave-keep", "1", "--max-restarts", "1"]
         extra += ["--context-length", str(2 * args.length), "--log-level", "info"]

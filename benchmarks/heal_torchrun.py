@@ -1,0 +1,123 @@
+"""torchrun's elastic agent restarting ``ringtune serve``: SIGKILL of rank 1, time until healthz 200 again.
+
+Starts ``torchrun --standalone --nproc-per-node 2 --max-restarts 1 -m ringtune.cli serve --cp 2 --autosave-every 1``
+with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (docs/operations.md), trains one step through the SDK, SIGKILLs
+rank 1 and prints how long healthz was down, that the run's autosave is listed after the restart, and the step a
+run resumed from it in a new session reaches.
+
+    .venv/bin/python benchmarks/heal_torchrun.py --model smollm2-135m
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import tinker
+
+from ringtune.gateway.server import free_port
+
+ADAM = tinker.AdamParams(learning_rate=1e-3)
+DATUM = tinker.Datum(
+    model_input=tinker.ModelInput.from_ints([1, 2, 3, 4]),
+    loss_fn_inputs={"target_tokens": [2, 3, 4, 5], "weights": [1.0] * 4},
+)
+
+
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/api/v1/healthz", timeout=3).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def rank_pid(port: int, rank: int, agent: int) -> int:
+    """The pid of the torchrun worker with ``RANK=rank`` serving on ``port``."""
+    for entry in Path("/proc").iterdir():
+        try:
+            if not entry.name.isdigit() or int(entry.name) == agent:
+                continue
+            cmdline = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"ringtune.cli" in cmdline and str(port).encode() in cmdline and f"RANK={rank}".encode() in environ:
+            return int(entry.name)
+    raise RuntimeError(f"no rank {rank} found")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    args = parser.parse_args()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as tmp:
+        command = [
+            str(Path(sys.executable).with_name("torchrun")),
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "-m",
+            "ringtune.cli",
+        ]
+        command += ["serve", "--model", args.model, "--cp", "2", "--context-length", "64", "--port", str(port)]
+        command += ["--checkpoint-root", f"{tmp}/ckpt", "--autosave-every", "1"]
+        env = os.environ | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        with open(f"{tmp}/torchrun.log", "wb") as log:
+            agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            while not healthy(url):
+                if agent.poll() is not None:
+                    raise RuntimeError(f"torchrun exited with {agent.returncode}; see {tmp}/torchrun.log")
+                time.sleep(0.2)
+            sc = tinker.ServiceClient(base_url=url, api_key="tml-local")
+            tc = sc.create_lora_training_client(args.model, rank=0).result()
+            tc.forward_backward([DATUM], "cross_entropy").result()
+            tc.optim_step(ADAM).result()
+            killed = time.monotonic()
+            os.kill(rank_pid(port, 1, agent.pid), signal.SIGKILL)
+            down = None
+            while down is None or not healthy(url):
+                if down is None and not healthy(url):
+                    down = time.monotonic()
+                time.sleep(0.1)
+            back = time.monotonic()
+            rest = tinker.RestClient(base_url=url, api_key="tml-local")
+            listed = [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints]
+            resumed = (
+                tinker.ServiceClient(base_url=url, api_key="tml-local")
+                .create_training_client_from_state_with_optimizer(f"tinker://{tc.model_id}/weights/autosave-00000001")
+                .result()
+            )
+            resumed.forward_backward([DATUM], "cross_entropy").result()
+            step = resumed.optim_step(ADAM).result().metrics["step:max"]
+            print(f"torchrun --max-restarts 1, ringtune serve --cp 2 on {url}; rank 1 SIGKILLed:")
+            print(
+                f"  healthz down {down - killed:.1f} s after the SIGKILL, "
+                f"200 again on the same address {back - killed:.1f} s after"
+            )
+            print(
+                f"  checkpoints listed after the restart: {listed}; resumed from autosave-00000001 to step {step:.0f}"
+            )
+        finally:
+            os.killpg(agent.pid, signal.SIGTERM)
+            try:
+                agent.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+        os._exit(0)  # the SDK clients' sessions would be finished over HTTP against a stopped server
+
+
+if __name__ == "__main__":
+    main()
