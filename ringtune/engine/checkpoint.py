@@ -32,7 +32,8 @@ None, the default (world) group; every rank of it calls together (with NCCL as t
 ``torch.cuda.set_device``). Without an initialised process group: one process. Sharded (FSDP2 / DTensor)
 models and optimizers save their shards (DCP writes each chunk once) and load only their shards, from a
 checkpoint saved in any layout (templates with the live placements, :mod:`checkpoint_fit`); the caller
-reshards FSDP units first (:func:`ringtune.engine.sharding.reshard_all`).
+reshards FSDP units first (:func:`ringtune.engine.sharding.reshard_all`). Expert-parallel experts are saved as
+chunks of global tensors (:mod:`~ringtune.engine.expert_checkpoint`): any EP loads a checkpoint of any EP.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict, set_model_state_dict
 
+from ringtune.engine import expert_checkpoint
 from ringtune.engine.checkpoint_fit import OPTIONS, LoadPlan, optimizer_state_dict, plan_load
 from ringtune.engine.checkpoint_layout import (
     META_NAME,
@@ -230,6 +232,7 @@ def save_checkpoint(
         model_state, optim_state = get_state_dict(model, optimizer, options=OPTIONS)
         state = {"model": model_state, "optim": optim_state}
         optim_kind, optim_class = OPTIM_SAVED, optimizer_class_name(optimizer)
+    state = expert_checkpoint.globalize(model, state)  # EP shards as chunks of global tensors (identity without EP)
 
     def write() -> None:
         writer = FileSystemWriter(staging)
@@ -307,7 +310,9 @@ class _Staged:
     optimizer: dict[str, Any] | None
 
 
-def _read_copies(path: Path, real: Path, plan: LoadPlan, optimizer: torch.optim.Optimizer | None) -> _Staged:
+def _read_copies(
+    path: Path, real: Path, plan: LoadPlan, model: nn.Module, optimizer: torch.optim.Optimizer | None
+) -> _Staged:
     """Phase 3 (this rank): DCP reads every planned entry into the fresh copies of ``plan.template``."""
     try:
         _quiet_dcp(lambda: dcp.load(plan.template, storage_reader=FileSystemReader(real), no_dist=True))
@@ -320,6 +325,7 @@ def _read_copies(path: Path, real: Path, plan: LoadPlan, optimizer: torch.optim.
         raise UserInputError(
             f"checkpoint {path} could not be read (corrupt, missing or foreign data): {_describe(exc)}"
         ) from None
+    expert_checkpoint.localize(model, plan.template)  # EP: each rank read its own experts; keep the local shard
     optim = None
     if plan.restore_optimizer:
         assert optimizer is not None
@@ -373,7 +379,7 @@ def load_checkpoint(
     rank, size = _rank_and_size(control)
     real, record = agreed_call(lambda: _read_record(path, rank, size), control)
     plan = agreed_call(lambda: _plan(path, real, record, model, optimizer), control)
-    staged = agreed_call(lambda: _read_copies(path, real, plan, optimizer), control)
+    staged = agreed_call(lambda: _read_copies(path, real, plan, model, optimizer), control)
     _commit(model, optimizer, staged)
     return record.step, dict(record.extra)
 

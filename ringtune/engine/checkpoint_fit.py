@@ -7,7 +7,8 @@ optimizer state dict of ``get_state_dict(..., flatten_optimizer_state_dict=True)
 keyed by parameter FQN, never by parameter id, so any model with the same FQNs, shapes and dtypes loads them.
 
 Sharded (FSDP2 / DTensor) models and optimizers fit the same way (the metadata holds global sizes); their
-templates are DTensors with the live placements, so each rank reads its shard only (:func:`_empty`).
+templates are DTensors with the live placements, so each rank reads its shard only (:func:`_empty`); so do
+expert-parallel experts, seen as global DTensors (:mod:`ringtune.engine.expert_checkpoint`).
 
 Nothing here changes the model or the optimizer: :func:`plan_load` reads shapes, dtypes and names only, and
 :func:`optimizer_state_dict` builds a new state dict for ``optimizer.load_state_dict`` from loaded copies.
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 
+from ringtune.engine import expert_checkpoint
 from ringtune.engine.checkpoint_manifest import (
     OPTIM_FRESH,
     OPTIM_NONE,
@@ -167,6 +169,8 @@ def _check_optimizer(
         )
     params = dict(zip(fqns, (p for g in optimizer.param_groups for p in g["params"]), strict=True))
     names_of = {id(p): n for n, p in params.items()}
+    shapes = {fqn: tuple(p.shape) for fqn, p in params.items()}
+    shapes.update({fqn: tuple(p.shape) for fqn, p in expert_checkpoint.global_params(model).items()})
     for group in optimizer.param_groups:
         live = sorted(k for k in group if k not in _GROUP_KEYS)
         for p in group["params"]:
@@ -177,8 +181,7 @@ def _check_optimizer(
                     f"this optimizer has {live}"
                 )
     for fqn, stored_state in state.items():
-        param = params[fqn]
-        held = optimizer.state.get(param)
+        held = optimizer.state.get(params[fqn])
         if held and sorted(held) != sorted(stored_state):
             raise UserInputError(
                 f"checkpoint {path}: optimizer state of {fqn} is {sorted(stored_state)}, "
@@ -187,10 +190,10 @@ def _check_optimizer(
         for name, entry in stored_state.items():
             if not isinstance(entry, TensorStorageMetadata):
                 continue
-            if len(entry.size) > 0 and tuple(entry.size) != tuple(param.shape):
+            if len(entry.size) > 0 and tuple(entry.size) != shapes[fqn]:
                 raise UserInputError(
                     f"checkpoint {path} is for a different model: optimizer state {fqn}.{name} has shape "
-                    f"{tuple(entry.size)}, parameter {fqn} is {tuple(param.shape)}"
+                    f"{tuple(entry.size)}, parameter {fqn} is {shapes[fqn]}"
                 )
             if not _covered(entry):
                 raise UserInputError(f"checkpoint {path}: the stored chunks of optimizer state {fqn}.{name} are short")
@@ -237,7 +240,7 @@ def plan_load(
     if len(stored_model) + len(stored_optim) != len(stored):
         unknown = sorted(k for k in stored if not k.startswith(("model.", "optim.")))
         raise UserInputError(f"checkpoint {path}: unknown entries {unknown[:_SHOWN]}")
-    live = get_model_state_dict(model, options=OPTIONS)
+    live = expert_checkpoint.globalize(model, {"model": get_model_state_dict(model, options=OPTIONS)})["model"]
     _check_model(path, stored_model, live)
     plan = LoadPlan(template={"model": {k: _empty(v, live[k]) for k, v in stored_model.items()}})
     if optimizer is None:
@@ -246,6 +249,7 @@ def plan_load(
     plan.restore_optimizer = record.optimizer == OPTIM_SAVED
     if plan.restore_optimizer:
         params = dict(zip(plan.fqns, (p for g in optimizer.param_groups for p in g["params"]), strict=True))
+        params.update(expert_checkpoint.global_params(model))  # EP experts: global DTensors, local templates
         plan.template["optim"] = {
             k: _empty(v, _state_param(k, params))
             for k, v in stored_optim.items()

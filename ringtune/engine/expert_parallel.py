@@ -4,8 +4,8 @@ With ``mesh.ep_size > 1`` (``ringtune serve --ep N``) every rank keeps 1/N of ea
 (:func:`ringtune.models.layers.moe.set_expert_parallel`); the non-expert gradients SUM over DP×CP and the
 expert gradients over the expert replica group (:class:`ringtune.engine.gradients.GradientInvariant` checks
 both); the global gradient norm adds the expert norms of the whole EP group. Not yet supported under EP (refused
-by name): FSDP sharding (``shard_params``) and DCP training-state checkpoints (``save_state`` / ``load_state``:
-DCP would keep one rank's copy of tensors that share a name). HF exports gather the experts first. See docs/moe.md.
+by name): FSDP sharding (``shard_params``). HF exports gather the experts first; DCP training-state checkpoints
+save each EP shard as a chunk of a global tensor (:mod:`ringtune.engine.expert_checkpoint`). See docs/moe.md.
 """
 
 from __future__ import annotations
@@ -41,15 +41,6 @@ def setup(model: CausalLM, mesh: ParallelMesh | None, shard_params: str) -> None
             "supported yet; use shard_params='none'"
         )
     set_expert_parallel(model, mesh.ep_group)
-
-
-def refuse_state_checkpoint(mesh: ParallelMesh | None, what: str) -> None:
-    """ParallelConfigError when EP > 1: DCP training-state checkpoints of expert shards are not supported yet."""
-    if ep_size(mesh) > 1:
-        raise ParallelConfigError(
-            f"{what} with ep={ep_size(mesh)}: training-state checkpoints of expert-parallel shards are not "
-            "supported yet (save_weights_for_sampler / HF export works)"
-        )
 
 
 def split(params: list[torch.nn.Parameter], names: dict[int, str]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -462,7 +462,6 @@ class Trainer:
         """Weights + AdamW state + step, atomically (torch.distributed.checkpoint, manifest-checked on load);
         collective over the mesh's control group."""
         self._check_usable()
-        expert_parallel.refuse_state_checkpoint(self.mesh, "save_state")
         sharding.reshard_all(self.fsdp_units)  # the registered parameters are the shards (the root may be unsharded)
         save_checkpoint(
             path, model=self.model, optimizer=self.optimizer, step=self.step, extra=extra, group=self.control_group
@@ -475,7 +474,6 @@ class Trainer:
         Accumulated gradients are dropped by a successful load.
         """
         self._check_usable()
-        expert_parallel.refuse_state_checkpoint(self.mesh, "load_state")
         sharding.reshard_all(self.fsdp_units)  # loaded into the shards: the next forward all-gathers them
         step, extra = load_checkpoint(
             path, model=self.model, optimizer=self.optimizer if optimizer else None, group=self.control_group
