@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -90,6 +91,12 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (rows in parallel)")
     p.add_argument(
         "--ep", type=int, default=1, help="expert-parallel size for MoE models (divides dp x cp; docs/moe.md)"
+    )
+    p.add_argument(
+        "--router-aux-loss-coef",
+        type=float,
+        default=0.0,
+        help="MoE load-balancing auxiliary loss weight (0: none, as Tinker's losses; docs/moe.md)",
     )
     p.add_argument(
         "--attention", default=None, choices=ATTENTION_MODES, help="CP attention mode (default: the first that fits)"
@@ -216,6 +223,10 @@ def _run_serve(args: argparse.Namespace) -> int:
         options["shard_params"] = args.shard_params
     if args.debug_fault is not None:  # parity negative control (hidden flag)
         options["debug_fault"] = args.debug_fault
+    if args.router_aux_loss_coef != 0.0:  # MoE only; checked again (finite, >= 0, MoE model) by the Trainer
+        if not (math.isfinite(args.router_aux_loss_coef) and args.router_aux_loss_coef > 0):
+            raise UserInputError(f"--router-aux-loss-coef={args.router_aux_loss_coef} must be finite and >= 0")
+        options["router_aux_loss_coef"] = args.router_aux_loss_coef
     names = {"model_name": args.model_name, "tokenizer_dir": args.tokenizer, "tokenizer_cache": root / ".tokenizers"}
     if not args.liveness_timeout > 0:
         raise UserInputError(f"--liveness-timeout={args.liveness_timeout} must be > 0 seconds")

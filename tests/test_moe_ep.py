@@ -366,8 +366,9 @@ def test_serve_cp2_ep2_fine_tunes_through_the_sdk(tmp_path):
 
         before = nll()
         for _ in range(4):
-            tc.forward_backward(train, "cross_entropy").result()
+            metrics = tc.forward_backward(train, "cross_entropy").result().metrics
             tc.optim_step(tinker.AdamParams(learning_rate=3e-2)).result()
+        assert metrics["moe/layer0/load_max_over_mean:max"] >= 1.0  # per-layer expert load through the SDK
         after = nll()
         print(f"\nserve --cp 2 --ep 2 (qwen3_5_moe): held-out NLL {before:.3f} -> {after:.3f} nats per token")
         assert after < before - 0.1

@@ -46,7 +46,9 @@ from ringtune.errors import NonFiniteError, ParallelConfigError
 from ringtune.layout.zigzag import zigzag_slice
 from ringtune.losses import PER_TARGET_KEYS, fixed_logprob_gradient, local_token_losses
 from ringtune.models.decoder import CausalLM
+from ringtune.models.layers import moe_router_stats as router_stats
 from ringtune.models.layers.moe import set_expert_parallel
+from ringtune.models.layers.moe_router_stats import layer_counts, router_aux_loss
 from ringtune.models.logprob_head import IGNORE_INDEX
 from ringtune.models.precision import check_compute_dtype, export_dtype, set_compute_dtype
 from ringtune.models.recompute import DEFAULT_RECOMPUTE, check_recompute_mode, set_recompute
@@ -90,6 +92,10 @@ class Trainer:
             checked); same numbers as the replicated engine. UserInputError for another value.
         recompute: activation recomputation per decoder layer, ``none`` / ``full`` / ``selective``
             (:mod:`ringtune.models.recompute`); same gradients, less activation memory, more compute.
+        router_aux_loss_coef: the MoE load-balancing auxiliary loss's weight (``--router-aux-loss-coef``; 0, the
+            default, adds nothing: Tinker's losses have no auxiliary term), computed per packed row over its real
+            tokens, CP-invariant (:mod:`ringtune.models.layers.moe_router_stats`). forward_backward also reports
+            ``moe/layer{i}/load_max_over_mean:max`` per MoE layer over the request's tokens.
         compute_dtype: mixed precision (:mod:`ringtune.models.precision`): the decoder layers compute in this
             dtype (bfloat16) while the float32 parameters, gradients and AdamW moments stay float32 masters;
             None (default) computes in the parameters' dtype. HF exports are then written in the checkpoint's
@@ -115,6 +121,7 @@ class Trainer:
         debug_fault: str | None = None,
         recompute: str = DEFAULT_RECOMPUTE,
         compute_dtype: torch.dtype | None = None,
+        router_aux_loss_coef: float = 0.0,
     ) -> None:
         set_recompute(model, check_recompute_mode(recompute))
         self.compute_dtype = check_compute_dtype(model, compute_dtype)
@@ -122,6 +129,7 @@ class Trainer:
         self.export_dtype = export_dtype(model, self.compute_dtype)
         self.recompute = recompute
         self.model = model
+        self.router_aux_loss_coef = router_stats.check_aux_coef(model, router_aux_loss_coef)
         self.debug_fault = faults.check_fault(debug_fault)
         self.mesh = mesh
         self.dp_size, self.dp_rank = (mesh.dp_size, mesh.dp_rank) if mesh else (1, 0)
@@ -221,6 +229,7 @@ class Trainer:
         grad_bad: set[int] = set()  # datums of the microbatch after which the gradient became non-finite
         error: BaseException | None = None
         count = batch.plan.microbatches_per_rank
+        loads: dict[str, torch.Tensor] = {}  # per MoE layer: expert assignments of this rank's real tokens
         rows = zip(batch.plan.rows[self.dp_rank], batch.plan.local_lens[self.dp_rank], strict=True)
         try:
             for m, (row, local_len) in enumerate(rows):
@@ -230,6 +239,7 @@ class Trainer:
                     batch, row, local_len, backward=not forward_only, flagged=bool(grad_bad)
                 )
                 mine.update(out)
+                loads = router_stats.add_counts(loads, layer_counts(self.model))
                 loss_bad |= bad_loss
                 grad_bad |= bad_grad
         except NOT_CAUGHT:
@@ -257,7 +267,12 @@ class Trainer:
         if stash is not None:
             stash.merge()
             self.invariant.count(count)
-        return self._collect(mine if self.cp_rank == 0 else {}, batch)
+        result = self._collect(mine if self.cp_rank == 0 else {}, batch)
+        if router_stats.moe_blocks(self.model):  # expert load over the whole request (every rank's tokens)
+            parts = gather_object_to(loads, self.control_group, dst=0)
+            if parts is not None:
+                result.metrics.update(router_stats.load_metrics(parts))
+        return result
 
     # ------------------------------------------------------------------ one microbatch
 
@@ -318,6 +333,8 @@ class Trainer:
             elementwise = faults.flip_loss_sign(elementwise)  # DEBUG-FAULT HOOK (parity negative control; no-op)
             if backward:
                 loss = elementwise.sum().to(torch.float64) + self.invariant.loss_term()
+                if self.router_aux_loss_coef:  # the row's load-balancing term (CP-invariant; collective over CP)
+                    loss = loss + self.router_aux_loss_coef * router_aux_loss(self.model, self.cp_group)
                 self.invariant.scale_loss(loss, batch.plan.microbatches_per_rank).backward()
                 faults.skip_unscored_backward(self.params, saved)  # DEBUG-FAULT HOOK (parity negative control; no-op)
                 if not flagged and not self._gradients_finite():

@@ -98,7 +98,7 @@ class DecoderLayer(nn.Module):
         """The MLP on normed h [T_local, hidden]; a MoE layer replays ``shard.replay_experts[i]`` when given."""
         if isinstance(self.mlp, SparseMoE):
             replay = None if shard.replay_experts is None else shard.replay_experts[self.layer_index]
-            return self.mlp(h, replay)
+            return self.mlp(h, replay, shard.plan.is_real.to(h.device))
         return self.mlp(h)
 
     def decode(self, x: torch.Tensor, positions: torch.Tensor, rows: LayerRows) -> torch.Tensor:

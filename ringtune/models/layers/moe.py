@@ -26,6 +26,7 @@ from torch import nn
 
 from ringtune.errors import UserInputError
 from ringtune.models.layers.mlp import SwiGLU
+from ringtune.models.layers.moe_router_stats import RouterStats, record
 
 GroupedLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(x [n, in], w [G, out, in], counts int64 [G] summing to n; rows grouped by g in order) -> [n, out]."""
@@ -149,6 +150,8 @@ class SparseMoE(nn.Module):
             self.shared_expert = SwiGLU(hidden_size, shared_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.ep_group: dist.ProcessGroup | None = None
+        self.track_probs = False  # record the router probabilities for the aux loss (moe_router_stats)
+        self.router_stats: RouterStats | None = None  # the last forward's (real tokens only)
 
     def check_replay(self, replay: torch.Tensor, tokens: int) -> None:
         """Raise UserInputError unless ``replay`` is int [tokens, top_k] of expert ids in [0, num_experts)."""
@@ -160,13 +163,21 @@ class SparseMoE(nn.Module):
                 f"replay_experts ids must be in [0, num_experts={n}); got [{int(replay.min())}, {int(replay.max())}]"
             )
 
-    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]; ``replay`` int64 [T, top_k] or None (see :class:`TopKRouter`)."""
+    def forward(
+        self, x: torch.Tensor, replay: torch.Tensor | None = None, valid: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; ``replay`` int64 [T, top_k] or None (see :class:`TopKRouter`); ``valid``
+        bool [T] marks the real tokens (None: all) for ``router_stats``."""
         from ringtune.parallel.expert_dispatch import routed_experts_ep
 
         if replay is not None:
             self.check_replay(replay, x.shape[0])
         weights, ids = self.gate(x, replay)
+        probs = None
+        if self.track_probs:
+            logits = F.linear(x, self.gate.weight)
+            probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
+        self.router_stats = record(probs, ids.detach(), valid, self.experts.num_experts)
         if self.ep_group is not None and dist.get_world_size(self.ep_group) > 1:
             out = routed_experts_ep(x, ids, weights, self.experts, self.ep_group)
         else:
