@@ -61,6 +61,7 @@ def _row(p: Planned) -> list[str]:
     return [
         str(lay.cp),
         str(lay.dp),
+        str(lay.ep),
         lay.shard,
         lay.recompute,
         lay.precision,
@@ -75,6 +76,7 @@ def _row(p: Planned) -> list[str]:
 HEADER = [
     "CP",
     "DP",
+    "EP",
     "shard",
     "recompute",
     "precision",
@@ -96,7 +98,7 @@ def format_table(planned: list[Planned], top: int) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(HEADER))]
     lines = [
         "  ".join(
-            c.rjust(w) if i not in (2, 3, 4) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+            c.rjust(w) if i not in (3, 4, 5) else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
         )
         for r in rows
     ]

@@ -21,6 +21,7 @@ from ringtune.errors import UserInputError
 from ringtune.models.config import DecoderConfig
 from ringtune.models.logprob_tiles import tile_shape
 from ringtune.plan import activations as act
+from ringtune.plan import moe
 
 PRECISIONS: dict[str, tuple[int, int, int, int]] = {
     # name: (compute bytes e, parameter bytes, gradient bytes, AdamW moment bytes per parameter)
@@ -45,6 +46,7 @@ class Layout:
 
     ``shard``: a name of :data:`ringtune.engine.sharding.SHARDINGS` (``ringtune serve --shard-params``):
     ``none`` (replicated), ``dp`` (FSDP2 over DP, replicated over CP), ``dp_cp`` (FSDP2 over all DP·CP ranks).
+    ``ep``: expert parallelism of a MoE model (``--ep``; routed experts ÷ EP; only with ``shard="none"``).
     """
 
     cp: int
@@ -52,6 +54,7 @@ class Layout:
     shard: str
     recompute: str
     precision: str
+    ep: int = 1
 
     @property
     def shard_ways(self) -> int:
@@ -82,10 +85,12 @@ class Estimate:
         return {**asdict(self), "peak": self.peak}
 
 
-def layer_parameters(cfg: DecoderConfig, layer_type: str) -> int:
-    """Parameters of one decoder layer (mixer, SwiGLU, two norms), as the modules in ``models/layers`` define them."""
+def layer_parameters(cfg: DecoderConfig, layer_type: str, index: int | None = None) -> int:
+    """Parameters of one decoder layer (mixer, MLP, two norms), as the modules in ``models/layers`` define them;
+    with ``index`` a MoE layer's MLP is its router and shared expert (its routed experts: :mod:`ringtune.plan.moe`)."""
     d = cfg.hidden_size
-    common = 3 * d * cfg.intermediate_size + 2 * d
+    mlp = 3 * d * cfg.intermediate_size if index is None else moe.dense_mlp_parameters(cfg, index)
+    common = mlp + 2 * d
     if layer_type == "linear_attention":
         hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -145,11 +150,17 @@ def estimate(cfg: DecoderConfig, layout: Layout, tokens: int) -> Estimate:
     a = 8 if e == 8 else 4
     w = act.Widths(e=e, a=a)
     types = cfg.layer_types
-    per_layer = [layer_parameters(cfg, t) for t in types]
+    per_layer = [layer_parameters(cfg, t, i) for i, t in enumerate(types)]
     root = root_parameters(cfg)
     total = sum(per_layer) + root
+    experts = sum(moe.expert_parameters(cfg, i) for i in range(len(types)))  # routed experts: ÷ EP, never FSDP
+    if layout.ep < 1 or (experts and cfg.num_experts % layout.ep) or (not experts and layout.ep > 1):
+        raise UserInputError(f"ep={layout.ep} must divide the model's num_experts={cfg.num_experts} (1 without MoE)")
+    if layout.ep > 1 and layout.shard != "none":
+        raise UserInputError(f"ep={layout.ep} with shard={layout.shard!r}: FSDP of experts is not supported")
+    local_experts = experts / layout.ep
     mixed = layout.precision == "bf16-mixed"
-    detail: dict[str, float] = {"parameter_count": float(total)}
+    detail: dict[str, float] = {"parameter_count": float(total + experts), "expert_parameters_here": local_experts}
     if layout.shard not in SHARD_NAMES:
         raise UserInputError(f"shard={layout.shard!r}: choose one of {', '.join(SHARD_NAMES)}")
     ways = layout.shard_ways
@@ -168,6 +179,9 @@ def estimate(cfg: DecoderConfig, layout: Layout, tokens: int) -> Estimate:
         parameters = total * pb + (total * e if mixed else 0)  # bf16-mixed: the bf16 compute copy
         gradients = total * gb + (total * e if mixed else 0)  # its bf16 gradients before the fp32 cast
         moments = total * mb
+    parameters += local_experts * (pb + (e if mixed else 0))
+    gradients += local_experts * (gb + (e if mixed else 0))
+    moments += local_experts * mb
     static_grads = gradients
     kept = [act.layer_kept(cfg, t, layout.recompute, w) * tokens for t in types]
     head = act.head_kept(cfg, w) * tokens
@@ -182,8 +196,10 @@ def estimate(cfg: DecoderConfig, layout: Layout, tokens: int) -> Estimate:
         if t == "linear_attention":
             transient += act.gdn_scan_transient(cfg, w, tokens)
         comm = comm_per_token(cfg, t, layout.cp, e, a) * tokens
+        if moe.is_moe(cfg, i):
+            comm += moe.dispatch_per_token(cfg, layout.ep, e) * tokens
         phases[f"layer {i}"] = (sum(kept[: i + 1]) + rebuilt + bookkeeping, transient, comm)
-    optimizer_transient = total / ways * pb
+    optimizer_transient = (total / ways + local_experts) * pb
     phases["optimizer"] = (0.0, optimizer_transient, 0.0)
     phase = max(phases, key=lambda k: sum(phases[k]))
     activations, constants, communication = phases[phase]

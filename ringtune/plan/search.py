@@ -18,6 +18,7 @@ from ringtune.layout.budget import rank_token_budget
 from ringtune.models.config import DecoderConfig
 from ringtune.models.recompute import RECOMPUTE_MODES
 from ringtune.plan.estimate import PRECISIONS, Estimate, Layout, estimate
+from ringtune.plan.moe import ep_sizes
 
 MARGIN = 0.10
 """Fraction of the GPU memory a layout should leave free (allocator fragmentation, CUDA context, NCCL)."""
@@ -95,10 +96,10 @@ def plan_layouts(
     for cp in cp_sizes(cfg, gpus, context):
         dp = gpus // cp
         tokens = rank_token_budget(context, cp, pad_multiplier=PAD_MULTIPLIER)
-        for shard in shardings(cp, dp):
+        for shard, ep in [(s, 1) for s in shardings(cp, dp)] + [("none", n) for n in ep_sizes(cfg, cp * dp)[1:]]:
             for rc in recompute:
                 for precision in precisions:
-                    layout = Layout(cp=cp, dp=dp, shard=shard, recompute=rc, precision=precision)
+                    layout = Layout(cp=cp, dp=dp, shard=shard, recompute=rc, precision=precision, ep=ep)
                     est = estimate(cfg, layout, tokens)
                     out.append(
                         Planned(
