@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from ringtune.ops.attention.kernels import BlockKernel, select_block_kernel
+from ringtune.ops.attention.merge import merge_block
 from ringtune.ops.attention.packed_blocks import forward_packed, grads_packed
 from ringtune.ops.attention.schedule import BlockPair
 
@@ -47,15 +48,6 @@ def new_accumulators(q_h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out = torch.zeros(q_h.shape, dtype=acc, device=q_h.device)
     lse = torch.full(q_h.shape[:-1], float("-inf"), dtype=acc, device=q_h.device)
     return out, lse
-
-
-def merge_block(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """In place: ``out, lse <- merge((out, lse), (block_out, block_lse))`` by the online-softmax rule."""
-    block_lse = block_lse.to(lse.dtype)
-    new_lse = torch.logaddexp(lse, block_lse)
-    out.mul_(torch.exp(lse - new_lse).unsqueeze(-1))
-    out.add_(block_out.to(out.dtype) * torch.exp(block_lse - new_lse).unsqueeze(-1))
-    lse.copy_(new_lse)
 
 
 def forward_blocks(

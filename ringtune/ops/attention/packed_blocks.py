@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ringtune.ops.attention.merge import merge_block
 from ringtune.ops.attention.schedule import BlockPair
 
 
@@ -100,13 +101,10 @@ def forward_packed(
         )
         block_out = g_out.transpose(0, 1).to(out.dtype)  # [H, Nq, D]
         block_lse = g_lse.to(lse.dtype)  # [H, Nq]
-        if not fresh:
-            old_out, old_lse = out[0].index_select(1, pk.q_idx), lse[0].index_select(1, pk.q_idx)
-            new_lse = torch.logaddexp(old_lse, block_lse)
-            block_out = old_out * torch.exp(old_lse - new_lse).unsqueeze(-1) + block_out * torch.exp(
-                block_lse - new_lse
-            ).unsqueeze(-1)
-            block_lse = new_lse
+        if not fresh:  # merge into copies of the group's rows, then write them back
+            rows_out, rows_lse = out[0].index_select(1, pk.q_idx), lse[0].index_select(1, pk.q_idx)
+            merge_block(rows_out, rows_lse, block_out, block_lse)
+            block_out, block_lse = rows_out, rows_lse
         out[0].index_copy_(1, pk.q_idx, block_out)
         lse[0].index_copy_(1, pk.q_idx, block_lse)
 
