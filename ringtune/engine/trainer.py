@@ -301,7 +301,8 @@ class Trainer:
         # Every datum carries exactly batch.input_keys (a pad-only row: empty tensors of the same trailing
         # shapes), so every rank runs the same loss code and the same collectives.
         k_shape = () if batch.target_k is None else (batch.target_k,)
-        device = self.model.output_weight.device
+        # the embedding's device, the head's too (a LoRA run's output_weight would merge a vocab x hidden tensor)
+        device = self.model.model.embed_tokens.weight.device
 
         per_target = {"target_tokens", *PER_TARGET_KEYS.get(batch.loss.loss_fn, ())}
 
