@@ -217,11 +217,6 @@ class LoraAdapters(nn.Module):
         delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return out + delta.to(out.dtype)
 
-    def merged_delta(self, target: Target) -> torch.Tensor:
-        """``scale · B @ A`` [out, in] of one adapter (no autograd graph kept by callers under no_grad)."""
-        a, b = self.pair(target.name)
-        return (b @ a) * self.scale
-
 
 class LoraSlot:
     """The forward hooks of one base model: each targeted linear adds the delta of ``active`` (or nothing)."""
