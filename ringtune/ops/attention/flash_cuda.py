@@ -27,12 +27,12 @@ from dataclasses import dataclass
 import torch
 
 
-def _cpu_flash(q, k, v, causal, scale):
+def cpu_flash(q, k, v, causal, scale):
     """One block on CPU, heads-major [1, H, S, D] (the ``cpu_flash`` kernel's op): ``(out, lse)``."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
 
 
-def _cpu_flash_grad(dout, q, k, v, out, lse, causal, scale):
+def cpu_flash_grad(dout, q, k, v, out, lse, causal, scale):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         dout, q, k, v, out, lse, 0.0, causal, scale=scale
     )
@@ -133,7 +133,7 @@ class CpuVarlenLoopKernel:
         out = torch.empty_like(q)
         lse = torch.empty((q.shape[1], q.shape[0]), dtype=acc, device=q.device)
         for qa, qb, ka, kb in self._spans(cu_q, cu_k):
-            o, s = _cpu_flash(_block(q, qa, qb), _block(k, ka, kb), _block(v, ka, kb), causal, scale)
+            o, s = cpu_flash(_block(q, qa, qb), _block(k, ka, kb), _block(v, ka, kb), causal, scale)
             out[qa:qb] = o[0].transpose(0, 1)
             lse[:, qa:qb] = s[0]
         return out, lse
@@ -142,7 +142,7 @@ class CpuVarlenLoopKernel:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         for qa, qb, ka, kb in self._spans(cu_q, cu_k):
             s = lse[:, qa:qb].unsqueeze(0).contiguous()
-            a, b, c = _cpu_flash_grad(
+            a, b, c = cpu_flash_grad(
                 _block(dout, qa, qb),
                 _block(q, qa, qb),
                 _block(k, ka, kb),

@@ -30,7 +30,7 @@ from typing import Protocol
 
 import torch
 
-from ringtune.ops.attention.flash_cuda import CpuVarlenLoopKernel, CudaVarlenKernel
+from ringtune.ops.attention.flash_cuda import CpuVarlenLoopKernel, CudaVarlenKernel, cpu_flash, cpu_flash_grad
 
 
 class BlockKernel(Protocol):
@@ -59,13 +59,10 @@ class CpuFlashKernel:
     name: str = "cpu_flash"
 
     def forward(self, q, k, v, *, causal, scale):
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out, lse
+        return cpu_flash(q, k, v, causal, scale)
 
     def backward(self, dout, q, k, v, out, lse, *, causal, scale):
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, scale=scale
-        )
+        return cpu_flash_grad(dout, q, k, v, out, lse, causal, scale)
 
 
 def _lse_dtype(dtype: torch.dtype) -> torch.dtype:
