@@ -1,8 +1,9 @@
 """Starting the worker ranks of ``ringtune serve``: spawned on this machine, or under torchrun across machines.
 
-- :func:`start_local_workers`: this process becomes rank 0 of a DP×CP world on 127.0.0.1; it spawns the other
-  ``dp·cp - 1`` ranks as processes (gloo on CPU, NCCL on CUDA), builds the mesh and returns rank 0's
-  :class:`~ringtune.worker.backend.DistributedBackend` (the gateway serves HTTP from this process).
+- :func:`start_supervised_workers`: this process becomes rank 0 of a DP×CP world on 127.0.0.1; it spawns the
+  other ``dp·cp - 1`` ranks as processes (gloo on CPU, NCCL on CUDA, :func:`spawn_world`), builds the mesh and
+  returns rank 0's backend, a :class:`~ringtune.worker.supervisor.SupervisedBackend` that restarts dead worker
+  ranks (the gateway serves HTTP from this process).
 - :func:`join_torchrun_world`: every torchrun process calls it; rank 0 gets the backend (and serves HTTP),
   every other rank runs :func:`~ringtune.worker.loop.worker_loop` until shutdown and gets None.
 """
@@ -98,22 +99,6 @@ def _load_and_describe(
     return model, describe(spec, model, dp=layout.dp, cp=layout.cp, **names)
 
 
-def start_local_workers(
-    spec: ModelSpec,
-    layout: WorkerLayout,
-    *,
-    model_name: str | None = None,
-    tokenizer_dir: str | None = None,
-    tokenizer_cache: str | Path | None = None,
-) -> DistributedBackend:
-    """Make this process rank 0 of ``layout`` on 127.0.0.1, spawn the other ranks; rank 0's backend.
-
-    The model is loaded here first (a bad source fails before any process starts).
-    """
-    model, info = _load_and_describe(spec, layout, model_name, tokenizer_dir, tokenizer_cache)
-    return spawn_world(replace(spec, tokenizer_dir=info.tokenizer_dir), layout, info, spare=model)
-
-
 def start_supervised_workers(
     spec: ModelSpec,
     layout: WorkerLayout,
@@ -123,8 +108,12 @@ def start_supervised_workers(
     tokenizer_dir: str | None = None,
     tokenizer_cache: str | Path | None = None,
 ) -> SupervisedBackend:
-    """:func:`start_local_workers` under a :class:`SupervisedBackend`: dead worker ranks are restarted (up to
-    ``max_restarts`` times) and the live runs restored (see :mod:`ringtune.worker.supervisor`)."""
+    """Make this process rank 0 of ``layout`` on 127.0.0.1, spawn the other ranks (:func:`spawn_world`), under a
+    :class:`SupervisedBackend`: dead worker ranks are restarted (up to ``max_restarts`` times) and the live runs
+    restored (see :mod:`ringtune.worker.supervisor`).
+
+    The model is loaded here first (a bad source fails before any process starts).
+    """
     model, info = _load_and_describe(spec, layout, model_name, tokenizer_dir, tokenizer_cache)
     spec = replace(spec, tokenizer_dir=info.tokenizer_dir)
     spare = [model]  # the first world's first run takes the described copy; a restarted world loads its own
