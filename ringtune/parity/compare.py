@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from ringtune.parity.limits import COARSENESS, LIMITS, Limits
-from ringtune.parity.windows import Layout, request_positions
+from ringtune.parity.windows import DatumPositions, Layout, request_positions
 
 PRE_STEP = ("forward.main", "forward.lone", "forward.long")
 POST_STEP = (
@@ -167,21 +167,23 @@ def compute_figures(a: Mapping[str, Any], b: Mapping[str, Any], *, window_layout
     figures.append(Figure("lp.p99", _stat(everything, "p99"), limits.lp_p99))
 
     # Long rows of the starting-weight forwards: per-position classes under the window layout.
+    positions = {
+        name: request_positions(ra[name]["lengths"], window_layout) for name in ("forward.main", "forward.long")
+    }
     long_abs, long_raw, rows = [], [], []
-    for name in ("forward.main", "forward.long"):
+    for name, placed in positions.items():
         record = ra[name]
-        positions = request_positions(record["lengths"], window_layout)
         for i, kind in enumerate(record["kinds"]):
             if kind in LONG_KINDS:
                 delta = pre[name][i]
-                rows.append((record["datums"][i], np.abs(delta), positions[i]))
+                rows.append((record["datums"][i], np.abs(delta), placed[i]))
                 long_raw.append(delta)
                 long_abs.append(np.abs(delta))
     raw = np.concatenate(long_raw)
     k3 = np.expm1(raw) - raw
     kept = k3[k3 <= np.percentile(k3, 99)]
     figures.append(Figure("lp.trimmed_kl", float(np.mean(kept)), limits.kl))
-    figures.append(_local_chunk_figure(ra, pre, window_layout))
+    figures.append(_local_chunk_figure(pre, positions))
 
     for name in ("forward.main", "forward.lone"):
         record = ra[name]
@@ -241,7 +243,7 @@ LOCAL_MOVED_LIMIT = 0.1
 """Largest fraction of zigzag-chunk-0 positions allowed to differ at all from the reference (see below)."""
 
 
-def _local_chunk_figure(ra: Mapping[str, Any], pre: Mapping[str, list[np.ndarray]], layout: Layout) -> Figure:
+def _local_chunk_figure(pre: Mapping[str, list[np.ndarray]], positions: Mapping[str, list[DatumPositions]]) -> Figure:
     """``lp.chunk[0].moved``: the fraction of the starting-weight positions in zigzag chunk 0 of their datum whose
     log-prob differs from the reference *at all*.
 
@@ -253,9 +255,8 @@ def _local_chunk_figure(ra: Mapping[str, Any], pre: Mapping[str, list[np.ndarray
     every token (a value rounded to another dtype on its way through a relayout) moves them: ~99% moved.
     The limit 10% leaves room for a kernel that picks another blocking for another row length."""
     moved, total = 0, 0
-    for name in ("forward.main", "forward.long"):
-        positions = request_positions(ra[name]["lengths"], layout)
-        for delta, p in zip(pre[name], positions, strict=True):
+    for name, placed in positions.items():  # forward.main and forward.long, placed by the window layout
+        for delta, p in zip(pre[name], placed, strict=True):
             local = p.chunk == 0
             moved += int(np.count_nonzero(delta[local]))
             total += int(np.count_nonzero(local))
