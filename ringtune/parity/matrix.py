@@ -100,15 +100,9 @@ class MatrixReport:
         return all(r.ok for r in self.rows)
 
 
-_SERVED: dict[Path, dict[str, Any]] = {}
-"""Dumps served in this process, by path (a reference shared by layouts and faults is served once)."""
-
-
 def _run(spec: ServeSpec, config: MatrixConfig, tag: str) -> tuple[dict[str, Any], float]:
     start = time.monotonic()
     path = config.workdir / f"{tag}-{spec.name}.json"
-    if path in _SERVED:
-        return _SERVED[path], float(_SERVED[path]["seconds"])
     if config.reuse and path.is_file():
         dump = load_dump(path)
         return dump, float(dump.get("seconds", 0.0))
@@ -122,7 +116,6 @@ def _run(spec: ServeSpec, config: MatrixConfig, tag: str) -> tuple[dict[str, Any
             label=f"{tag} {spec.name}",
         )
     print(f"  {tag} {spec.name}: served, ran and stopped in {time.monotonic() - start:.0f} s", flush=True)
-    _SERVED[path] = dump
     return dump, float(dump["seconds"])
 
 
