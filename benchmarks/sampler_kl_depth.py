@@ -109,6 +109,13 @@ def main() -> None:
     args = parser.parse_args()
     context = max(args.depths) + args.tokens + 64
     report: dict[str, dict] = {}
+
+    def save() -> None:
+        if args.out:
+            args.out.write_text(
+                json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "report": report}, indent=1)
+            )
+
     with tempfile.TemporaryDirectory(prefix="kl-depth-") as tmp:
         for dtype in args.dtypes:
             started = time.time()
@@ -125,10 +132,7 @@ def main() -> None:
             def record(depth: int, stats: dict, dtype: str = dtype, started: float = started) -> None:
                 report[dtype][depth] = stats
                 print(f"# {dtype} depth {depth}: {json.dumps(stats)} ({time.time() - started:.0f} s)", flush=True)
-                if args.out:
-                    args.out.write_text(
-                        json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "report": report}, indent=1)
-                    )
+                save()
 
             with server:
                 measure(server.url, args.model, args.depths, args.samples, args.tokens, args.seed, record)
@@ -148,10 +152,7 @@ def main() -> None:
             failed |= dtype == "bf16-mixed" and r["kl_sample_train_v1"] > GOAL_V1
     if "bf16-mixed" in report:
         print(f"bf16-mixed v1 <= {GOAL_V1:g} at every depth: {'FAIL' if failed else 'PASS'}")
-    if args.out:
-        args.out.write_text(
-            json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "report": report}, indent=1)
-        )
+    save()
 
 
 if __name__ == "__main__":
