@@ -25,7 +25,7 @@ request of it fails with that message (:meth:`ReplicaCheck.require_trusted`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -84,8 +84,7 @@ class ReplicaCheck:
     mesh: ParallelMesh | None
     sharding: str
     untrusted: str | None = None
-    last_seconds: float = 0.0
-    compared: int = field(default=0)
+    compared: int = 0
 
     def require_trusted(self) -> None:
         """ReplicaDivergedError if an earlier step found the replicas apart (the run's state is not trusted)."""
@@ -120,21 +119,20 @@ class ReplicaCheck:
         start = time.perf_counter()
         key = replica_key(self.mesh, self.sharding)
         if key is None or group is None:
-            self.last_seconds = time.perf_counter() - start
-            return self.last_seconds
+            return time.perf_counter() - start
         named = self.named_tensors(params, names, optimizer)
         mine = (key, step, checksums([t for _, t in named]))
         everyone = all_gather_objects(mine, group)
         problems = self._mismatches(everyone, [n for n, _ in named])
-        self.last_seconds = time.perf_counter() - start
+        seconds = time.perf_counter() - start
         self.compared = len(named)
         if problems:
             self.untrusted = f"replicas diverged after optim_step {step}: {problems}"
             raise ReplicaDivergedError(
-                f"replicas diverged after optim_step {step}: {problems}. Ranks that must hold identical parameters "
-                "and AdamW moments do not (an engine bug, not your request); this run is untrusted from now on"
+                f"{self.untrusted}. Ranks that must hold identical parameters and AdamW moments do not (an engine "
+                "bug, not your request); this run is untrusted from now on"
             )
-        return self.last_seconds
+        return seconds
 
     @staticmethod
     def _mismatches(everyone: list[tuple[tuple[int, ...], int, list[int]]], names: list[str]) -> str:
