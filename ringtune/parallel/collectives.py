@@ -53,8 +53,13 @@ def all_to_all_raw(
     group: dist.ProcessGroup,
     send_counts: Sequence[int] | None = None,
     recv_counts: Sequence[int] | None = None,
+    *,
+    op: str = "all_to_all",
 ) -> torch.Tensor:
-    """Send block i of ``x`` (dim 0, sizes ``send_counts``, equal if None) to rank i; receive in rank order."""
+    """Send block i of ``x`` (dim 0, sizes ``send_counts``, equal if None) to rank i; receive in rank order.
+
+    ``op``: the name the bytes sent are recorded under (:func:`ringtune.parallel.meter.record_sent`).
+    """
     size = _size(group)
     if size == 1:
         return x
@@ -67,7 +72,7 @@ def all_to_all_raw(
         recv_counts = list(send_counts)
     rank = dist.get_rank(group)
     blocks = x.split(list(send_counts))
-    record_sent("all_to_all", *(b for i, b in enumerate(blocks) if i != rank))
+    record_sent(op, *(b for i, b in enumerate(blocks) if i != rank))
     out = x.new_empty((sum(recv_counts), *x.shape[1:]))
     dist.all_to_all_single(out, x, list(recv_counts), list(send_counts), group=group)
     return out
@@ -97,14 +102,14 @@ class _ReduceScatter(torch.autograd.Function):
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, send_counts, recv_counts):
-        ctx.group, ctx.send_counts, ctx.recv_counts = group, send_counts, recv_counts
-        return all_to_all_raw(x, group, send_counts, recv_counts)
+    def forward(ctx, x, group, send_counts, recv_counts, op, back_op):
+        ctx.group, ctx.send_counts, ctx.recv_counts, ctx.back_op = group, send_counts, recv_counts, back_op
+        return all_to_all_raw(x, group, send_counts, recv_counts, op=op)
 
     @staticmethod
     def backward(ctx, grad):
         recv = ctx.recv_counts if ctx.recv_counts is not None else ctx.send_counts
-        return all_to_all_raw(grad, ctx.group, recv, ctx.send_counts), None, None, None
+        return all_to_all_raw(grad, ctx.group, recv, ctx.send_counts, op=ctx.back_op), None, None, None, None, None
 
 
 class _RingShift(torch.autograd.Function):
@@ -133,13 +138,21 @@ def all_to_all(
     group: dist.ProcessGroup,
     send_counts: Sequence[int] | None = None,
     recv_counts: Sequence[int] | None = None,
+    *,
+    op: str = "all_to_all",
+    back_op: str = "all_to_all",
 ) -> torch.Tensor:
-    """Differentiable all-to-all on dim 0 with optional uneven counts; backward is the swapped all-to-all."""
+    """Differentiable all-to-all on dim 0 with optional uneven counts; backward is the swapped all-to-all.
+
+    ``op`` / ``back_op``: the meter names of the forward's and the backward's bytes sent.
+    """
     return _AllToAll.apply(
         x,
         group,
         None if send_counts is None else tuple(send_counts),
         None if recv_counts is None else tuple(recv_counts),
+        op,
+        back_op,
     )
 
 

@@ -13,52 +13,22 @@ the experts spread over the EP group of size N (rank r holds experts ``[r·E/N, 
    them by their weights and sums them per received row, so
 4. one summed row per pair comes back by the reverse all-to-all and is added to its token.
 
-Rows and weights travel through differentiable exchanges (the backward is the reverse exchange), so
-gradients reach ``x`` and the router's weights on the home rank and the experts on their owner. Every rank
-of the EP group must call it together, once per MoE layer, in the same order (forward and backward). Bytes
-sent are recorded on the active :func:`ringtune.parallel.meter.measure_comm` meter: ``expert_dispatch`` /
-``expert_combine`` (the hidden rows: the minimum, one row per remote (token, rank) pair each way),
-``expert_routes`` (int64 + weight per remote assignment) and ``expert_counts`` (2·N int64); the backward's
-under the same names with ``_grad``.
+Rows and weights travel through differentiable all-to-alls (:func:`ringtune.parallel.collectives.all_to_all`,
+whose backward is the reverse exchange), so gradients reach ``x`` and the router's weights on the home rank
+and the experts on their owner. Every rank of the EP group must call it together, once per MoE layer, in the
+same order (forward and backward). Bytes sent are recorded on the active
+:func:`ringtune.parallel.meter.measure_comm` meter: ``expert_dispatch`` / ``expert_combine`` (the hidden rows:
+the minimum, one row per remote (token, rank) pair each way), ``expert_routes`` (int64 + weight per remote
+assignment) and ``expert_counts`` (2·N int64); the backward's under the same names with ``_grad``.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringtune.parallel.meter import record_sent
-
-
-def _exchange(x: torch.Tensor, group: dist.ProcessGroup, send: Sequence[int], recv: Sequence[int], op: str):
-    """Send ``x``'s dim-0 block i (sizes ``send``) to rank i; receive blocks of sizes ``recv`` in rank order."""
-    x = x.contiguous()
-    rank = dist.get_rank(group)
-    record_sent(op, *(b for i, b in enumerate(x.split(list(send))) if i != rank))
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x, list(recv), list(send), group=group)
-    return out
-
-
-class _Exchange(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, send, recv, op, back_op):
-        ctx.group, ctx.send, ctx.recv, ctx.back_op, ctx.op = group, send, recv, back_op, op
-        return _exchange(x, group, send, recv, op)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _exchange(grad, ctx.group, ctx.recv, ctx.send, ctx.back_op), None, None, None, None, None
-
-
-def exchange(
-    x: torch.Tensor, group: dist.ProcessGroup, send: Sequence[int], recv: Sequence[int], op: str, back_op: str
-) -> torch.Tensor:
-    """Differentiable uneven all-to-all on dim 0; the backward sends gradients back with the splits swapped."""
-    return _Exchange.apply(x, group, tuple(send), tuple(recv), op, back_op)
+from ringtune.parallel.collectives import all_to_all, all_to_all_raw
 
 
 def routed_experts_ep(
@@ -84,13 +54,13 @@ def routed_experts_ep(
     send_assign = torch.bincount(dest, minlength=size)
     first_pair = torch.cumsum(send_pairs, 0) - send_pairs
     routes = ((pair_of - first_pair[dest]) * local + flat_ids % local)[order]  # row in its block, local expert
-    counts = _exchange(torch.stack([send_pairs, send_assign], 1), group, [1] * size, [1] * size, "expert_counts")
+    counts = all_to_all_raw(torch.stack([send_pairs, send_assign], 1), group, op="expert_counts")
     recv_pairs, recv_assign = counts[:, 0], counts[:, 1]
     sp, sa, rp, ra = (c.tolist() for c in (send_pairs, send_assign, recv_pairs, recv_assign))
     # 2. rows, routes and weights to the expert ranks.
-    rows = exchange(x[pair_token], group, sp, rp, "expert_dispatch", "expert_dispatch_grad")
-    routes = _exchange(routes, group, sa, ra, "expert_routes")
-    w = exchange(weights.reshape(-1, 1)[order], group, sa, ra, "expert_routes", "expert_routes_grad")
+    rows = all_to_all(x[pair_token], group, sp, rp, op="expert_dispatch", back_op="expert_dispatch_grad")
+    routes = all_to_all_raw(routes, group, sa, ra, op="expert_routes")
+    w = all_to_all(weights.reshape(-1, 1)[order], group, sa, ra, op="expert_routes", back_op="expert_routes_grad")
     # 3. every received assignment through its expert, weighted, summed per received row.
     source = torch.arange(size, device=device).repeat_interleave(recv_assign)
     row = torch.div(routes, local, rounding_mode="floor") + (torch.cumsum(recv_pairs, 0) - recv_pairs)[source]
@@ -99,7 +69,7 @@ def routed_experts_ep(
     out = experts(rows[row[by_expert]], torch.bincount(expert, minlength=local)) * w[by_expert]
     summed = rows.new_zeros(rows.shape).index_add(0, row[by_expert], out)
     # 4. one summed row per pair back home, added to its token.
-    back = exchange(summed, group, rp, sp, "expert_combine", "expert_combine_grad")
+    back = all_to_all(summed, group, rp, sp, op="expert_combine", back_op="expert_combine_grad")
     return x.new_zeros(x.shape).index_add(0, pair_token, back)
 
 
