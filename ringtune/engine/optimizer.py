@@ -88,9 +88,11 @@ def non_finite_update(optimizer: torch.optim.AdamW, params: list[torch.nn.Parame
     param group's settings (``foreach`` / ``fused`` as the optimizer picks them), so the verdict is the one
     :func:`apply_step` would reach; a step torch itself refuses (a step size that overflows the dtype, which
     would raise in :func:`apply_step` after earlier parameters moved) counts as non-finite.
-    Extra memory: three copies of the largest parameter (one at a time).
+    Extra memory: three copies of the largest parameter (one at a time). The verdicts are read back together,
+    one device sync for all parameters.
     """
-    bad: list[int] = []
+    tried: list[int] = []  # indices into params, in the order their trials ran
+    finite: list[torch.Tensor] = []  # per trial, on the parameter's device: the update stays finite
     index = {id(p): i for i, p in enumerate(params)}
     for group in optimizer.param_groups:
         for p in group["params"]:
@@ -113,11 +115,13 @@ def non_finite_update(optimizer: torch.optim.AdamW, params: list[torch.nn.Parame
                     maximize=False,
                 )  # fmt: skip
             except RuntimeError:  # torch refuses a step size that overflows the weight's dtype (lr=1e39 in float32)
-                bad.append(index[id(p)])
-                continue
-            if not all(bool(torch.isfinite(t).all()) for t in (weight, m, v)):
-                bad.append(index[id(p)])
-    return bad
+                ok = torch.zeros((), dtype=torch.bool, device=weight.device)
+            else:
+                ok = torch.isfinite(weight).all() & torch.isfinite(m).all() & torch.isfinite(v).all()
+            tried.append(index[id(p)])
+            finite.append(ok)
+    verdicts = torch.stack(finite).tolist() if finite else []
+    return [i for i, ok in zip(tried, verdicts, strict=True) if not ok]
 
 
 def apply_step(optimizer: torch.optim.AdamW) -> None:
