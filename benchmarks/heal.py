@@ -26,7 +26,7 @@ import httpx
 import tinker
 import torch
 
-from ringtune.gateway.serve_process import ServeProcess
+from ringtune.gateway.serve_process import ServeProcess, worker_pids
 
 ADAM = tinker.AdamParams(learning_rate=1e-4)
 
@@ -46,17 +46,6 @@ def datums(seed: int, n: int, length: int) -> list[tinker.Datum]:
                 loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * length},
             )
         )
-    return out
-
-
-def worker_pids(pid: int) -> list[int]:
-    out = []
-    for child in map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split()):
-        try:
-            if "spawn_main" in Path(f"/proc/{child}/cmdline").read_text():
-                out.append(child)
-        except FileNotFoundError:
-            continue
     return out
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -23,7 +22,7 @@ import torch
 from gateway_fixtures import tiny_model_dir
 from tinker.types import RequestErrorCategory
 
-from ringtune.gateway.serve_process import ServeProcess
+from ringtune.gateway.serve_process import ServeProcess, worker_pids
 
 API_KEY = "tml-heal"
 HEAL_LIMIT_S = 300.0
@@ -55,18 +54,6 @@ def sdk_datums(seed: int, lens=(5, 17, 3, 11, 2, 9, 13, 30)) -> list[tinker.Datu
                 loss_fn_inputs={"target_tokens": targets, "weights": [1.0] * n},
             )
         )
-    return out
-
-
-def worker_pids(pid: int) -> list[int]:
-    """The server's worker-rank processes (its children running ``multiprocessing.spawn``)."""
-    out = []
-    for child in map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split()):
-        try:
-            if "spawn_main" in Path(f"/proc/{child}/cmdline").read_text():
-                out.append(child)
-        except FileNotFoundError:
-            continue
     return out
 
 

@@ -180,3 +180,16 @@ class ServeProcess:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def worker_pids(pid: int) -> list[int]:
+    """The worker-rank processes of the ``ringtune serve`` with pid ``pid`` (its children running
+    ``multiprocessing.spawn``; Linux only: read from ``/proc``)."""
+    out = []
+    for child in map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split()):
+        try:
+            if "spawn_main" in Path(f"/proc/{child}/cmdline").read_text():
+                out.append(child)
+        except FileNotFoundError:
+            continue
+    return out
