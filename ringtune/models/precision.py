@@ -162,7 +162,6 @@ def compute_like_trainer(model: nn.Module, dtype: torch.dtype | None) -> nn.Modu
     """
     if dtype is None:
         return model
-    for layer in model.model.layers:
-        layer.to(dtype=dtype)
-        layer.compute_dtype = dtype
+    model.model.layers.to(dtype=dtype)
+    set_compute_dtype(model, dtype)
     return model
