@@ -36,7 +36,7 @@ import httpx
 import tinker
 import torch
 
-from ringtune.gateway.serve_process import ServeProcess
+from ringtune.gateway.serve_process import ServeProcess, worker_pids
 
 API_KEY = "tml-soak"
 DEATH = re.compile(r"is gone|exited|RankDied|its process ended|no heartbeat|cannot serve|restarting", re.IGNORECASE)
@@ -59,11 +59,6 @@ class HealthPoller(threading.Thread):
             polls, bad = self.counts.setdefault(self.phase, [0, 0])
             self.counts[self.phase] = [polls + 1, bad + (code != 200)]
             self.stop.wait(1.0)
-
-
-def worker_pid(server_pid: int) -> int:
-    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    return next(int(c) for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text())
 
 
 def datums() -> list[tinker.Datum]:
@@ -146,7 +141,7 @@ def main() -> int:
 
             poller.phase = "4 rank stopped"
             print(f"[4] worker rank SIGSTOPped {args.stop_s:.0f} s with a forward_backward in flight ...", flush=True)
-            pid = worker_pid(server.proc.pid)
+            pid = worker_pids(server.proc.pid)[0]
             done = requests.setdefault(poller.phase, [0, 0])
             os.kill(pid, signal.SIGSTOP)
             try:
