@@ -153,8 +153,7 @@ def gated_delta_cases(device: torch.device, dim: int = 128) -> list[dict]:
         fwd = max(rel_err(outs[0], ref[0]), rel_err(outs[1], ref[1]))
         bwd = max(rel_err(a, b) for a, b in zip(gr, ref_g, strict=True))
         rows.append(_row(kind, fwd, bwd, f"GDN chunk scan {name} Hk={hk} Hv={hv} D={dim}", label, "float32"))
-    conv_on_gpu = device.type == "cuda" and fla_available()
-    conv_kernel = "fla" if conv_on_gpu else "torch"
+    conv_kernel = "fla" if on_gpu else "torch"
     cu = torch.tensor([0, *torch.tensor([n for n in lens if n]).cumsum(0).tolist()])  # the naive conv needs n > 0
     x, w = draw(T, 2 * hk * dk + hv * dv), draw(2 * hk * dk + hv * dv, 4) * 0.5
     dout = draw(*x.shape)
@@ -162,8 +161,8 @@ def gated_delta_cases(device: torch.device, dim: int = 128) -> list[dict]:
     dev = [t.to(device=device, dtype=torch.float32) for t in (x, w)]
     outs, gr = _grads(lambda a, b: causal_conv1d(a, b, cu.to(a.device), kernel=conv_kernel), dev, dout.to(device))
     fwd, bwd = rel_err(outs[0], ref[0]), max(rel_err(a, b) for a, b in zip(gr, ref_g, strict=True))
-    clabel = conv_kernel if conv_on_gpu else f"{conv_kernel} (cpu fallback)"
-    rows.append(_row("triton-fp32" if conv_on_gpu else "float32", fwd, bwd, "GDN causal conv1d K=4", clabel, "float32"))
+    clabel = conv_kernel if on_gpu else f"{conv_kernel} (cpu fallback)"
+    rows.append(_row(kind, fwd, bwd, "GDN causal conv1d K=4", clabel, "float32"))
     return rows
 
 
