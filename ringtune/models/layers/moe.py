@@ -73,11 +73,14 @@ class TopKRouter(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
 
-    def forward(self, x: torch.Tensor, replay: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, replay: torch.Tensor | None = None, *, with_probs: bool = False
+    ) -> tuple[torch.Tensor, ...]:
         """x [T, hidden] -> (weights [T, k] in x's dtype, expert ids int64 [T, k]).
 
         ``replay`` (int64 [T, k]): use these ids instead of the top-k, their weights recomputed from this
-        router's own probabilities (so the router still gets gradients).
+        router's own probabilities (so the router still gets gradients). ``with_probs``: the softmax
+        probabilities [T, num_experts] (float32 or wider, differentiable) come third.
         """
         logits = F.linear(x, self.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
@@ -88,7 +91,7 @@ class TopKRouter(nn.Module):
             top = probs.gather(1, ids)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
-        return top.to(logits.dtype), ids
+        return (top.to(logits.dtype), ids, probs) if with_probs else (top.to(logits.dtype), ids)
 
 
 class Experts(nn.Module):
@@ -172,12 +175,8 @@ class SparseMoE(nn.Module):
 
         if replay is not None:
             self.check_replay(replay, x.shape[0])
-        weights, ids = self.gate(x, replay)
-        probs = None
-        if self.track_probs:
-            logits = F.linear(x, self.gate.weight)
-            probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
-        self.router_stats = record(probs, ids.detach(), valid, self.experts.num_experts)
+        weights, ids, probs = self.gate(x, replay, with_probs=True)
+        self.router_stats = record(probs if self.track_probs else None, ids.detach(), valid, self.experts.num_experts)
         if self.ep_group is not None and dist.get_world_size(self.ep_group) > 1:
             out = routed_experts_ep(x, ids, weights, self.experts, self.ep_group)
         else:
