@@ -24,7 +24,7 @@ from pathlib import Path
 import tinker
 import torch
 
-from ringtune.gateway.serve_process import ServeProcess
+from ringtune.gateway.serve_process import ServeProcess, worker_pids
 
 MODEL = "smollm2-135m"
 
@@ -41,18 +41,6 @@ def available_bytes() -> int:
         if line.startswith("MemAvailable:"):
             return int(line.split()[1]) * 1024
     return 0
-
-
-def rank_pids(pid: int) -> list[int]:
-    """[rank 0 (the server), its spawned worker ranks]."""
-    workers = []
-    for child in map(int, Path(f"/proc/{pid}/task/{pid}/children").read_text().split()):
-        try:
-            if "spawn_main" in Path(f"/proc/{child}/cmdline").read_text():
-                workers.append(child)
-        except FileNotFoundError:
-            continue
-    return [pid, *workers]
 
 
 def datums(vocab: int, seed: int) -> list[tinker.Datum]:
@@ -82,7 +70,7 @@ def main() -> int:
         )
         with server:
             assert server.proc is not None
-            pids = rank_pids(server.proc.pid)
+            pids = [server.proc.pid, *worker_pids(server.proc.pid)]  # rank 0 (the server), its worker ranks
             print(f"ranks: {pids}; RSS at start (GiB): {[round(rss_bytes(p) / 2**30, 3) for p in pids]}")
             clients = []
             rows: list[list[int]] = []
