@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -28,7 +27,7 @@ import torch
 from gateway_fixtures import tiny_model_dir
 from tinker.types import RequestErrorCategory
 
-from ringtune.gateway.serve_process import ServeProcess
+from ringtune.gateway.serve_process import ServeProcess, worker_pids
 
 API_KEY = "tml-liveness"
 CONTEXT = 96
@@ -51,8 +50,7 @@ def server(tmp_path_factory):
 
 def _worker_pid(server_pid: int) -> int:
     """The one spawned worker rank of a CP=2 server (rank 0 is the server process)."""
-    children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    workers = [int(c) for c in children if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text()]
+    workers = worker_pids(server_pid)
     assert len(workers) == 1, workers
     return workers[0]
 
