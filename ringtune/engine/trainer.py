@@ -47,8 +47,7 @@ from ringtune.layout.zigzag import zigzag_slice
 from ringtune.losses import PER_TARGET_KEYS, fixed_logprob_gradient, local_token_losses
 from ringtune.models.decoder import CausalLM
 from ringtune.models.layers import moe_router_stats as router_stats
-from ringtune.models.layers.moe import set_expert_parallel
-from ringtune.models.layers.moe_router_stats import layer_counts, router_aux_loss
+from ringtune.models.layers.moe import moe_blocks, set_expert_parallel
 from ringtune.models.logprob_head import IGNORE_INDEX
 from ringtune.models.precision import check_compute_dtype, export_dtype, set_compute_dtype
 from ringtune.models.recompute import DEFAULT_RECOMPUTE, check_recompute_mode, set_recompute
@@ -239,7 +238,7 @@ class Trainer:
                     batch, row, local_len, backward=not forward_only, flagged=bool(grad_bad)
                 )
                 mine.update(out)
-                loads = router_stats.add_counts(loads, layer_counts(self.model))
+                loads = router_stats.add_counts(loads, router_stats.layer_counts(self.model))
                 loss_bad |= bad_loss
                 grad_bad |= bad_grad
         except NOT_CAUGHT:
@@ -268,7 +267,7 @@ class Trainer:
             stash.merge()
             self.invariant.count(count)
         result = self._collect(mine if self.cp_rank == 0 else {}, batch)
-        if router_stats.moe_blocks(self.model):  # expert load over the whole request (every rank's tokens)
+        if moe_blocks(self.model):  # expert load over the whole request (every rank's tokens)
             parts = gather_object_to(loads, self.control_group, dst=0)
             if parts is not None:
                 result.metrics.update(router_stats.load_metrics(parts))
@@ -335,7 +334,7 @@ class Trainer:
             if backward:
                 loss = elementwise.sum().to(torch.float64) + self.invariant.loss_term()
                 if self.router_aux_loss_coef:  # the row's load-balancing term (CP-invariant; collective over CP)
-                    loss = loss + self.router_aux_loss_coef * router_aux_loss(self.model, self.cp_group)
+                    loss = loss + self.router_aux_loss_coef * router_stats.router_aux_loss(self.model, self.cp_group)
                 self.invariant.scale_loss(loss, batch.plan.microbatches_per_rank).backward()
                 faults.skip_unscored_backward(self.params, saved)  # DEBUG-FAULT HOOK (parity negative control; no-op)
                 if not flagged and not self._gradients_finite():

@@ -89,13 +89,6 @@ def layer_counts(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def moe_blocks(model: nn.Module) -> list:
-    """The model's MoE blocks (see :func:`ringtune.models.layers.moe.moe_blocks`)."""
-    from ringtune.models.layers.moe import moe_blocks as blocks
-
-    return blocks(model)
-
-
 def add_counts(total: dict[str, torch.Tensor], more: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-layer counts summed (a new dict)."""
     return {k: total.get(k, 0) + v for k, v in more.items()} | {k: v for k, v in total.items() if k not in more}
@@ -116,6 +109,7 @@ def check_aux_coef(model: nn.Module, coef: float) -> float:
     Raises UserInputError naming the value otherwise, or for coef > 0 on a model without MoE layers.
     """
     from ringtune.errors import UserInputError
+    from ringtune.models.layers.moe import moe_blocks
 
     value = float(coef)
     if not math.isfinite(value) or value < 0:
