@@ -136,11 +136,6 @@ def configure(timeout_s: float) -> None:
     _state["timeout_s"] = float(timeout_s)
 
 
-def timeout_s() -> float:
-    """This process's liveness timeout."""
-    return _state["timeout_s"]
-
-
 def default_store() -> dist.Store:
     """The job's key-value store (the default group's c10d store)."""
     return dist.distributed_c10d._get_default_store()
