@@ -106,7 +106,7 @@ class RankExecutor:
         self.spec, self.mesh = spec, mesh
         self.trainers: dict[str, Trainer] = {}
         self._spare = spare
-        self.lora_base = SharedBase(self._load_lora_base)
+        self.lora_base = SharedBase(self._take_model)
         self.samplers = SamplerPool(
             lambda path: load_model(path or spec.source, dtype=self.precision.param_dtype),
             decode=tokenizer_decoder(spec.tokenizer_dir),
@@ -148,26 +148,22 @@ class RankExecutor:
     def _create_run(self, command: Command) -> None:
         if command.run_id in self.trainers:
             raise UserInputError(f"run {command.run_id!r} exists already")
+        options = {**self.spec.trainer_options, **trainer_dtype_options(self.precision)}
         if command.args.get("lora") is not None:  # a LoRA run: adapters on the base every LoRA run shares
-            options = {**self.spec.trainer_options, **trainer_dtype_options(self.precision)}
             self.trainers[command.run_id] = self.lora_base.trainer(
                 command.args["lora"], self.mesh, max_tokens_per_rank=self.spec.max_tokens_per_rank, **options
             )
             return
-        spare, self._spare = self._spare, None  # rank 0 loaded one copy to describe the model: the first run takes it
-        model = agreed_call(
-            lambda: spare if spare is not None else load_model(self.spec.source, dtype=self.precision.param_dtype),
-            self.mesh.control_group if self.mesh else None,
-        )
-        options = {**self.spec.trainer_options, **trainer_dtype_options(self.precision)}
+        model = self._take_model()
         try:
             trainer = Trainer(model, self.mesh, max_tokens_per_rank=self.spec.max_tokens_per_rank, **options)
         except ParallelConfigError as exc:  # the server's modes, not the client's request (preflight missed it)
             raise ServerConfigError(f"the server's configuration cannot train this model: {exc}") from exc
         self.trainers[command.run_id] = trainer
 
-    def _load_lora_base(self) -> CausalLM:
-        """The frozen base of LoRA runs: the spare copy when no run took it yet, else loaded (collective)."""
+    def _take_model(self) -> CausalLM:
+        """A model of its own for a full fine-tuning run, or the frozen base of LoRA runs: the spare copy rank 0
+        loaded to describe the model when no run took it yet, else loaded (collective)."""
         spare, self._spare = self._spare, None
         return agreed_call(
             lambda: spare if spare is not None else load_model(self.spec.source, dtype=self.precision.param_dtype),
