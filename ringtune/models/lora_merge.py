@@ -31,28 +31,32 @@ def merged_config(lora: LoraModel):
 
 
 @torch.no_grad()
-def merged_state(lora: LoraModel) -> dict[str, torch.Tensor]:
-    """The merged model's state dict (keys of :class:`CausalLM` under :func:`merged_config`), new tensors for
-    the adapted weights, the base's own tensors (not copied) for the rest."""
-    state = dict(lora.base.state_dict())
-    copied: set[str] = set()
+def merged_weights(lora: LoraModel) -> dict[str, torch.Tensor]:
+    """The adapted weights merged, as new tensors under their keys of :func:`merged_state`."""
+    base = lora.base.state_dict()
+    merged: dict[str, torch.Tensor] = {}
     for target, a, b in lora.adapters.named_pairs():
         delta = (b.double() @ a.double()) * lora.adapters.scale
         if target.module == UNEMBED:
             weight = lora.base.output_weight
-            state["lm_head.weight"] = (weight.double() + delta).to(weight.dtype)
+            merged["lm_head.weight"] = (weight.double() + delta).to(weight.dtype)
             continue
         key = f"{target.module}.weight"
-        weight = state[key]
+        weight = base[key]
         if target.start == 0 and target.out_features == weight.shape[0]:
-            state[key] = (weight.double() + delta).to(weight.dtype)
+            merged[key] = (weight.double() + delta).to(weight.dtype)
         else:  # one row block of a split module (GatedDeltaNet in_proj_q/k/v): copy once, then add per block
-            if key not in copied:  # state_dict() tensors share the base's storage: never write into them
-                state[key] = weight.clone()
-                copied.add(key)
+            if key not in merged:  # state_dict() tensors share the base's storage: never write into them
+                merged[key] = weight.clone()
             rows = slice(target.start, target.start + target.out_features)
-            state[key][rows] = (state[key][rows].double() + delta).to(weight.dtype)
-    return state
+            merged[key][rows] = (merged[key][rows].double() + delta).to(weight.dtype)
+    return merged
+
+
+def merged_state(lora: LoraModel) -> dict[str, torch.Tensor]:
+    """The merged model's state dict (keys of :class:`CausalLM` under :func:`merged_config`), new tensors for
+    the adapted weights (:func:`merged_weights`), the base's own tensors (not copied) for the rest."""
+    return {**lora.base.state_dict(), **merged_weights(lora)}
 
 
 def merged_model(lora: LoraModel) -> CausalLM:
@@ -61,7 +65,9 @@ def merged_model(lora: LoraModel) -> CausalLM:
     like = lora.base.output_weight
     with torch.device("meta"):
         model = CausalLM(merged_config(lora))
-    model.load_state_dict({k: v.detach().clone() for k, v in merged_state(lora).items()}, assign=True)
+    merged = merged_weights(lora)  # new tensors already; the base's own are copied
+    rest = {k: v.detach().clone() for k, v in lora.base.state_dict().items() if k not in merged}
+    model.load_state_dict({**rest, **merged}, assign=True)
     model.to(device=like.device)
     model.requires_grad_(False)
     return compute_like_trainer(model.eval(), layers_compute_dtype(lora.base))
