@@ -92,10 +92,6 @@ class ParallelMesh:
     ep_group: dist.ProcessGroup | None = None
     expert_replica_group: dist.ProcessGroup | None = None
 
-    def __post_init__(self) -> None:
-        if self.expert_replica_group is None and self.ep_size == 1:
-            self.expert_replica_group = self.dp_cp_group
-
     @property
     def device(self) -> torch.device:
         if self.device_type == "cuda":
@@ -124,11 +120,17 @@ def _data_groups(ranks: torch.Tensor, coords: tuple[int, int, int], backend: str
 
 
 def _expert_groups(
-    ranks: torch.Tensor, coords: tuple[int, int, int], ep: int, backend: str, timeout_s: float
-) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """This rank's EP group and expert replica group (None, None when ep == 1); only members call each."""
+    ranks: torch.Tensor,
+    coords: tuple[int, int, int],
+    ep: int,
+    dp_cp_group: dist.ProcessGroup,
+    backend: str,
+    timeout_s: float,
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup]:
+    """This rank's EP group and expert replica group ((None, ``dp_cp_group``) when ep == 1); only members call
+    each."""
     if ep == 1:
-        return None, None
+        return None, dp_cp_group
     flat = ranks[:, :, coords[2]].flatten()
     index = coords[0] * ranks.shape[1] + coords[1]
     ep_group = _group(flat[index // ep * ep : index // ep * ep + ep].tolist(), backend, timeout_s)
@@ -182,7 +184,7 @@ def build_mesh(
     backend = default_backend(device_type)
     cp_group, dp_group, dp_cp_group = _data_groups(ranks, coords, backend, timeout_s)
     control_group = _group(ranks[:, :, coords[2]].flatten().tolist(), "gloo", control_timeout_s(timeout_s))
-    ep_group, expert_replica_group = _expert_groups(ranks, coords, ep, backend, timeout_s)
+    ep_group, expert_replica_group = _expert_groups(ranks, coords, ep, dp_cp_group, backend, timeout_s)
     return ParallelMesh(
         ranks=ranks,
         device_type=device_type,
@@ -214,11 +216,10 @@ def rebuild_mesh(mesh: ParallelMesh) -> ParallelMesh:
     in step), every rank of the replica calls this together. The old data groups are dropped.
     """
     backend = default_backend(mesh.device_type)
-    groups = _data_groups(mesh.ranks, (mesh.dp_rank, mesh.cp_rank, mesh.tp_rank), backend, mesh.timeout_s)
-    mesh.cp_group, mesh.dp_group, mesh.dp_cp_group = groups
     coords = (mesh.dp_rank, mesh.cp_rank, mesh.tp_rank)
-    mesh.ep_group, mesh.expert_replica_group = _expert_groups(mesh.ranks, coords, mesh.ep_size, backend, mesh.timeout_s)
-    if mesh.ep_size == 1:
-        mesh.expert_replica_group = mesh.dp_cp_group
+    mesh.cp_group, mesh.dp_group, mesh.dp_cp_group = _data_groups(mesh.ranks, coords, backend, mesh.timeout_s)
+    mesh.ep_group, mesh.expert_replica_group = _expert_groups(
+        mesh.ranks, coords, mesh.ep_size, mesh.dp_cp_group, backend, mesh.timeout_s
+    )
     mesh.generation += 1
     return mesh
