@@ -4,8 +4,9 @@ With ``mesh.ep_size > 1`` (``ringtune serve --ep N``) every rank keeps 1/N of ea
 (:func:`ringtune.models.layers.moe.set_expert_parallel`); the non-expert gradients SUM over DP×CP and the
 expert gradients over the expert replica group (:class:`ringtune.engine.gradients.GradientInvariant` checks
 both); the global gradient norm adds the expert norms of the whole EP group. Not yet supported under EP (refused
-by name): FSDP sharding (``shard_params``). HF exports gather the experts first; DCP training-state checkpoints
-save each EP shard as a chunk of a global tensor (:mod:`ringtune.engine.expert_checkpoint`). See docs/moe.md.
+by name): FSDP sharding (``shard_params``). HF exports and sampler snapshots
+(:func:`ringtune.sample.pool.snapshot_of`) gather the experts first; DCP training-state checkpoints save each EP
+shard as a chunk of a global tensor (:mod:`ringtune.engine.expert_checkpoint`). See docs/moe.md.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import torch.distributed as dist
 from ringtune.errors import ParallelConfigError
 from ringtune.models.decoder import CausalLM
 from ringtune.models.layers.moe import is_expert_parameter, set_expert_parallel
-from ringtune.parallel.expert_dispatch import gather_expert_state
 from ringtune.parallel.mesh import ParallelMesh
 
 
@@ -48,18 +48,6 @@ def split(params: list[torch.nn.Parameter], names: dict[int, str]) -> tuple[list
     dense = [p.grad for p in params if not is_expert_parameter(names[id(p)])]
     expert = [p.grad for p in params if is_expert_parameter(names[id(p)])]
     return dense, expert
-
-
-def whole_copy(model: CausalLM) -> CausalLM:
-    """An inference copy of an expert-parallel ``model`` with every expert (no EP group: it runs alone), computing
-    as the trainer does (mixed precision); collective over each EP group (every EP rank calls it together)."""
-    from ringtune.models.precision import compute_like_trainer, layers_compute_dtype
-
-    device = model.output_weight.device
-    copy = CausalLM(model.config).to(dtype=model.output_weight.dtype, device=device)
-    copy.load_state_dict(gather_expert_state(model))
-    copy.requires_grad_(False)
-    return compute_like_trainer(copy.eval(), layers_compute_dtype(model))
 
 
 def grad_norm(params: list[torch.nn.Parameter], names: dict[int, str], mesh: ParallelMesh | None) -> float:

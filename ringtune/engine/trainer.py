@@ -502,15 +502,6 @@ class Trainer:
         self.weights_version += 1
         return extra
 
-    def sampler_snapshot(self) -> CausalLM:
-        """A whole inference copy of the weights for the sampler (:class:`ringtune.sample.pool.SamplerPool`); with
-        EP > 1 the experts are gathered first (collective over each EP group: every rank creates samplers)."""
-        from ringtune.sample.pool import snapshot_of
-
-        if expert_parallel.ep_size(self.mesh) > 1:
-            return expert_parallel.whole_copy(self.model)
-        return snapshot_of(self.model)
-
     def export_hf(self, path: str) -> None:
         """The current weights as an HF checkpoint directory (for sampling; in ``export_dtype`` when mixed);
         written by global rank 0."""

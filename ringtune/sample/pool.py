@@ -23,6 +23,7 @@ from ringtune.engine.sharding import full_state_dict
 from ringtune.errors import UserInputError
 from ringtune.models.decoder import CausalLM
 from ringtune.models.precision import compute_like_trainer, layers_compute_dtype
+from ringtune.parallel.expert_dispatch import gather_expert_state
 from ringtune.sample.mesh_prompts import PromptForward
 from ringtune.sample.params import SamplingParams
 from ringtune.sample.sampler import PromptSamples, generate
@@ -77,11 +78,11 @@ def snapshot_of(model: CausalLM) -> CausalLM:
     as the trainer does: a mixed-precision trainer's layers compute in its compute dtype, so do the copy's
     (:func:`~ringtune.models.precision.compute_like_trainer`).
 
-    An FSDP-sharded model's tensors are gathered first (collective over its mesh: every rank of it calls this
-    together, as every rank runs ``create_sampler``)."""
+    An FSDP-sharded model's tensors, and an expert-parallel model's experts, are gathered first (collective over
+    its mesh / EP groups: every rank of it calls this together, as every rank runs ``create_sampler``)."""
     device = model.output_weight.device
     copy = CausalLM(model.config).to(dtype=model.output_weight.dtype, device=device)
-    copy.load_state_dict(full_state_dict(model, device=device))
+    copy.load_state_dict(gather_expert_state(model, full_state_dict(model, device=device)))
     copy.requires_grad_(False)
     return compute_like_trainer(copy.eval(), layers_compute_dtype(model))
 
