@@ -156,6 +156,12 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=d.autosave_minutes,
         help="autosave a run after a step once M minutes passed since its last save (0: off)",
     )
+    p.add_argument(
+        "--sample-slice",
+        type=float,
+        default=d.sample_slice_s,
+        help="seconds a generation decodes per turn before other clients' ops run (0: each runs to its end)",
+    )
     p.add_argument("--autosave-keep", type=int, default=d.autosave_keep, help="autosaves kept per run (older deleted)")
     p.add_argument(
         "--max-restarts",
@@ -193,6 +199,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         autosave_every=args.autosave_every,
         autosave_minutes=args.autosave_minutes,
         autosave_keep=args.autosave_keep,
+        sample_slice_s=args.sample_slice,
         max_body_bytes=args.max_body_mb * 2**20,
         fwdbwd_max_chunk_bytes=min(
             args.max_body_mb * 2**20 // 2, GatewayConfig(checkpoint_root="").fwdbwd_max_chunk_bytes

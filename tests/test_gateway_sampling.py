@@ -2,11 +2,13 @@
 current weights; log-probs on-policy with the trainer; compute_logprobs; seeds; concurrency; prompt alt tokens;
 bad parameters.
 
-One gateway (a LocalBackend over a tiny random Qwen3.5, float32) serves the module.
+One gateway (a LocalBackend over a tiny random Qwen3.5, float32, decoding in 1 ms turns) serves the module.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -14,6 +16,10 @@ import pytest
 import tinker
 import torch
 from gateway_fixtures import API_KEY, MODEL_NAME, start_gateway, tiny_model_dir
+from tinker.proto import tinker_public_pb2 as pb
+
+from ringtune.models.checkpoints.hf import load_hf
+from ringtune.sample import SamplingParams, generate
 
 PROMPT = [3, 17, 42, 8, 5]
 
@@ -22,8 +28,9 @@ PROMPT = [3, 17, 42, 8, 5]
 def gateway(tmp_path_factory) -> Iterator[dict]:
     root = tmp_path_factory.mktemp("gateway-sampling")
     model_dir = tiny_model_dir(root / "models" / "tiny")
-    server = start_gateway(root / "checkpoints", model_dir, max_live_runs=8)
-    yield {"url": server.url, "model_dir": model_dir}
+    # A 1 ms decode slice: every generation here runs in turns of about one step (the results must not change).
+    server = start_gateway(root / "checkpoints", model_dir, max_live_runs=8, sample_slice_s=0.001)
+    yield {"url": server.url, "model_dir": model_dir, "server": server}
     server.stop()
 
 
@@ -115,6 +122,37 @@ def test_concurrent_requests_all_complete(clients):
     futures = [sampler.sample(tinker.ModelInput.from_ints(PROMPT[: 1 + i % 5]), 1, params) for i in range(24)]
     results = [f.result(timeout=120) for f in futures]
     assert all(len(r.sequences[0].tokens) == 6 for r in results)
+
+
+def test_a_long_generation_lets_short_requests_through(gateway):
+    """A generation of the whole served context decodes in turns (``sample_slice_s``): a short request of
+    another client that arrives with it is answered after one turn, long before the long one; the long one's
+    tokens are those of one uninterrupted greedy decode."""
+    service = gateway["server"].service
+    context = service.backend.info().context_length
+    prompt = tinker.ModelInput.from_ints(PROMPT)
+    long_params = tinker.SamplingParams(max_tokens=context - len(PROMPT), temperature=0.0, stop=[])
+    with tinker.ServiceClient(base_url=gateway["url"], api_key=API_KEY) as sc:
+        long_client = sc.create_sampling_client(base_model=MODEL_NAME).result()
+        short_client = sc.create_sampling_client(base_model=MODEL_NAME).result()
+        since = service.futures.clock()
+        gate = threading.Event()
+        service.executor.submit_for("test-gate", gate.wait, 60)  # hold the backend thread until both arrived
+        try:
+            long = long_client.sample(prompt, 1, long_params)
+            short = short_client.sample(prompt, 1, tinker.SamplingParams(max_tokens=2, temperature=0.0, stop=[]))
+            deadline = time.monotonic() + 60
+            while service.futures.unsettled(since) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+        finally:
+            gate.set()
+        assert len(short.result(timeout=120).sequences[0].tokens) == 2
+        tokens = long.result(timeout=300).sequences[0].tokens
+    finished = [pb.SampleResponse.FromString(outcome.body) for _, outcome in service.futures.finished("sample", since)]
+    assert [len(r.sequences[0].tokens) // 4 for r in finished] == [2, context - len(PROMPT)]  # int32: 4 bytes each
+    model = load_hf(gateway["model_dir"], dtype=torch.float32)
+    want = generate(model, [PROMPT], SamplingParams(max_tokens=context - len(PROMPT), temperature=0.0, stop=[]))
+    assert tokens == want[0].sequences[0].tokens
 
 
 def test_topk_sample_logprobs_through_the_sdk(clients):

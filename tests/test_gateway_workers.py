@@ -37,6 +37,7 @@ def server(tmp_path_factory):
     args = ["--cp", "2", "--dtype", "float64", "--max-tokens-per-rank", str(BUDGET), "--linear-cp-mode", "chunkwise"]
     args += ["--collective-timeout", "20", "--log-level", "info"]  # info: the per-operation log lines
     args += ["--max-restarts", "0"]  # a dead worker is not healed here (tests/test_supervisor.py heals)
+    args += ["--sample-slice", "0.001"]  # generations decode in turns of ~1 step on both ranks (sample_more)
     proc = ServeProcess(
         str(model_dir), checkpoint_root=tmp / "ckpt", log_path=tmp / "serve.log", api_key=API_KEY, extra_args=args
     )

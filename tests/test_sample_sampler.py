@@ -19,7 +19,8 @@ from ringtune.layout import zigzag_slice
 from ringtune.models.checkpoints.hf import load_hf
 from ringtune.models.shard import shard_of
 from ringtune.sample import SamplingParams, generate
-from ringtune.sample.sampler import MAX_NUM_SAMPLES
+from ringtune.sample.request_checks import MAX_NUM_SAMPLES
+from ringtune.sample.sampler import start_generation
 from tests.sample_fixtures import (
     random_prompts,
     sharp_checkpoint,
@@ -105,6 +106,23 @@ def test_seeds(model64):
     assert tokens(other) != [[t[0]] for t in tokens(a)]
     unseeded = [generate(model64, prompts[:1], SamplingParams(max_tokens=8, stop=[]))[0] for _ in range(2)]
     assert unseeded[0].sequences[0].tokens != unseeded[1].sequences[0].tokens
+
+
+def test_a_generation_advanced_in_slices_equals_one_go(model64):
+    """A generation resumed step by step (a deadline already past: one step per call, as the gateway's turns
+    do when a slice is short) keeps its rows, caches and generators between calls: the same tokens and
+    log-probs as decoding in one go, with rows finishing and prompts admitted across the slices."""
+    prompts = random_prompts((6, 3, 9, 1), VOCAB, seed=5)
+    params = SamplingParams(max_tokens=7, temperature=1.0, top_p=0.9, seed=11, stop=[])
+    whole = generate(model64, prompts, params, num_samples=2, max_batch=3, prompt_logprobs=True)
+    sliced = start_generation(model64, prompts, params, num_samples=2, max_batch=3, prompt_logprobs=True)
+    with pytest.raises(RuntimeError, match="before the generation finished"):
+        sliced.results()
+    calls = 0
+    while not sliced.advance(deadline=0.0):
+        calls += 1
+    assert calls >= 7  # at least one call per generated token
+    assert sliced.results() == whole
 
 
 def test_stop_tokens_eos_and_empty_stop(model64):

@@ -130,8 +130,25 @@ class Backend(Protocol):
         """Forget a sampling session; unknown ids are ignored."""
         ...
 
-    def sample(self, sampler_id: str, requests: Sequence[SampleRequest]) -> list[PromptSamples]:
-        """Generate for every request (validated by the gateway) on the session's snapshot; one result each."""
+    def sample(
+        self,
+        sampler_id: str,
+        requests: Sequence[SampleRequest],
+        *,
+        job_id: str | None = None,
+        slice_s: float | None = None,
+    ) -> list[PromptSamples] | None:
+        """Generate for every request (validated by the gateway) on the session's snapshot; one result each.
+
+        ``slice_s`` None: to the end, in this call. Otherwise the call starts decode job ``job_id`` (unique
+        among running jobs), decodes for about ``slice_s`` seconds and returns the results if it finished, else
+        None: each :meth:`sample_more` continues it for another slice, and between slices the backend serves
+        other verbs (a long generation does not hold the others back for its whole duration)."""
+        ...
+
+    def sample_more(self, job_id: str, slice_s: float | None = None) -> list[PromptSamples] | None:
+        """The next slice of a :meth:`sample` job: its results once it finished, else None. A job the backend
+        lost (its worker ranks restarted) raises a server error."""
         ...
 
     def close(self) -> None:

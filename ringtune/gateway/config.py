@@ -28,6 +28,8 @@ class GatewayConfig:
         autosave_every: save each live run as ``weights/autosave-<step>`` after every this many optimizer steps
             (0 = never); autosave_minutes: also after an optimizer step once this many minutes passed since the
             run's last save (0 = never); autosave_keep: autosaves kept per run (older ones are deleted).
+        sample_slice_s: a sampling request decodes for about this long per turn on the backend thread, then
+            waits behind the other clients' queued ops for its next turn (0 = to the end in one turn).
     """
 
     checkpoint_root: str
@@ -46,6 +48,7 @@ class GatewayConfig:
     autosave_every: int = 0
     autosave_minutes: float = 0.0
     autosave_keep: int = 2
+    sample_slice_s: float = 0.5
 
     def validate(self) -> None:
         """UserInputError naming the setting, its value and the limit."""
@@ -59,6 +62,7 @@ class GatewayConfig:
             ("autosave_every", self.autosave_every, self.autosave_every >= 0, ">= 0 (0 = never)"),
             ("autosave_minutes", self.autosave_minutes, self.autosave_minutes >= 0, ">= 0 (0 = never)"),
             ("autosave_keep", self.autosave_keep, self.autosave_keep >= 1, ">= 1"),
+            ("sample_slice_s", self.sample_slice_s, self.sample_slice_s >= 0, ">= 0 (0 = no slicing)"),
         )
         for name, value, ok, limit in checks:
             if not ok:

@@ -89,6 +89,16 @@ class FutureStore:
         entry.retrieved_at = entry.retrieved_at or self.clock()
         return entry.outcome
 
+    def finished(self, op: str, since: float) -> list[tuple[float, Outcome]]:
+        """``(done_at, outcome)`` of the finished futures of ``op`` created at or after ``since`` (clock time),
+        in the order they finished (for tools and tests that check what was served when)."""
+        done = [
+            (e.done_at, e.outcome)
+            for e in list(self._entries.values())
+            if e.op == op and e.created >= since and e.outcome is not None and e.done_at is not None
+        ]
+        return sorted(done, key=lambda pair: pair[0])
+
     def unsettled(self, since: float) -> int:
         """Futures still pending, plus those finished at or after ``since`` (clock time) and not yet retrieved."""
         return sum(

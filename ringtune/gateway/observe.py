@@ -118,14 +118,24 @@ class ObservedBackend:
     def free_sampler(self, sampler_id: str) -> None:
         self._observe("free_sampler", None, lambda: self.backend.free_sampler(sampler_id))
 
-    def sample(self, sampler_id: str, requests: Sequence[SampleRequest]) -> list[PromptSamples]:
+    def sample(
+        self,
+        sampler_id: str,
+        requests: Sequence[SampleRequest],
+        *,
+        job_id: str | None = None,
+        slice_s: float | None = None,
+    ) -> list[PromptSamples] | None:
         return self._observe(
             "sample",
             sampler_id,
-            lambda: self.backend.sample(sampler_id, requests),
+            lambda: self.backend.sample(sampler_id, requests, job_id=job_id, slice_s=slice_s),
             requests=len(requests),
             sequences=sum(r.num_samples for r in requests),
         )
+
+    def sample_more(self, job_id: str, slice_s: float | None = None) -> list[PromptSamples] | None:
+        return self._observe("sample_more", None, lambda: self.backend.sample_more(job_id, slice_s), job=job_id)
 
     def close(self) -> None:
         self.backend.close()

@@ -5,9 +5,14 @@
   register a session on the backend (:mod:`ringtune.sample.pool`).
 - ``asample`` validates the request on the event loop (a bad field is a JSON 400 naming it), answers at once
   with a ``request_id`` and one ``sample_sequence_ids`` entry per sample, and queues the request. One drain job
-  on the backend thread takes every queued request, groups them by session and runs each group as one
-  ``backend.sample`` call (the backend spreads them over its ranks and batches equal settings together), then
-  resolves each future with a protobuf ``SampleResponse``. Concurrent requests therefore share decode steps.
+  on the backend thread takes every queued request, groups them by session and starts each group as one
+  decode job (``backend.sample``: the backend spreads them over its ranks and batches equal settings
+  together), then resolves each future with a protobuf ``SampleResponse``. Concurrent requests therefore share
+  decode steps.
+- A job decodes for ``slice_s`` seconds per turn: if it is not finished, its next turn (``backend.sample_more``)
+  is queued under its own key of the backend thread's round-robin (:mod:`ringtune.gateway.scheduler`), so the
+  other clients' ops and newer sampling requests run between its slices: a long generation delays a short
+  request by about one slice, not by its whole length.
 - Resubmits of a ``(sampling_session_id, seq_id)`` get the original ``request_id``.
 """
 
@@ -19,6 +24,7 @@ import struct
 import threading
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,14 +38,15 @@ from ringtune.gateway.sample_targets import TargetLayout, encode_targets, parse_
 from ringtune.sample.alt_tokens import MAX_PROMPT_ALT_TOKENS_K
 from ringtune.sample.params import DEFAULT_MAX_TOKENS, SamplingParams
 from ringtune.sample.pool import SampleRequest, SamplerSource
-from ringtune.sample.sampler import (
-    MAX_NUM_SAMPLES,
-    MAX_TOPK_PROMPT_LOGPROBS,
-    MAX_TOPK_SAMPLE_LOGPROBS,
-    PromptSamples,
-)
+from ringtune.sample.request_checks import MAX_NUM_SAMPLES, MAX_TOPK_PROMPT_LOGPROBS, MAX_TOPK_SAMPLE_LOGPROBS
+from ringtune.sample.sampler import PromptSamples
 
 log = logging.getLogger(__name__)
+
+DRAIN_KEY = "sampling"
+"""The backend thread's queue key of the sampling drain (a job's later turns queue under ``sampling:<job>``)."""
+
+SHUT_DOWN = "the server is shutting down; this sampling request was not finished"
 
 
 class CreateSamplingSessionBody(BaseModel):
@@ -228,19 +235,23 @@ class SamplingService:
     Args:
         backend: the (observed) backend; called only from ``submit`` (the gateway's one backend thread).
         futures: the gateway's future store; ``call_on_loop`` runs a function on the event loop thread.
+        submit: ``submit(key, fn)`` queues ``fn`` on the backend thread under ``key`` (a Future).
+        max_prompt_tokens: the served context length (prompt + max_tokens).
+        slice_s: decode time per turn of a job (0: each job runs to its end in one turn).
     """
 
     def __init__(
         self,
         backend: Any,
         futures: FutureStore,
-        submit: Callable[[Callable[[], None]], None],
+        submit: Callable[[str, Callable[[], None]], Future],
         call_on_loop: Callable[[Callable[[], None]], None],
         *,
         max_prompt_tokens: int,
+        slice_s: float = 0.0,
     ) -> None:
         self.backend, self.futures, self.submit, self.call_on_loop = backend, futures, submit, call_on_loop
-        self.max_prompt_tokens = max_prompt_tokens
+        self.max_prompt_tokens, self.slice_s = max_prompt_tokens, slice_s
         self.sessions: dict[str, SamplerSession] = {}
         self._seen: dict[tuple[str, int], dict[str, Any]] = {}
         self._pending: list[tuple[str, SampleRequest, str, TargetLayout | None]] = []
@@ -263,7 +274,7 @@ class SamplingService:
             del self.sessions[sid]
         self._seen = {key: value for key, value in self._seen.items() if key[0] not in freed}
         if freed:
-            self.submit(lambda: [self.backend.free_sampler(sid) for sid in freed])
+            self.submit(DRAIN_KEY, lambda: [self.backend.free_sampler(sid) for sid in freed])
         return freed
 
     def asample(self, body: SampleBody) -> dict[str, Any]:
@@ -289,11 +300,32 @@ class SamplingService:
             queue = not self._drain_queued
             self._drain_queued = True
         if queue:
-            self.submit(self._drain)
+            self._queue(DRAIN_KEY, self._drain, lambda: self._take_pending())
         return answer
 
+    def _queue(self, key: str, fn: Callable[[], None], waiting: Callable[[], list[str]]) -> None:
+        """``fn`` on the backend thread under ``key``; if the server is shutting down (the job is refused or
+        cancelled before it ran), the requests ``waiting()`` names fail with a ``category: server`` error."""
+
+        def fail() -> None:
+            for request_id in waiting():
+                self.call_on_loop(lambda rid=request_id: self.futures.resolve(rid, Outcome.error(SHUT_DOWN, "server")))
+
+        try:
+            future = self.submit(key, fn)
+        except RuntimeError:  # the backend thread no longer takes jobs
+            fail()
+            return
+        future.add_done_callback(lambda f: fail() if f.cancelled() else None)
+
+    def _take_pending(self) -> list[str]:
+        with self._lock:
+            pending, self._pending = self._pending, []
+            self._drain_queued = False
+        return [request_id for _, _, request_id, _ in pending]
+
     def _drain(self) -> None:
-        """Backend thread: run every queued request, one backend call per session; resolve the futures."""
+        """Backend thread: start a decode job for every queued request, one per session (:meth:`_turn`)."""
         with self._lock:
             pending, self._pending = self._pending, []
             self._drain_queued = False
@@ -301,19 +333,34 @@ class SamplingService:
         for sampler_id, request, request_id, layout in pending:
             by_session.setdefault(sampler_id, []).append((request, request_id, layout))
         for sampler_id, items in by_session.items():
-            try:
-                results = self.backend.sample(sampler_id, [r for r, _, _ in items])
-                outcomes = [
-                    Outcome("proto", encode_sample_response(res, request.prompt_logprobs_last_n, layout))
-                    for res, (request, _, layout) in zip(results, items, strict=True)
-                ]
-            except UserInputError as exc:
-                outcomes = [Outcome.error(str(exc), "user")] * len(items)
-            except Exception as exc:
-                log.exception("sampling on %s failed", sampler_id)
-                outcomes = [Outcome.error(f"internal error: {type(exc).__name__}: {exc}", "server")] * len(items)
-            for (_, request_id, _), outcome in zip(items, outcomes, strict=True):
-                self.call_on_loop(lambda rid=request_id, out=outcome: self.futures.resolve(rid, out))
+            self._turn(f"sample-{uuid.uuid4().hex[:12]}", sampler_id, items, first=True)
+
+    def _turn(
+        self, job_id: str, sampler_id: str, items: list[tuple[SampleRequest, str, TargetLayout | None]], *, first: bool
+    ) -> None:
+        """Backend thread: one turn of job ``job_id`` (its start when ``first``); resolve its futures when it
+        finished or failed, else queue its next turn under its own key."""
+        slice_s = self.slice_s or None
+        try:
+            if first:
+                results = self.backend.sample(sampler_id, [r for r, _, _ in items], job_id=job_id, slice_s=slice_s)
+            else:
+                results = self.backend.sample_more(job_id, slice_s)
+            if results is None:
+                more = lambda: self._turn(job_id, sampler_id, items, first=False)  # noqa: E731
+                self._queue(f"{DRAIN_KEY}:{job_id}", more, lambda: [request_id for _, request_id, _ in items])
+                return
+            outcomes = [
+                Outcome("proto", encode_sample_response(res, request.prompt_logprobs_last_n, layout))
+                for res, (request, _, layout) in zip(results, items, strict=True)
+            ]
+        except UserInputError as exc:
+            outcomes = [Outcome.error(str(exc), "user")] * len(items)
+        except Exception as exc:
+            log.exception("sampling on %s failed", sampler_id)
+            outcomes = [Outcome.error(f"internal error: {type(exc).__name__}: {exc}", "server")] * len(items)
+        for (_, request_id, _), outcome in zip(items, outcomes, strict=True):
+            self.call_on_loop(lambda rid=request_id, out=outcome: self.futures.resolve(rid, out))
 
 
 def new_sampler_id(session_id: str, seq: int) -> str:

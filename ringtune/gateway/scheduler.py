@@ -9,7 +9,9 @@ queued under a key (the gateway uses the training run's id, ``"sampling"`` for t
 waits for at most one op of each other busy key, never for a whole burst. Jobs of one key keep their order,
 which is all the gateway's ordering needs (a run's ops are dispatched in ``seq_id`` order under its key).
 
-A job that is running is never interrupted: one long request still delays the others by its own duration
+A job that is running is never interrupted. A long generation is cut into turns by the gateway instead
+(:mod:`ringtune.gateway.sampling`: each turn decodes for ``sample_slice_s`` and queues the next under its own
+key), so it delays the others by about one slice; one long forward still delays them by its own duration
 (docs/operations.md, "Load").
 """
 

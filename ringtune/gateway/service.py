@@ -76,9 +76,10 @@ class GatewayService:
         self.sampling = SamplingService(
             self.backend,
             self.futures,
-            submit=lambda fn: self.executor.submit_for("sampling", fn),
+            submit=self.executor.submit_for,
             call_on_loop=self._loop_call,
             max_prompt_tokens=backend.info().context_length,
+            slice_s=config.sample_slice_s,
         )
         self._creates: dict[str, str] = {}  # run_id -> request_id of its create_model / create-via-load
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -26,7 +26,7 @@ from ringtune.models.precision import compute_like_trainer, layers_compute_dtype
 from ringtune.parallel.expert_dispatch import gather_expert_state
 from ringtune.sample.mesh_prompts import PromptForward
 from ringtune.sample.params import SamplingParams
-from ringtune.sample.sampler import PromptSamples, generate
+from ringtune.sample.sampler import Generation, PromptSamples, start_generation
 
 DEFAULT_MAX_SNAPSHOTS = 4
 """Snapshots (weight copies) held per rank by default."""
@@ -159,22 +159,22 @@ class SamplerPool:
             )
         return self._hold(key, lambda: self.load(source.path))
 
-    def sample(
+    def begin(
         self,
         sampler_id: str,
         requests: Sequence[SampleRequest],
         *,
         prefilled: Sequence[PromptForward | None] | None = None,
-    ) -> list[PromptSamples]:
-        """Run ``requests`` on the session's snapshot; one :class:`PromptSamples` per request, in order.
+    ) -> PoolGeneration:
+        """``requests`` on the session's snapshot as a :class:`PoolGeneration`, not yet run (checked now).
 
         Requests with equal sampling settings are generated together (one batch of sequences).
         ``prefilled[i]``: request i's prompt already ran through the mesh forward (its logits, caches and
-        prompt log-probs; :mod:`ringtune.sample.mesh_prompts`), or None to prefill it here.
+        prompt log-probs; :mod:`ringtune.sample.mesh_prompts`), or None to prefill it here. The generation
+        holds the snapshot: evicting it or freeing the session meanwhile does not stop the generation.
         """
         model = self.model(sampler_id)
         forwards = list(prefilled) if prefilled is not None else [None] * len(requests)
-        out: list[PromptSamples | None] = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):
             key = (
@@ -188,8 +188,9 @@ class SamplerPool:
                 forwards[i] is not None,
             )
             groups.setdefault(key, []).append(i)
+        parts = []
         for (params, num_samples, prompt_lp, topk, sample_topk, target_k, alt_k, ran), members in groups.items():
-            results = generate(
+            generation = start_generation(
                 model,
                 [requests[i].prompt for i in members],
                 params,
@@ -202,7 +203,47 @@ class SamplerPool:
                 prefilled=[forwards[i] for i in members] if ran else None,  # type: ignore[misc]
                 targets=[requests[i].target_tokens for i in members] if target_k else None,  # type: ignore[misc]
             )
-            for i, result in zip(members, results, strict=True):
+            parts.append((members, generation))
+        return PoolGeneration(len(requests), parts)
+
+    def sample(
+        self,
+        sampler_id: str,
+        requests: Sequence[SampleRequest],
+        *,
+        prefilled: Sequence[PromptForward | None] | None = None,
+    ) -> list[PromptSamples]:
+        """Run ``requests`` to the end (:meth:`begin`, then advance without a deadline); one
+        :class:`PromptSamples` per request, in order."""
+        generation = self.begin(sampler_id, requests, prefilled=prefilled)
+        generation.advance()
+        return generation.results()
+
+
+class PoolGeneration:
+    """The :class:`~ringtune.sample.sampler.Generation` of each settings group of one :meth:`SamplerPool.begin`
+    call, advanced together; results in request order."""
+
+    def __init__(self, count: int, parts: list[tuple[list[int], Generation]]) -> None:
+        self.count, self.parts = count, parts
+
+    @property
+    def finished(self) -> bool:
+        return all(generation.finished for _, generation in self.parts)
+
+    def advance(self, deadline: float | None = None) -> bool:
+        """Advance each unfinished group in turn until ``deadline`` (``time.monotonic()``; each unfinished
+        group makes at least one step per call; None: to the end). Whether all are finished."""
+        for _, generation in self.parts:
+            if not generation.finished:
+                generation.advance(deadline)
+        return self.finished
+
+    def results(self) -> list[PromptSamples]:
+        """One :class:`PromptSamples` per request, in request order (once :attr:`finished`)."""
+        out: list[PromptSamples | None] = [None] * self.count
+        for members, generation in self.parts:
+            for i, result in zip(members, generation.results(), strict=True):
                 out[i] = result
         return [o for o in out if o is not None]
 

@@ -29,32 +29,23 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ringtune.engine.batch import MAX_TARGET_K
-from ringtune.errors import UserInputError
 from ringtune.models.batch_cache import DecodeBatch
 from ringtune.models.cache import SequenceCache
 from ringtune.models.decoder import CausalLM
-from ringtune.sample.alt_tokens import MAX_PROMPT_ALT_TOKENS_K, AltDraws, AltTokens
+from ringtune.sample.alt_tokens import AltDraws, AltTokens
 from ringtune.sample.choose import choose_tokens
 from ringtune.sample.mesh_prompts import PromptForward
 from ringtune.sample.params import DEFAULT_MAX_TOKENS, SamplingParams
 from ringtune.sample.prefill import PrefillResult, output_logits, prefill
+from ringtune.sample.request_checks import check_request, check_targets
 from ringtune.sample.stopping import Decode, StopCondition, stop_condition, stop_reason
-
-MAX_NUM_SAMPLES = 128
-"""Most samples per prompt."""
-
-MAX_TOPK_PROMPT_LOGPROBS = 100
-"""Largest ``topk_prompt_logprobs``."""
-
-MAX_TOPK_SAMPLE_LOGPROBS = 100
-"""Largest ``topk_sample_logprobs``."""
 
 DEFAULT_MAX_BATCH = 64
 """Rows decoded together by default."""
@@ -116,41 +107,13 @@ def sample_generator(seed: int, sample: int) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def check_request(
-    prompts: Sequence[Sequence[int]],
-    vocab: int,
-    num_samples: int,
-    topk_prompt_logprobs: int,
-    max_batch: int,
-    topk_sample_logprobs: int = 0,
-    prompt_alt_tokens_k: int = 0,
-) -> list[list[int]]:
-    """The prompts as lists; UserInputError naming the first bad field, its value and the limit."""
-    if not isinstance(num_samples, int) or isinstance(num_samples, bool) or not 1 <= num_samples <= MAX_NUM_SAMPLES:
-        raise UserInputError(f"num_samples={num_samples!r} must be an int in [1, {MAX_NUM_SAMPLES}]")
-    for name, k, limit in (
-        ("topk_prompt_logprobs", topk_prompt_logprobs, min(MAX_TOPK_PROMPT_LOGPROBS, vocab)),
-        ("topk_sample_logprobs", topk_sample_logprobs, min(MAX_TOPK_SAMPLE_LOGPROBS, vocab)),
-        ("prompt_alt_tokens_k", prompt_alt_tokens_k, MAX_PROMPT_ALT_TOKENS_K),  # draws repeat: no vocab bound
-    ):
-        if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k <= limit:
-            raise UserInputError(f"{name}={k!r} must be an int in [0, {limit}]")
-    if not isinstance(max_batch, int) or max_batch < 1:
-        raise UserInputError(f"max_batch={max_batch!r} must be an int >= 1")
-    out = []
-    for i, prompt in enumerate(prompts):
-        tokens = list(prompt)
-        if not tokens:
-            raise UserInputError(f"prompts[{i}] is empty; a prompt needs at least 1 token")
-        for j, t in enumerate(tokens):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise UserInputError(f"prompts[{i}][{j}]={t!r} must be a token id in [0, vocab_size={vocab})")
-        out.append(tokens)
-    return out
+class Generation:
+    """One ``generate`` call's state: the waiting prompts, the running rows and their batch, the results.
 
-
-class _Sampler:
-    """One ``generate`` call's state: the waiting prompts, the running rows and their batch, the results."""
+    Resumable: :meth:`advance` decodes until a deadline and returns; the caller may do other work (other
+    commands, other requests) and advance it again later. The rows, their caches and generators stay here
+    between calls, so the tokens do not depend on how the decode was sliced.
+    """
 
     def __init__(
         self,
@@ -186,11 +149,27 @@ class _Sampler:
         self.target_lp: list[torch.Tensor | None] = [None] * len(prompts)
         self.alt: list[AltTokens | None] = [None] * len(prompts)
 
-    def run(self) -> list[PromptSamples]:
-        while self.waiting or self.rows:
-            self._admit()
-            if self.rows:
-                self._step()
+    @property
+    def finished(self) -> bool:
+        """Whether every prompt's samples are done (then :meth:`results` answers)."""
+        return not self.waiting and not self.rows
+
+    def advance(self, deadline: float | None = None) -> bool:
+        """Prefill and decode until every sequence stopped, or until ``time.monotonic()`` passes ``deadline``
+        (checked after each step, so each call makes progress; None: to the end). Whether it is finished."""
+        with torch.inference_mode():
+            while not self.finished:
+                self._admit()
+                if self.rows:
+                    self._step()
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+        return self.finished
+
+    def results(self) -> list[PromptSamples]:
+        """One :class:`PromptSamples` per prompt, in order (once :attr:`finished`)."""
+        if not self.finished:
+            raise RuntimeError("Generation.results() before the generation finished")
         return [
             PromptSamples(
                 sequences=[s for s in self.done[i] if s is not None],
@@ -307,26 +286,49 @@ class _Sampler:
                 self.batch = None
 
 
-def check_targets(
-    targets: Sequence[torch.Tensor] | None, prompts: list[list[int]], vocab: int
-) -> list[torch.Tensor] | None:
-    """Targets as int64 [n−1, K] (the same K ≤ MAX_TARGET_K for all prompts), ids in [−1, vocab)."""
-    if targets is None:
-        return None
-    if len(targets) != len(prompts):
-        raise UserInputError(f"target_prompt_logprobs: {len(targets)} tensors for {len(prompts)} prompts")
-    out = [torch.as_tensor(t, dtype=torch.int64) for t in targets]
-    k = out[0].shape[-1] if out and out[0].dim() == 2 else -1  # every prompt's K must be the first one's
-    for i, (t, p) in enumerate(zip(out, prompts, strict=True)):
-        if t.dim() != 2 or t.shape[0] != len(p) - 1 or not 1 <= t.shape[1] <= MAX_TARGET_K or t.shape[1] != k:
-            raise UserInputError(
-                f"target_prompt_logprobs[{i}]: shape {list(t.shape)} must be [len(prompt) - 1 = {len(p) - 1}, K] "
-                f"with 1 <= K <= {MAX_TARGET_K} (the same K for every prompt of a call)"
-            )
-        if t.numel() and (int(t.min()) < -1 or int(t.max()) >= vocab):
-            bad = int(t.min()) if int(t.min()) < -1 else int(t.max())
-            raise UserInputError(f"target_prompt_logprobs[{i}]: token id {bad} is outside [-1, vocab_size={vocab})")
-    return out
+def start_generation(
+    model: CausalLM,
+    prompts: Sequence[Sequence[int]],
+    params: SamplingParams,
+    *,
+    num_samples: int = 1,
+    prompt_logprobs: bool = False,
+    topk_prompt_logprobs: int = 0,
+    topk_sample_logprobs: int = 0,
+    prompt_alt_tokens_k: int = 0,
+    eos_token_ids: Sequence[int] | None = None,
+    decode: Decode | None = None,
+    max_batch: int = DEFAULT_MAX_BATCH,
+    prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
+    prefilled: Sequence[PromptForward] | None = None,
+    targets: Sequence[torch.Tensor] | None = None,
+) -> Generation:
+    """A :class:`Generation` of ``num_samples`` continuations of every prompt, checked and not yet run: the
+    caller advances it (:meth:`Generation.advance`), in one go or in slices. Arguments: see :func:`generate`."""
+    vocab = model.config.vocab_size
+    checked = check_request(
+        prompts, vocab, num_samples, topk_prompt_logprobs, max_batch, topk_sample_logprobs, prompt_alt_tokens_k
+    )
+    eos = eos_token_ids if eos_token_ids is not None else config_eos_token_ids(model)
+    stop = stop_condition(params, eos_token_ids=eos, vocab_size=vocab, decode=decode)
+    generation = Generation(
+        model,
+        checked,
+        params,
+        stop,
+        num_samples=num_samples,
+        prompt_logprobs=prompt_logprobs,
+        topk=topk_prompt_logprobs,
+        sample_topk=topk_sample_logprobs,
+        alt_k=prompt_alt_tokens_k,
+        max_batch=max_batch,
+        prefill_tokens=prefill_tokens,
+        prefilled=prefilled,
+        targets=check_targets(targets, checked, vocab),
+    )
+    if prefilled is not None and len(prefilled) != len(checked):
+        raise ValueError(f"prefilled has {len(prefilled)} entries for {len(checked)} prompts")
+    return generation
 
 
 def generate(
@@ -372,28 +374,21 @@ def generate(
     Returns:
         One :class:`PromptSamples` per prompt, in order. Raises UserInputError naming a bad field.
     """
-    vocab = model.config.vocab_size
-    checked = check_request(
-        prompts, vocab, num_samples, topk_prompt_logprobs, max_batch, topk_sample_logprobs, prompt_alt_tokens_k
-    )
-    eos = eos_token_ids if eos_token_ids is not None else config_eos_token_ids(model)
-    stop = stop_condition(params, eos_token_ids=eos, vocab_size=vocab, decode=decode)
-    sampler = _Sampler(
+    generation = start_generation(
         model,
-        checked,
+        prompts,
         params,
-        stop,
         num_samples=num_samples,
         prompt_logprobs=prompt_logprobs,
-        topk=topk_prompt_logprobs,
-        sample_topk=topk_sample_logprobs,
-        alt_k=prompt_alt_tokens_k,
+        topk_prompt_logprobs=topk_prompt_logprobs,
+        topk_sample_logprobs=topk_sample_logprobs,
+        prompt_alt_tokens_k=prompt_alt_tokens_k,
+        eos_token_ids=eos_token_ids,
+        decode=decode,
         max_batch=max_batch,
         prefill_tokens=prefill_tokens,
         prefilled=prefilled,
-        targets=check_targets(targets, checked, vocab),
+        targets=targets,
     )
-    if prefilled is not None and len(prefilled) != len(checked):
-        raise ValueError(f"prefilled has {len(prefilled)} entries for {len(checked)} prompts")
-    with torch.inference_mode():
-        return sampler.run()
+    generation.advance()
+    return generation.results()

@@ -116,9 +116,20 @@ class DistributedBackend:
     def free_sampler(self, sampler_id: str) -> None:
         self._run(Command("free_sampler", None, {"sampler_id": sampler_id}))
 
-    def sample(self, sampler_id: str, requests: Sequence[SampleRequest]) -> list[PromptSamples]:
+    def sample(
+        self,
+        sampler_id: str,
+        requests: Sequence[SampleRequest],
+        *,
+        job_id: str | None = None,
+        slice_s: float | None = None,
+    ) -> list[PromptSamples] | None:
         fixed = [r.with_fixed_seed() for r in requests]  # every rank draws a long prompt's alt tokens alike
-        return self._run(Command("sample", None, {"sampler_id": sampler_id, "requests": fixed}))
+        args = {"sampler_id": sampler_id, "requests": fixed, "job_id": job_id, "slice_s": slice_s}
+        return self._run(Command("sample", None, args))
+
+    def sample_more(self, job_id: str, slice_s: float | None = None) -> list[PromptSamples] | None:
+        return self._run(Command("sample_more", None, {"job_id": job_id, "slice_s": slice_s}))
 
     def close(self) -> None:
         """Tell the workers to exit and join the processes this backend started."""

@@ -16,6 +16,7 @@ OPS = (
     "create_sampler",
     "free_sampler",
     "sample",
+    "sample_more",
     "ping",
     "shutdown",
 )

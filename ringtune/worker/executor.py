@@ -9,6 +9,7 @@ does, and the command channel relies on that to recycle its messages.
 from __future__ import annotations
 
 import gc
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,8 +34,9 @@ from ringtune.parallel.mesh import ParallelMesh, rebuild_mesh
 from ringtune.sample.alt_tokens import AltDraws
 from ringtune.sample.mesh_prompts import MeshLayout, PromptForward, prompts_forward, takes_mesh_forward
 from ringtune.sample.params import DEFAULT_MAX_TOKENS
-from ringtune.sample.pool import SampleRequest, SamplerPool, tokenizer_decoder
-from ringtune.sample.sampler import PromptSamples, check_request, check_targets
+from ringtune.sample.pool import PoolGeneration, SampleRequest, SamplerPool, tokenizer_decoder
+from ringtune.sample.request_checks import check_request, check_targets
+from ringtune.sample.sampler import PromptSamples
 from ringtune.worker.commands import Command
 from ringtune.worker.lora_runs import SharedBase
 
@@ -86,6 +88,16 @@ DTYPES = {name: p.param_dtype for name, p in PRECISIONS.items()}
 """Parameter dtype of each precision name (the dtype models are loaded in)."""
 
 
+@dataclass(frozen=True)
+class DecodeJob:
+    """This rank's share of one ``sample`` command while it decodes across commands: the command's request
+    count, the indices of the requests this rank decodes, and their generation."""
+
+    count: int
+    mine: list[int]
+    generation: PoolGeneration
+
+
 def trainer_dtype_options(precision: Precision) -> dict[str, Any]:
     """The :class:`Trainer` keyword arguments a precision adds (``compute_dtype`` when mixed)."""
     return {"compute_dtype": precision.compute_dtype} if precision.mixed else {}
@@ -107,6 +119,7 @@ class RankExecutor:
         self.trainers: dict[str, Trainer] = {}
         self._spare = spare
         self.lora_base = SharedBase(self._take_model)
+        self.decode_jobs: dict[str, DecodeJob] = {}  # sampling requests decoding across commands, by job id
         self.samplers = SamplerPool(
             lambda path: load_model(path or spec.source, dtype=self.precision.param_dtype),
             decode=tokenizer_decoder(spec.tokenizer_dir),
@@ -123,6 +136,7 @@ class RankExecutor:
             "create_sampler": lambda c: self.samplers.create(c.args["sampler_id"], c.args["source"], self.trainers),
             "free_sampler": lambda c: self.samplers.free(c.args["sampler_id"]),
             "sample": self._sample,
+            "sample_more": self._sample_more,
             "ping": lambda c: None,
             "shutdown": lambda c: None,
         }
@@ -177,15 +191,20 @@ class RankExecutor:
             gc.collect()
 
     def _sample(self, command: Command) -> list[PromptSamples] | None:
-        """Every request of the command, answered on the result rank in request order (None elsewhere).
+        """Start decode job ``job_id`` for every request of the command and run its first slice
+        (:meth:`_advance`): the answers on the result rank in request order once every rank finished (None
+        elsewhere, and None on every rank while the job goes on: ``sample_more`` continues it).
 
         Requests with long prompts (:func:`takes_mesh_forward`) run their prompts together on the whole mesh
         (:meth:`_prefill_on_mesh`) and are decoded by the rank each prompt was given to; the others are
         spread round-robin over the ranks, each prefilling and decoding its share on its own snapshot
-        replica. Each rank decodes its requests (:meth:`SamplerPool.sample`), then the results are gathered.
+        replica (:meth:`SamplerPool.begin`). ``slice_s`` None: the job runs to the end in this command.
         """
         requests: list[SampleRequest] = command.args["requests"]
         sampler_id = command.args["sampler_id"]
+        job_id = command.args.get("job_id") or "sample"
+        if job_id in self.decode_jobs:
+            raise ValueError(f"decode job {job_id!r} already exists")
         group = self.mesh.control_group if self.mesh else None
         size = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
@@ -195,20 +214,50 @@ class RankExecutor:
         spread = [i for i, is_long in enumerate(long) if not is_long]
         prefilled = self._prefill_on_mesh(sampler_id, [requests[i] for i in on_mesh]) if on_mesh else {}
         mine = [on_mesh[j] for j in sorted(prefilled)] + [i for n, i in enumerate(spread) if n % size == rank]
-        try:
+
+        def begin() -> DecodeJob:
             forwards = [prefilled[j] for j in sorted(prefilled)] + [None] * (len(mine) - len(prefilled))
-            results = self.samplers.sample(sampler_id, [requests[i] for i in mine], prefilled=forwards)
-            payload: tuple = (True, list(zip(mine, results, strict=True)))
-        except Exception as exc:  # every rank still joins the gather below
-            payload = (False, exc if isinstance(exc, UserInputError) else RuntimeError(f"{type(exc).__name__}: {exc}"))
-        parts = gather_object_to(payload, group, dst=0)
+            generation = self.samplers.begin(sampler_id, [requests[i] for i in mine], prefilled=forwards)
+            return DecodeJob(len(requests), mine, generation)
+
+        job, error = attempt(begin)
+        return self._advance(job_id, job, error, command.args.get("slice_s"))
+
+    def _sample_more(self, command: Command) -> list[PromptSamples] | None:
+        """The next slice of decode job ``job_id`` (:meth:`_advance`); a job this rank does not hold (lost
+        when the worker ranks restarted) fails the request as a server error."""
+        job_id = command.args["job_id"]
+        job = self.decode_jobs.get(job_id)
+        error = None if job is not None else RuntimeError(f"decode job {job_id!r} is gone (the worker ranks restarted)")
+        return self._advance(job_id, job, error, command.args.get("slice_s"))
+
+    def _advance(
+        self, job_id: str, job: DecodeJob | None, error: BaseException | None, slice_s: float | None
+    ) -> list[PromptSamples] | None:
+        """Decode this rank's share of ``job`` for ``slice_s`` seconds (None: to the end), then agree over the
+        control group whether every rank finished: if so the answers are gathered to the result rank (in
+        request order; None elsewhere) and the job is dropped; if any rank failed the job is dropped and the
+        error raised; otherwise the job is kept and None returned. Decoding itself is local to each rank."""
+        if error is None and job is not None:
+            deadline = None if slice_s is None else time.monotonic() + slice_s
+            _, error = attempt(lambda: job.generation.advance(deadline))
+        group = self.mesh.control_group if self.mesh else None
+        states = all_gather_objects(None if error is not None else job.generation.finished, group)  # type: ignore[union-attr]
+        if any(state is None for state in states):
+            self.decode_jobs.pop(job_id, None)
+            if error is not None:
+                raise error
+            raise RankFailedError("another rank failed while decoding a sampling request")
+        if not all(states):
+            self.decode_jobs[job_id] = job  # type: ignore[assignment]
+            return None
+        self.decode_jobs.pop(job_id, None)
+        assert job is not None
+        parts = gather_object_to(list(zip(job.mine, job.generation.results(), strict=True)), group, dst=0)
         if parts is None:
             return None
-        failed = [error for ok, error in parts if not ok]
-        if failed:
-            raise failed[0]
-        answers = {i: result for _, pairs in parts for i, result in pairs}
-        return [answers[i] for i in range(len(requests))]
+        answers = {i: result for pairs in parts for i, result in pairs}
+        return [answers[i] for i in range(job.count)]
 
     def _prefill_on_mesh(self, sampler_id: str, requests: list[SampleRequest]) -> dict[int, PromptForward]:
         """The prompts of ``requests`` through the DP×CP forward of the session's snapshot (every rank holds

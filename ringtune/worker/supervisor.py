@@ -377,8 +377,19 @@ class SupervisedBackend:
         self._call(None, lambda: self.inner.free_sampler(sampler_id))
         self.samplers.pop(sampler_id, None)
 
-    def sample(self, sampler_id: str, requests: Sequence[SampleRequest]) -> list[PromptSamples]:
-        return self._call(f"sampler:{sampler_id}", lambda: self.inner.sample(sampler_id, requests))
+    def sample(
+        self,
+        sampler_id: str,
+        requests: Sequence[SampleRequest],
+        *,
+        job_id: str | None = None,
+        slice_s: float | None = None,
+    ) -> list[PromptSamples] | None:
+        call = lambda: self.inner.sample(sampler_id, requests, job_id=job_id, slice_s=slice_s)  # noqa: E731
+        return self._call(f"sampler:{sampler_id}", call)
+
+    def sample_more(self, job_id: str, slice_s: float | None = None) -> list[PromptSamples] | None:
+        return self._call(None, lambda: self.inner.sample_more(job_id, slice_s))
 
     def close(self) -> None:
         """Stop watching (workers that exit now are not deaths), then close the current world."""
