@@ -162,6 +162,12 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=d.sample_slice_s,
         help="seconds a generation decodes per turn before other clients' ops run (0: each runs to its end)",
     )
+    p.add_argument(
+        "--restore-live-runs",
+        action="store_true",
+        help="bring back the runs that were live when the previous server on this --checkpoint-root stopped, from "
+        "their newest checkpoints (always on when torchrun restarts the server)",
+    )
     p.add_argument("--autosave-keep", type=int, default=d.autosave_keep, help="autosaves kept per run (older deleted)")
     p.add_argument(
         "--max-restarts",
@@ -185,7 +191,7 @@ def _run_serve(args: argparse.Namespace) -> int:
     from ringtune.gateway.server import serve
     from ringtune.layout.budget import rank_token_budget
     from ringtune.worker.executor import ModelSpec
-    from ringtune.worker.launch import WorkerLayout, join_torchrun_world, start_supervised_workers
+    from ringtune.worker.launch import WorkerLayout, join_torchrun_world, start_supervised_workers, torchrun_restarts
 
     for name in ("cp", "dp"):
         if getattr(args, name) < 1:
@@ -200,6 +206,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         autosave_minutes=args.autosave_minutes,
         autosave_keep=args.autosave_keep,
         sample_slice_s=args.sample_slice,
+        restore_live_runs=args.restore_live_runs or torchrun_restarts() > 0,
         max_body_bytes=args.max_body_mb * 2**20,
         fwdbwd_max_chunk_bytes=min(
             args.max_body_mb * 2**20 // 2, GatewayConfig(checkpoint_root="").fwdbwd_max_chunk_bytes

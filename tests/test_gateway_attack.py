@@ -100,6 +100,7 @@ class Target:
             },
             "retrieve_future": {"request_id": "nope"},
             "weights_info": {"tinker_path": self.weights_path},
+            "ringtune/probe": {"name": "ring_accumulation"},
             f"sessions/{self.spare_session}/finish": {"reason": {"type": "success"}},
         }
 

@@ -128,6 +128,18 @@ def test_api_key(api):
         tinker.RestClient(base_url=api.url, api_key="tml-wrong").list_training_runs().result()
 
 
+def test_served_probe_route(api):
+    """ringtune's own ``POST /api/v1/ringtune/probe``: keyed like every route; an unknown probe is a JSON 400
+    naming it; the ring-accumulation probe answers (a float32 server is its own accumulator: not applicable)."""
+    url = f"{api.url}/api/v1/ringtune/probe"
+    assert_refused(httpx.post(url, json={"name": "ring_accumulation"}), 401, "X-API-Key")
+    assert_refused(api.post("ringtune/probe", json={"name": "nope"}), 400, "'nope' is not a served probe")
+    assert_refused(api.post("ringtune/probe", json={}), 422, "name")
+    summary = api.post("ringtune/probe", json={"name": "ring_accumulation"}).json()
+    assert summary["probe"] == "ring_accumulation" and summary["applies"] is False, summary
+    assert "float32 is its own accumulator" in summary["why"] and summary["cp"] == 1
+
+
 def test_malformed_requests_get_json_4xx(api):
     proto_headers = {"Content-Type": "application/x-protobuf"}
     assert_refused(api.post("forward_backward", content=b"\xff\xfe garbage", headers=proto_headers), 400, "protobuf")

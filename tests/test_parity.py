@@ -51,6 +51,9 @@ EXPECTED = {
     "unscored_backward_skipped": "grad_norm.long_step",
     "ring_shift_reversed": "lp.mean",
     "gdn_decay_relayout_bf16": "lp.chunk[0].moved",
+    # A partial dK/dV rounded to bf16 before each ring hop stays within bf16 noise in every model-level figure;
+    # the server's probe (the same blocks accumulated in float64, rounded once) sees ~22% of dK/dV elements move.
+    "ring_dkv_exchange_bf16": "probe.ring_accumulation",
 }
 
 
@@ -164,6 +167,13 @@ def test_clean_layouts_pass_and_faults_fail(matrix):
         assert row.result.figure("sampler_kl.k3").value <= 1e-10
     wrong = faults["position_off_by_one"].result
     assert not wrong.figure("sampler_kl.k3").ok and not wrong.figure("sampler_kl.max_abs").ok
+    # The ring-accumulation probe ran on every server: float32 is its own accumulator (not applicable); on the
+    # bf16 servers whose fault is elsewhere (CP=1 reference, the GDN decay at CP=2) the ring rounds once: 0 moved.
+    for name in ("cp1-dp1-bfloat16", "cp2-chunkwise-dp1-bfloat16-fault-gdn_decay_relayout_bf16"):
+        probe = json.loads(_dump(config, name).read_text())["probes"]["ring_accumulation"]
+        assert probe["applies"] and probe["mismatch"] == {"dq": 0.0, "dk": 0.0, "dv": 0.0}, (name, probe)
+    plain = json.loads(_dump(config, "cp2-headwise-dp1-float32").read_text())["probes"]["ring_accumulation"]
+    assert plain["applies"] is False and "own accumulator" in plain["why"]
     assert report.ok
     text = config.doc.read_text()
     assert "| tiny-qwen3.5 | float32 | CP2 chunkwise | pass |" in text

@@ -202,3 +202,48 @@ def test_sigkill_of_the_whole_server_then_resume_bit_exact_and_sigterm(setup):
         saved = root / tc.model_id / "weights" / "at-sigterm"
         assert (outcomes[1] == "done") == (saved / "ringtune.json").is_file()
         print(f"SIGTERM: forward_backward {outcomes[0]}, queued save {outcomes[1]}; every rank exited")
+
+
+def test_restart_with_restore_live_runs_continues_the_same_client(setup):
+    """``--autosave-every 1``, two steps, SIGKILL of the whole server, a restart with ``--restore-live-runs``: the
+    same SDK objects go on. The run's first request gets a ``category: server`` error naming step 2 and the
+    checkpoint; then step 3 equals step 3 of an uninterrupted twin run bit for bit (float64, same layout)."""
+    root = setup["tmp"] / "ckpt-restore"
+    model = str(setup["model_dir"])
+
+    def restore_server(name: str, port: int = 0, extra: tuple[str, ...] = ()) -> ServeProcess:
+        return ServeProcess(
+            model,
+            checkpoint_root=root,
+            log_path=setup["tmp"] / f"{name}.log",
+            port=port,
+            api_key=API_KEY,
+            extra_args=[*ARGS, "--autosave-every", "1", *extra],
+        )
+
+    first = restore_server("restore-first")
+    with first:
+        client = tinker.ServiceClient(base_url=first.url, api_key=API_KEY)  # lives across the restart
+        tc = client.create_lora_training_client(model, rank=0).result()
+        twin = client.create_lora_training_client(model, rank=0).result()
+        step(tc, 0), step(tc, 1)
+        step(twin, 0), step(twin, 1)
+        want = step(twin, 2)
+        os.killpg(first.proc.pid, signal.SIGKILL)
+        first.proc.wait(30)
+        deadline = time.monotonic() + 30
+        while group_alive(first.proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    second = restore_server("restore-second", port=first.port, extra=("--restore-live-runs",))
+    with second:
+        try:
+            with pytest.raises(tinker.RequestFailedError) as failed:
+                tc.forward_backward(sdk_datums(2), "cross_entropy").result(timeout=120)
+            assert failed.value.category == RequestErrorCategory.Server
+            assert f"run {tc.model_id} was restored to step 2" in str(failed.value)  # (the SDK shortens the rest)
+            assert step(tc, 2) == want  # the same client object, on the restored run
+            runs = tinker.RestClient(base_url=second.url, api_key=API_KEY).list_training_runs(limit=100).result()
+            assert {tc.model_id, twin.model_id} <= {r.training_run_id for r in runs.training_runs}
+        finally:
+            with contextlib.suppress(Exception):
+                client.close().result(timeout=60)

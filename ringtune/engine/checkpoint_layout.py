@@ -19,6 +19,7 @@ Everything here is local filesystem work in the calling process; no communicatio
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -173,3 +174,8 @@ def remove_checkpoint(path: Path) -> None:
         os.replace(path, path.with_name(f".{path.name}.ckpt-{uuid.uuid4().hex}"))
     fsync_dir(path.parent)
     remove_versions(path, keep=None)
+
+
+def checkpoint_step(path: str | Path) -> int:
+    """The optimizer step stored in the training checkpoint at ``path`` (its ``ringtune.json``)."""
+    return int(json.loads((Path(path).resolve() / META_NAME).read_text())["step"])

@@ -31,6 +31,7 @@ from ringtune.gateway.wire import (
     LoadWeightsBody,
     ModelBody,
     OptimStepBody,
+    ProbeBody,
     RetrieveFutureBody,
     SaveWeightsBody,
     SaveWeightsForSamplerBody,
@@ -269,6 +270,10 @@ def create_app(service: GatewayService) -> Guard:
     @app.post(f"{PREFIX}/weights_info")
     async def weights_info(body: WeightsInfoBody) -> dict[str, Any]:
         return rest.weights_info(service, body.tinker_path)
+
+    @app.post(f"{PREFIX}/ringtune/probe")
+    async def probe(body: ProbeBody) -> dict[str, Any]:
+        return await service.probe(body.name)
 
     @app.get(f"{PREFIX}/get_server_capabilities")
     async def server_capabilities() -> dict[str, Any]:

@@ -151,6 +151,11 @@ class Backend(Protocol):
         lost (its worker ranks restarted) raises a server error."""
         ...
 
+    def probe(self, name: str) -> dict[str, Any]:
+        """Run served probe ``name`` (:data:`ringtune.probes.ring_accumulation.SERVED_PROBES`) on the backend's
+        own ranks, modes and dtype; its JSON-able summary. UserInputError for an unknown name."""
+        ...
+
     def close(self) -> None:
         """Release everything (end of the server)."""
         ...

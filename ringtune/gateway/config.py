@@ -28,6 +28,8 @@ class GatewayConfig:
         autosave_every: save each live run as ``weights/autosave-<step>`` after every this many optimizer steps
             (0 = never); autosave_minutes: also after an optimizer step once this many minutes passed since the
             run's last save (0 = never); autosave_keep: autosaves kept per run (older ones are deleted).
+        restore_live_runs: at start-up, open the sessions the previous server left open and bring their live runs
+            back from their newest checkpoints (:mod:`ringtune.gateway.restore`); else they are forgotten.
         sample_slice_s: a sampling request decodes for about this long per turn on the backend thread, then
             waits behind the other clients' queued ops for its next turn (0 = to the end in one turn).
     """
@@ -49,6 +51,7 @@ class GatewayConfig:
     autosave_minutes: float = 0.0
     autosave_keep: int = 2
     sample_slice_s: float = 0.5
+    restore_live_runs: bool = False
 
     def validate(self) -> None:
         """UserInputError naming the setting, its value and the limit."""

@@ -144,7 +144,9 @@ class SeqGate:
     """How far beyond the next expected seq_id an op may arrive (an SDK client is as far ahead as it has ops in
     flight); a larger ``seq_id`` is refused, so a gap never spans more than this many skipped ids."""
 
-    def __init__(self, first: int = 1) -> None:
+    def __init__(self, first: int | None = 1) -> None:
+        """``first``: the first seq_id to run; None: whichever arrives first (a run restored after a restart of
+        the server, whose client goes on numbering where it was)."""
         self.next_seq = first
         self._held: dict[int, tuple[str, Callable[[], None]]] = {}
         self._known: dict[int, str] = {}
@@ -159,6 +161,8 @@ class SeqGate:
 
         Raises UserInputError when ``seq_id`` is below the next expected one and unknown (skipped or passed).
         """
+        if self.next_seq is None:
+            self.next_seq = seq_id
         if seq_id < self.next_seq:
             raise UserInputError(
                 f"seq_id={seq_id} comes too late: this model already runs seq_id {self.next_seq} "

@@ -137,5 +137,8 @@ class ObservedBackend:
     def sample_more(self, job_id: str, slice_s: float | None = None) -> list[PromptSamples] | None:
         return self._observe("sample_more", None, lambda: self.backend.sample_more(job_id, slice_s), job=job_id)
 
+    def probe(self, name: str) -> dict[str, Any]:
+        return self._observe("probe", None, lambda: self.backend.probe(name), probe=name)
+
     def close(self) -> None:
         self.backend.close()

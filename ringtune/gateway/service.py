@@ -30,6 +30,7 @@ from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.futures import FutureStore, Outcome
 from ringtune.gateway.observe import ObservedBackend
 from ringtune.gateway.paths import CheckpointPaths, check_name, dir_bytes
+from ringtune.gateway.restore import restore_live_runs
 from ringtune.gateway.run_memory import check_admission
 from ringtune.gateway.sampling import CreateSamplingSessionBody, SamplingService, new_sampler_id
 from ringtune.gateway.scheduler import DEFAULT_KEY, FairExecutor
@@ -41,6 +42,7 @@ from ringtune.gateway.wire import (
     SaveWeightsBody,
     SaveWeightsForSamplerBody,
 )
+from ringtune.probes.ring_accumulation import SERVED_PROBES
 from ringtune.sample.pool import SamplerSource
 
 log = logging.getLogger(__name__)
@@ -85,6 +87,11 @@ class GatewayService:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stopping = False
         """Set by :meth:`drain`: jobs not started yet fail with ``category: server``."""
+        self.notices: dict[str, str] = {}
+        """run_id -> the ``category: server`` error its next op gets instead of running (a restored run)."""
+        self.restored = restore_live_runs(self) if config.restore_live_runs else []
+        if not config.restore_live_runs:
+            self.registry.take_saved_sessions(restore=False)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -150,8 +157,15 @@ class GatewayService:
         if known is not None:
             return {"request_id": known, "model_id": record.run_id}
         request_id = self.futures.create(op)
+
+        def dispatch() -> None:  # in seq_id order; the first op of a restored run gets its notice instead
+            notice = self.notices.pop(record.run_id, None)
+            if notice is not None:
+                self.futures.resolve(request_id, Outcome.error(notice, "server"))
+            else:
+                self._dispatch(request_id, job, record.run_id)
+
         try:
-            dispatch = lambda: self._dispatch(request_id, job, record.run_id)  # noqa: E731
             record.gate.add(seq, request_id, dispatch, self.futures.clock())
         except UserInputError as exc:
             self.futures.resolve(request_id, Outcome.error(str(exc), "user"))
@@ -210,6 +224,7 @@ class GatewayService:
             raise RefusedError(404, f"session_id={session_id!r}: no such session")
         if not session.finished:
             session.finished = reason
+            self.registry.finished(session)
             self.sampling.end_session(session_id)
             for run_id in session.runs:
                 record = self.registry.runs.get(run_id)
@@ -219,6 +234,7 @@ class GatewayService:
 
     def _free(self, record: RunRecord, why: str) -> None:
         record.live, record.freed = False, True
+        self.registry.save(record)  # not live any more: a restart does not bring it back
         for request_id in record.gate.cancel():
             self.futures.resolve(request_id, Outcome.error(f"model {record.run_id} was freed: {why}", "user"))
         ephemeral = self.paths.run_dir(record.run_id) / "ephemeral"
@@ -474,6 +490,15 @@ class GatewayService:
         return {"request_id": request_id, "model_id": run_id}
 
     # ------------------------------------------------------------------ futures
+
+    async def probe(self, name: str) -> dict[str, Any]:
+        """A served probe (:data:`~ringtune.probes.ring_accumulation.SERVED_PROBES`) on the backend's ranks, queued
+        on the backend thread like any op; its summary. RefusedError 400 for an unknown name."""
+        if name not in SERVED_PROBES:
+            raise RefusedError(400, f"name={name!r} is not a served probe; choose one of {list(SERVED_PROBES)}")
+        if self.stopping:
+            raise RefusedError(503, SHUTTING_DOWN, "server")
+        return await asyncio.wrap_future(self.executor.submit(lambda: self.backend.probe(name)))
 
     async def create_sampling_session(self, body: CreateSamplingSessionBody) -> dict[str, Any]:
         """A sampling session on the base model or a ``tinker://<run>/sampler_weights/<name>`` export."""

@@ -2,7 +2,10 @@
 
 A run record outlives its session and the server: it is written to ``<root>/<run_id>/run.json`` on every
 change and read back at start-up (as not live), so ``training_runs``, checkpoint lists and
-create-via-load keep working. Event-loop thread only.
+create-via-load keep working. The record also says whether the run was live when last written, and each open
+session is written to ``<root>/.sessions/<id>.json``: a server started with ``--restore-live-runs`` (and every
+torchrun restart) brings those sessions and their live runs back (:mod:`ringtune.gateway.restore`); any other
+start forgets them. Event-loop thread only.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ log = logging.getLogger(__name__)
 
 RUN_FILE = "run.json"
 RUN_FORMAT = "ringtune.gateway.run/1"
+SESSIONS_DIR = ".sessions"
+SESSION_FORMAT = "ringtune.gateway.session/1"
 
 
 def now_utc() -> datetime:
@@ -97,6 +102,8 @@ class RunRecord:
     """True once the backend was told to free it (a finished session, or a failed create)."""
     lora: dict[str, Any] | None = None
     """A LoRA run's spec (:meth:`ringtune.models.lora.LoraSpec.to_dict`); None: full fine-tuning."""
+    was_live: bool = False
+    """Read from disk: the run was live when the previous server last wrote its record."""
 
     def touch(self) -> None:
         self.last_request_time = now_utc()
@@ -132,6 +139,7 @@ class RunRecord:
             "last_request_time": self.last_request_time.isoformat(),
             "checkpoints": [c.to_json() for c in self.checkpoints.values()],
             "lora": self.lora,
+            "live": self.live,
         }
 
     @staticmethod
@@ -146,6 +154,7 @@ class RunRecord:
             last_request_time=datetime.fromisoformat(d["last_request_time"]),
             checkpoints={c.checkpoint_id: c for c in checkpoints},
             lora=d.get("lora"),
+            was_live=bool(d.get("live", False)),
         )
 
 
@@ -161,6 +170,14 @@ class Session:
     finished: str | None = None
     """None while open; else why it ended (``success``, ``errored``, ``interrupted``, ``expired``)."""
     runs: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": SESSION_FORMAT,
+            "session_id": self.session_id,
+            "user_metadata": self.user_metadata,
+            "tags": self.tags,
+        }
 
 
 class Registry:
@@ -212,11 +229,51 @@ class Registry:
             self.save(record)
 
     def new_session(self, user_metadata: dict[str, Any] | None, tags: list[str]) -> Session:
-        """A new open session with a fresh unique id."""
+        """A new open session with a fresh unique id (written under ``.sessions/`` until it finishes)."""
         now = self.clock()
         session = Session(f"s-{uuid.uuid4().hex[:16]}", now, now, dict(user_metadata or {}), list(tags))
         self.sessions[session.session_id] = session
+        self._write_session(session)
         return session
+
+    def _write_session(self, session: Session) -> None:
+        directory = self.paths.root / SESSIONS_DIR
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            tmp = directory / f".{session.session_id}.{uuid.uuid4().hex}"
+            tmp.write_text(json.dumps(session.to_json()))
+            os.replace(tmp, directory / f"{session.session_id}.json")
+        except OSError as exc:  # a session that cannot be written is only not restorable
+            log.warning("session %s not written: %s", session.session_id, exc)
+
+    def finished(self, session: Session) -> None:
+        """``session`` ended: it is no longer restorable."""
+        (self.paths.root / SESSIONS_DIR / f"{session.session_id}.json").unlink(missing_ok=True)
+
+    def take_saved_sessions(self, restore: bool) -> list[Session]:
+        """The sessions the previous server left open (read once, at start-up): open again when ``restore``
+        (their heartbeat clock starts now), else forgotten (their files removed)."""
+        directory = self.paths.root / SESSIONS_DIR
+        out = []
+        for path in sorted(directory.glob("*.json")) if directory.is_dir() else []:
+            try:
+                data = json.loads(path.read_text())
+                if data.get("format") != SESSION_FORMAT:
+                    raise ValueError(f"format {data.get('format')!r}")
+                now = self.clock()
+                session = Session(
+                    data["session_id"], now, now, dict(data.get("user_metadata") or {}), list(data["tags"])
+                )
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("ignoring unreadable session record %s: %s", path, exc)
+                path.unlink(missing_ok=True)
+                continue
+            if not restore:
+                path.unlink(missing_ok=True)
+                continue
+            self.sessions[session.session_id] = session
+            out.append(session)
+        return out
 
     def save(self, record: RunRecord) -> None:
         """Write ``record`` to ``<root>/<run_id>/run.json`` atomically."""

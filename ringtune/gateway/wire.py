@@ -31,6 +31,12 @@ class SessionBody(Body):
     session_id: str
 
 
+class ProbeBody(Body):
+    """``POST /api/v1/ringtune/probe`` (ringtune's own route, not Tinker's): which served probe to run."""
+
+    name: str
+
+
 class FinishReason(Body):
     type: str = "success"
 

@@ -19,9 +19,10 @@ The first step is plain AdamW (:data:`ADAM`); the other three add weight decay a
 fails with a server error (e.g. replicas that diverged) ends the run: the dump records it in ``server_error``
 (request and message) and holds what came back before.
 The server's layout (CP, DP, dtype, per-rank budget, CP modes, debug fault) comes from the ``ringtune`` key of
-``GET /api/v1/get_server_capabilities``. Last, when the server samples (``sampleable``), the on-policy check
-KL(sampler ‖ trainer) on the weights after the steps (:mod:`ringtune.parity.sampler_kl`); otherwise the dump
-records it as skipped, with the reason.
+``GET /api/v1/get_server_capabilities``. The served probes (``probes``: the ring's accumulation precision,
+run by the server on its own ranks) are recorded too. Last, when the server samples (``sampleable``), the
+on-policy check KL(sampler ‖ trainer) on the weights after the steps (:mod:`ringtune.parity.sampler_kl`);
+otherwise the dump records it as skipped, with the reason.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import tinker
 
 from ringtune.parity.datums import DatumSet, ParityDatum, build_datum_set, text_token_stream
 from ringtune.parity.sampler_kl import measure_sampler_kl, sampler_prompts, skipped_sampler_kl
+from ringtune.probes.ring_accumulation import SERVED_PROBES
 
 FORMAT = "ringtune-parity/1"
 ADAM = {"learning_rate": 1e-4, "beta1": 0.9, "beta2": 0.95, "eps": 1e-8}
@@ -60,6 +62,19 @@ def server_layout(url: str, api_key: str | None) -> dict[str, Any]:
     if "ringtune" not in body:
         raise ValueError(f"{url} is not a ringtune server (no 'ringtune' layout in its capabilities)")
     return {"layout": body["ringtune"], "model": body["supported_models"][0]}
+
+
+def served_probes(url: str, api_key: str | None) -> dict[str, Any]:
+    """Each served probe's summary (``POST /api/v1/ringtune/probe``: the server runs it on its own ranks, modes,
+    dtype and debug fault; :mod:`ringtune.probes.ring_accumulation`); a probe that failed records why."""
+    headers = {"X-API-Key": api_key} if api_key else {}
+    out: dict[str, Any] = {}
+    for name in SERVED_PROBES:
+        response = httpx.post(
+            f"{url.rstrip('/')}/api/v1/ringtune/probe", json={"name": name}, headers=headers, timeout=600
+        )
+        out[name] = response.json() if response.status_code == 200 else {"applies": False, "why": response.text[:300]}
+    return out
 
 
 def _to_tinker(d: ParityDatum, extra: dict[str, list[float]] | None = None) -> tinker.Datum:
@@ -176,6 +191,7 @@ def run_parity(
             sampler_kl = skipped_sampler_kl(
                 f"the server does not sample (get_server_capabilities: sampleable={model.get('sampleable')})"
             )
+    probes = served_probes(url, api_key)
     dump = {
         "format": FORMAT,
         "label": label or url,
@@ -196,6 +212,7 @@ def run_parity(
         "replica_check": replica_check,
         "server_error": server_error,
         "sampler_kl": sampler_kl,
+        "probes": probes,
         "seconds": round(time.time() - started, 2),
     }
     path = Path(out)

@@ -227,6 +227,7 @@ def compute_figures(a: Mapping[str, Any], b: Mapping[str, Any], *, window_layout
         figures.append(Figure(f"lp.{name}.p99", _stat(d, "p99"), limits.lp_p99 if pre_step else limits.post_p99))
 
     figures += _sampler_figures(a.get("sampler_kl", {}), b.get("sampler_kl", {}), limits)
+    figures += probe_figures(b.get("probes", {}))
 
     deltas = [{"datum": datum, "abs": d, "boundaries": p.boundaries, "splits": p.splits} for datum, d, p in rows]
     return Comparison(
@@ -275,6 +276,21 @@ def server_error_figures(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[Fig
         name = "replicas.identical" if REPLICA_DIVERGED in error["message"] else "server.error"
         note = f"{side}: {error['request']} failed: {error['message'][:300]}"
         figures.append(Figure(name, 1.0, 0.0, note=note))
+    return figures
+
+
+def probe_figures(probes: Mapping[str, Any]) -> list[Figure]:
+    """``probe.ring_accumulation``: the largest fraction of the candidate's dQ/dK/dV elements that differ from
+    the same blocks accumulated in float64 and rounded once (the server's own ranks; limit from the probe).
+    None for a probe that does not apply (float32/float64 dtype, another attention mode) or was not run."""
+    figures = []
+    for name, summary in probes.items():
+        if not summary.get("applies"):
+            continue
+        worst, field = max((float(v), k) for k, v in summary["mismatch"].items())
+        where = f"{summary['dtype']} at CP={summary['cp']}"
+        note = f"worst field {field}; {summary.get('elements', 0)} dK elements, {where}"
+        figures.append(Figure(f"probe.{name}", worst, float(summary["limit"]), note=note))
     return figures
 
 

@@ -131,6 +131,9 @@ class DistributedBackend:
     def sample_more(self, job_id: str, slice_s: float | None = None) -> list[PromptSamples] | None:
         return self._run(Command("sample_more", None, {"job_id": job_id, "slice_s": slice_s}))
 
+    def probe(self, name: str) -> dict[str, Any]:
+        return self._run(Command("probe", None, {"name": name}))
+
     def close(self) -> None:
         """Tell the workers to exit and join the processes this backend started."""
         if self._dead is None and not self.executor.broken:

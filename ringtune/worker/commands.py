@@ -17,6 +17,7 @@ OPS = (
     "free_sampler",
     "sample",
     "sample_more",
+    "probe",
     "ping",
     "shutdown",
 )

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from ringtune.engine.sharding import check_sharding
@@ -31,6 +32,12 @@ from ringtune.parallel.control import (
     gather_object_to,
 )
 from ringtune.parallel.mesh import ParallelMesh, rebuild_mesh
+from ringtune.probes.ring_accumulation import (
+    MISMATCH_LIMIT,
+    SERVED_PROBES,
+    mismatch_fraction,
+    ring_accumulation_counts,
+)
 from ringtune.sample.alt_tokens import AltDraws
 from ringtune.sample.mesh_prompts import MeshLayout, PromptForward, prompts_forward, takes_mesh_forward
 from ringtune.sample.params import DEFAULT_MAX_TOKENS
@@ -137,6 +144,7 @@ class RankExecutor:
             "free_sampler": lambda c: self.samplers.free(c.args["sampler_id"]),
             "sample": self._sample,
             "sample_more": self._sample_more,
+            "probe": self._probe,
             "ping": lambda c: None,
             "shutdown": lambda c: None,
         }
@@ -322,6 +330,36 @@ class RankExecutor:
         if any(v is not None for v in verdicts):
             raise RankFailedError("another rank failed in the prompt forward of a sampling request")
         return forwards
+
+    def _probe(self, command: Command) -> dict[str, Any] | None:
+        """A served probe (:data:`SERVED_PROBES`) on every rank with the server's own modes, compute dtype,
+        device and debug fault; the summary on the result rank (None elsewhere). Collective over the mesh
+        (each DP replica's CP group runs it, the counts are gathered over the control group)."""
+        name = command.args["name"]
+        if name not in SERVED_PROBES:
+            raise UserInputError(f"probe={name!r} is not a served probe; choose one of {list(SERVED_PROBES)}")
+        modes = self.spec.modes
+        dtype = self.precision.compute_dtype
+        cp_size = self.mesh.cp_size if self.mesh else 1
+        summary: dict[str, Any] = {"probe": name, "cp": cp_size, "dtype": str(dtype).removeprefix("torch.")}
+        summary |= {"attention": modes["attention"], "limit": MISMATCH_LIMIT}
+        if modes["attention"] != "ring":
+            return summary | {"applies": False, "why": f"attention mode {modes['attention']!r} has no ring hops"}
+        counts = ring_accumulation_counts(
+            self.mesh.cp_group if self.mesh and cp_size > 1 else None,
+            cp_size=cp_size,
+            cp_rank=self.mesh.cp_rank if self.mesh else 0,
+            dtype=dtype,
+            device=self.mesh.device if self.mesh else torch.device("cpu"),
+            fault=modes["debug_fault"],
+        )
+        parts = gather_object_to(counts, self.mesh.control_group if self.mesh else None, dst=0)
+        if parts is None:
+            return None
+        fractions = mismatch_fraction(parts)
+        if fractions is None:
+            return summary | {"applies": False, "why": f"{summary['dtype']} is its own accumulator dtype"}
+        return summary | {"applies": True, "mismatch": fractions, "elements": sum(c["dk"][1] for c in parts if c)}
 
     def _repair_groups(self) -> None:
         """Fresh data groups on every rank of the mesh after a failure inside a collective (see the trainer's

@@ -154,6 +154,11 @@ def spawn_world(
     return DistributedBackend(RankExecutor(spec, mesh, spare=spare), info, workers=workers)
 
 
+def torchrun_restarts() -> int:
+    """How many times torchrun's elastic agent has restarted this server's ranks (0: first start, or no torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def join_torchrun_world(
     spec: ModelSpec,
     layout: WorkerLayout,

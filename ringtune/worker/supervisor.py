@@ -29,19 +29,17 @@ any failure under torchrun, where torch's elastic agent (``--max-restarts``) res
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ringtune.engine.checkpoint_layout import META_NAME
+from ringtune.engine.checkpoint_layout import checkpoint_step
 from ringtune.engine.optimizer import AdamParams
 from ringtune.engine.trainer import TrainDatum
 from ringtune.errors import RankFailedError, UserInputError
@@ -102,11 +100,6 @@ class HealReport:
     def seconds(self) -> float | None:
         """Seconds from detection to healthy (None while healing or if it failed)."""
         return None if self.healthy is None else self.healthy - self.detected
-
-
-def checkpoint_step(path: str) -> int:
-    """The optimizer step stored in the training checkpoint at ``path`` (its ``ringtune.json``)."""
-    return int(json.loads((Path(path).resolve() / META_NAME).read_text())["step"])
 
 
 def forget_world() -> None:
@@ -390,6 +383,9 @@ class SupervisedBackend:
 
     def sample_more(self, job_id: str, slice_s: float | None = None) -> list[PromptSamples] | None:
         return self._call(None, lambda: self.inner.sample_more(job_id, slice_s))
+
+    def probe(self, name: str) -> dict[str, Any]:
+        return self._call(None, lambda: self.inner.probe(name))
 
     def close(self) -> None:
         """Stop watching (workers that exit now are not deaths), then close the current world."""
