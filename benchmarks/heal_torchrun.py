@@ -2,8 +2,10 @@
 
 Starts ``torchrun --standalone --nproc-per-node 2 --max-restarts 1 -m ringtune.cli serve --cp 2 --autosave-every 1``
 with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (docs/operations.md), trains one step through the SDK, SIGKILLs
-rank 1 and prints how long healthz was down, that the run's autosave is listed after the restart, and the step a
-run resumed from it in a new session reaches.
+rank 1 and prints how long healthz was down, that the run's autosave is listed after the restart, and what the
+same SDK client sees next: the restarted server brought the run back from its autosave (a torchrun restart always
+restores live runs, ``ringtune.gateway.restore``), so its first request fails with a ``server`` error naming the
+step, and the next step continues the run (step 2).
 
     .venv/bin/python benchmarks/heal_torchrun.py --model smollm2-135m
 """
@@ -94,21 +96,21 @@ def main() -> None:
             back = time.monotonic()
             rest = tinker.RestClient(base_url=url, api_key="tml-local")
             listed = [c.checkpoint_id for c in rest.list_checkpoints(tc.model_id).result().checkpoints]
-            resumed = (
-                tinker.ServiceClient(base_url=url, api_key="tml-local")
-                .create_training_client_from_state_with_optimizer(f"tinker://{tc.model_id}/weights/autosave-00000001")
-                .result()
-            )
-            resumed.forward_backward([DATUM], "cross_entropy").result()
-            step = resumed.optim_step(ADAM).result().metrics["step:max"]
+            try:
+                tc.forward_backward([DATUM], "cross_entropy").result()
+                notice = "none (wrong: the run lost a step silently)"
+            except tinker.RequestFailedError as exc:
+                notice = f"{exc.category}: {str(exc)[:160]}"
+            tc.forward_backward([DATUM], "cross_entropy").result()
+            step = tc.optim_step(ADAM).result().metrics["step:max"]
             print(f"torchrun --max-restarts 1, ringtune serve --cp 2 on {url}; rank 1 SIGKILLed:")
             print(
                 f"  healthz down {down - killed:.1f} s after the SIGKILL, "
                 f"200 again on the same address {back - killed:.1f} s after"
             )
-            print(
-                f"  checkpoints listed after the restart: {listed}; resumed from autosave-00000001 to step {step:.0f}"
-            )
+            print(f"  checkpoints listed after the restart: {listed}")
+            print(f"  the same client's next request: {notice}")
+            print(f"  then forward_backward + optim_step on the restored run: step {step:.0f} (goal 2)")
         finally:
             os.killpg(agent.pid, signal.SIGTERM)
             try:

@@ -379,3 +379,20 @@ def test_prompt_alt_tokens_through_the_sdk(clients):
     other = sampler.sample(prompt, 1, tinker.SamplingParams(max_tokens=3, seed=22, stop=[]), prompt_alt_tokens_k=4)
     assert not torch.equal(other.result().prompt_alt_tokens.tokens.to_torch(), ids)
     assert sampler.sample(prompt, 1, params).result().prompt_alt_tokens is None
+
+
+def test_routes_answered_on_the_backend_thread_refuse_during_a_drain(gateway, tmp_path):
+    """After SIGTERM's drain began (``GatewayService.drain``), a route that would wait on the backend thread
+    (create_sampling_session, the served probe) answers a JSON 503 ``category: server`` at once, never a 500."""
+    server = start_gateway(tmp_path / "checkpoints", gateway["model_dir"])
+    try:
+        http = httpx.Client(base_url=f"{server.url}/api/v1", headers={"X-API-Key": API_KEY}, timeout=30)
+        session = http.post("create_session", json={"tags": []}).json()["session_id"]
+        server.service.drain()
+        body = {"session_id": session, "sampling_session_seq_id": 0, "base_model": MODEL_NAME}
+        for route, payload in (("create_sampling_session", body), ("ringtune/probe", {"name": "ring_accumulation"})):
+            response = http.post(route, json=payload)
+            assert response.status_code == 503, (route, response.text)
+            assert response.json()["category"] == "server" and "shutting down" in response.json()["error"]
+    finally:
+        server.stop()

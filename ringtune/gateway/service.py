@@ -496,9 +496,7 @@ class GatewayService:
         on the backend thread like any op; its summary. RefusedError 400 for an unknown name."""
         if name not in SERVED_PROBES:
             raise RefusedError(400, f"name={name!r} is not a served probe; choose one of {list(SERVED_PROBES)}")
-        if self.stopping:
-            raise RefusedError(503, SHUTTING_DOWN, "server")
-        return await asyncio.wrap_future(self.executor.submit(lambda: self.backend.probe(name)))
+        return await self._on_backend(lambda: self.backend.probe(name))
 
     async def create_sampling_session(self, body: CreateSamplingSessionBody) -> dict[str, Any]:
         """A sampling session on the base model or a ``tinker://<run>/sampler_weights/<name>`` export."""
@@ -520,9 +518,24 @@ class GatewayService:
             self._check_base_model(body.base_model)
             base_model, where = body.base_model, SamplerSource()
         sampler_id = new_sampler_id(session.session_id, body.sampling_session_seq_id)
-        register = lambda: self.sampling.register(sampler_id, base_model, body.model_path, where)  # noqa: E731
-        await asyncio.get_running_loop().run_in_executor(self.executor, register)
+        await self._on_backend(lambda: self.sampling.register(sampler_id, base_model, body.model_path, where))
         return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
+
+    async def _on_backend(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the backend thread, awaited (a route that answers synchronously); while the server shuts
+        down (SIGTERM drain) a JSON 503 ``category: server`` instead of running it."""
+        if self.stopping:
+            raise RefusedError(503, SHUTTING_DOWN, "server")
+        try:
+            future = self.executor.submit(fn)
+        except RuntimeError:  # the backend thread was shut down meanwhile
+            raise RefusedError(503, SHUTTING_DOWN, "server") from None
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if future.cancelled():  # still queued when the drain began
+                raise RefusedError(503, SHUTTING_DOWN, "server") from None
+            raise
 
     async def retrieve(self, request_id: str) -> Outcome:
         """The outcome, or a ``try_again`` after the long-poll; RefusedError 404 for an unknown request_id."""
