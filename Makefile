@@ -16,8 +16,9 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # The main job: `ringtune serve --cp 2` with the embedded SmolLM2-135M, fine-tuned through the tinker SDK.
+# DEMO_ARGS adds flags, e.g. `make demo DEMO_ARGS="--lora-rank 32"` (a LoRA run instead of full fine-tuning).
 demo: $(STAMP)
-	$(VENV)/bin/ringtune demo --cp 2 --out runs/demo
+	$(VENV)/bin/ringtune demo --cp 2 --out runs/demo $(DEMO_ARGS)
 
 # ruff walks the whole tree (minus .gitignore'd paths); the count check proves it saw every tracked Python file.
 lint: $(STAMP)

@@ -9,7 +9,7 @@ string ``"\\n\\nUser:"`` and ``parse_response`` work as for a real model), offli
   on the new weights), the test-set evaluator every 2 steps, a checkpoint at step 2 and the final one.
 - ``test_rl_train_guess_number``: the cookbook's own multi-turn recipe environment
   (``recipes/multiplayer_rl/guess_number``), unmodified, for 1 step: 10 turns per episode, one ``asample`` per
-  turn.
+  turn, with the recipe's default ``lora_rank=32`` (a LoRA run; its sampler serves the merged adapters).
 
 What shows that sampler and trainer agree on-policy: ``optim/kl_sample_train_v1`` (mean of sampled log-prob minus
 the trainer's log-prob of the same tokens in the ``forward_backward`` pass) and ``kl_policy_base`` at step 0
@@ -120,7 +120,11 @@ def server(tmp_path_factory):
         yield served
 
 
-def rl_config(server, log_path: Path, dataset_builder: RLDatasetBuilder, **overrides: object) -> train.Config:
+def rl_config(
+    server, log_path: Path, dataset_builder: RLDatasetBuilder, *, lora_default: bool = False, **overrides: object
+) -> train.Config:
+    """The recipe's config against ``server``; full fine-tuning (``lora_rank=0``) unless ``lora_default``: then
+    ``lora_rank`` is left out and the cookbook's own default (32) applies, as a recipe run as it comes does."""
     model = str(server["model_dir"])  # a local dir: the cookbook's get_tokenizer loads it offline
     settings: dict[str, object] = {
         "log_path": str(log_path),
@@ -136,6 +140,8 @@ def rl_config(server, log_path: Path, dataset_builder: RLDatasetBuilder, **overr
         "eval_every": 0,
         "save_every": 0,
     }
+    if lora_default:
+        del settings["lora_rank"]
     return train.Config(**(settings | overrides))  # type: ignore[arg-type]
 
 
@@ -209,7 +215,7 @@ def test_rl_train_guess_number(server, tmp_path):
     model = str(server["model_dir"])
     log_path = tmp_path / "rl-guess"
     builder = GuessNumberDatasetBuilder(batch_size=1, renderer_name=RENDERER, train_group_size=2, model_name=model)
-    asyncio.run(train.main(rl_config(server, log_path, builder, max_steps=1, max_tokens=4)))
+    asyncio.run(train.main(rl_config(server, log_path, builder, lora_default=True, max_steps=1, max_tokens=4)))
 
     rows = read_jsonl(log_path / "metrics.jsonl")
     (row,) = [r for r in rows if "optim/kl_sample_train_v1" in r]
@@ -220,4 +226,9 @@ def test_rl_train_guess_number(server, tmp_path):
     assert row["grad_norm:mean"] == 0.0  # equal rewards in the group: zero advantages, zero gradient
     records = read_jsonl(log_path / "checkpoints.jsonl")
     assert [(c["name"], c["batch"]) for c in records] == [("final", 1)], records
+    # the recipe's default lora_rank=32: a LoRA run on the shared base, its sampler the merged adapters
+    run = tinker.RestClient(base_url=server["url"], api_key=API_KEY).get_training_run(
+        run_id_of(records[-1]["state_path"])
+    )
+    assert (run.result().is_lora, run.result().lora_rank) == (True, 32)
     assert server["proc"].proc.poll() is None, server["proc"].log_tail()

@@ -16,7 +16,8 @@ import time
 import pytest
 from smollm_fixtures import tiny_smollm_dir
 
-from ringtune.demo.config import DemoConfig
+from ringtune.cli import main
+from ringtune.demo.config import LORA_LEARNING_RATE, DemoConfig
 from ringtune.demo.data import load_conversations, render_chatml, split_held_out
 from ringtune.demo.run import run_demo
 from ringtune.errors import UserInputError
@@ -118,3 +119,17 @@ def test_ctrl_c_stops_the_server(model_dir, tmp_path):
     while not _gone(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _gone(pid), f"server {pid} (or a rank it spawned) survived the demo's Ctrl-C"
+
+
+def test_demo_with_a_lora_rank(model_dir, tmp_path):
+    """``ringtune demo --lora-rank 8``: the same job as a LoRA run on the frozen base (the learning rate defaults to
+    the LoRA one); its held-out NLL falls too."""
+    out = tmp_path / "lora"
+    args = ["demo", "--model", str(model_dir), "--cp", "2", "--steps", "3", "--eval-every", "0", "--out", str(out)]
+    assert main([*args, "--lora-rank", "8"]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["lora_rank"] == 8 and config["learning_rate"] == LORA_LEARNING_RATE
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["held_out_nll_after"] < metrics["held_out_nll_before"], metrics
+    with pytest.raises(UserInputError, match=r"lora_rank=-1 must be in \[0, 1024\]"):
+        DemoConfig(lora_rank=-1).validate()

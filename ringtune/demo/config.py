@@ -26,6 +26,8 @@ class DemoConfig:
         data_path: a conversation JSONL instead of the packaged ``chat.jsonl``.
         seed: batch order.
         sample_tokens: most tokens of the greedy sample shown before and after fine-tuning.
+        lora_rank: 0 = full fine-tuning (the default); R > 0 = a LoRA run of rank R on the shared frozen base
+            (``create_lora_training_client(base, rank=R)``, every target group; docs/lora.md).
     """
 
     steps: int = 20
@@ -42,6 +44,7 @@ class DemoConfig:
     data_path: str | None = None
     seed: int = 0
     sample_tokens: int = 32
+    lora_rank: int = 0
 
     def validate(self) -> None:
         """UserInputError naming the field, its value and the limit."""
@@ -56,7 +59,13 @@ class DemoConfig:
             ("context_length", self.context_length, self.context_length >= 64, ">= 64"),
             ("held_out_every", self.held_out_every, self.held_out_every >= 2, ">= 2"),
             ("eval_every", self.eval_every, self.eval_every >= 0, ">= 0 (0 = only before and after)"),
+            ("lora_rank", self.lora_rank, 0 <= self.lora_rank <= 1024, "in [0, 1024] (0 = full fine-tuning)"),
         )
         for name, value, ok, limit in checks:
             if not ok:
                 raise UserInputError(f"demo setting {name}={value!r} must be {limit}")
+
+
+LORA_LEARNING_RATE = 4e-4
+"""The demo's learning rate for a LoRA run when ``--lr`` is not given: 10x the full fine-tuning one, the ratio
+the cookbook's ``get_lora_lr_over_full_finetune_lr`` gives for models of this size (alpha 32)."""

@@ -2,7 +2,8 @@
 
 :func:`run_demo` starts ``ringtune serve`` as a child process (:class:`ServeProcess`; ``--cp`` passed
 through), then :func:`train_demo` drives it like any Tinker client: ``ServiceClient`` ->
-``create_lora_training_client(base_model, rank=0)`` (rank 0 = full fine-tuning) -> per step
+``create_lora_training_client(base_model, rank=config.lora_rank)`` (rank 0, the default = full fine-tuning;
+``--lora-rank R``: a LoRA run) -> per step
 ``forward_backward(batch, "cross_entropy")`` + ``optim_step(AdamParams)``; the held-out NLL per token is
 measured with ``forward`` before and after. Outputs under ``config.out``: ``loss_curve.png``,
 ``metrics.json`` (every number printed), ``config.json`` (the resolved config) and ``server.log``.
@@ -92,7 +93,7 @@ def train_demo(
         learning_rate=config.learning_rate, beta1=0.9, beta2=0.95, eps=1e-8, grad_clip_norm=config.grad_clip_norm
     )
     with tinker.ServiceClient(base_url=base_url, api_key=api_key) as service:
-        client = service.create_lora_training_client(base_model, rank=0).result()
+        client = service.create_lora_training_client(base_model, rank=config.lora_rank).result()
         tokenizer = client.get_tokenizer()
         train = [render_chatml(c, tokenizer).datum() for c in train_conv]
         held_out = [render_chatml(c, tokenizer).datum() for c in held_conv]
@@ -227,7 +228,8 @@ def run_demo(config: DemoConfig, *, progress: bool = True, log: Callable[[str], 
         log(f"server ready after {time.monotonic() - t0:.1f} s (pid {server.proc.pid if server.proc else '?'})")
         result = train_demo(server.url, API_KEY, config.model, config, progress=progress, log=log)
     log("server stopped")
-    title = f"ringtune demo: {Path(config.model).name}, full fine-tuning, CP={config.cp}"
+    kind = f"LoRA rank {config.lora_rank}" if config.lora_rank else "full fine-tuning"
+    title = f"ringtune demo: {Path(config.model).name}, {kind}, CP={config.cp}"
     result.plot_path = str(plot_losses(result, out / "loss_curve.png", title))
     (out / "metrics.json").write_text(json.dumps(asdict(result) | {"cp": config.cp}, indent=2) + "\n")
     log(f"loss curve: {result.plot_path}")

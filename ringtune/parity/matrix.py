@@ -207,6 +207,12 @@ def _sampler_cell(result: Comparison) -> str:
     return f"{_fmt(figures['sampler_kl.k3'].value)} ({_fmt(figures['sampler_kl.max_abs'].value)})"
 
 
+def _probe_cell(result: Comparison) -> str:
+    """The candidate's ``probe.ring_accumulation`` (the fraction of dQ/dK/dV not rounded once), or "n/a"."""
+    figures = {f.name: f for f in result.figures}
+    return _fmt(figures["probe.ring_accumulation"].value) if "probe.ring_accumulation" in figures else "n/a"
+
+
 def write_report(report: MatrixReport, config: MatrixConfig) -> None:
     """The Markdown validation report at ``config.doc`` (PNG links relative to it)."""
     doc = config.doc
@@ -225,7 +231,10 @@ def write_report(report: MatrixReport, config: MatrixConfig) -> None:
         "estimate, and the largest `|lp_trainer - lp_sampler|`) on its samples after the steps",
         "(`ringtune/parity/sampler_kl.py`); replica check / step: the tensors (parameters and both AdamW moments)",
         "compared bit-for-bit across the ranks after each optimizer step and the mean milliseconds on rank 0",
-        "(`ringtune/engine/replica_check.py`); s: seconds of the client run (server start-up excluded).",
+        "(`ringtune/engine/replica_check.py`); ring probe: the fraction of the ring's dQ/dK/dV elements (bf16",
+        "servers, on their own ranks) that differ from the same blocks summed in float64 and rounded once",
+        "(`ringtune/probes/ring_accumulation.py`; n/a where the dtype is its own accumulator); s: seconds of the",
+        "client run (server start-up excluded).",
         "",
         f"This run served CP {_list(config.cps)}, DP {_list(config.dps)}, GDN modes {_list(config.modes)}, dtypes "
         f"{_list(config.dtypes)}"
@@ -234,8 +243,8 @@ def write_report(report: MatrixReport, config: MatrixConfig) -> None:
         + ".",
         "",
         "| model | dtype | layout | result | mean \\|Δlp\\| | p99 \\|Δlp\\| | worst window | step-1 grad norm ratio "
-        "| max \\|ratio-1\\| (4 steps) | sampler KL (max \\|Δ\\|) | replica check / step | plot | s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| max \\|ratio-1\\| (4 steps) | sampler KL (max \\|Δ\\|) | replica check / step | ring probe | plot | s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     faults = []
     for row in report.rows:
@@ -248,7 +257,7 @@ def write_report(report: MatrixReport, config: MatrixConfig) -> None:
             failed = ", ".join(f"{f.name} ({f.note[:120]})" for f in r.failures)
             lines.append(
                 f"| {row.model} | {row.spec.dtype} | {_layout(row.spec)} | **FAIL** {failed} "
-                f"| | | | | | | {row.replica} | [png]({png}) | {row.seconds:.0f} |"
+                f"| | | | | | | {row.replica} | | [png]({png}) | {row.seconds:.0f} |"
             )
             continue
         window = max((f for f in r.figures if f.kind == "ratio"), key=lambda f: f.value)
@@ -261,7 +270,7 @@ def write_report(report: MatrixReport, config: MatrixConfig) -> None:
             f"| {row.model} | {row.spec.dtype} | {_layout(row.spec)} | {verdict} "
             f"| {_fmt(r.figure('lp.mean').value)} | {_fmt(r.figure('lp.p99').value)} "
             f"| {window.name} {window.value:.2f}x | {gn_ratio:.12f} | {_fmt(worst_gn)} | {_sampler_cell(r)} "
-            f"| {row.replica} | [png]({png}) | {row.seconds:.0f} |"
+            f"| {row.replica} | {_probe_cell(r)} | [png]({png}) | {row.seconds:.0f} |"
         )
     if faults:
         lines += [
