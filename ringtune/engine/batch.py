@@ -15,6 +15,9 @@ the field, the bad value and the limit. Rules (the loss-specific ones live in :m
   config thresholds for per-token ``clip_*_threshold``); keys the loss does not read are validated and
   dropped; a required key that a datum omits is refused.
 - The packing plan (rows per DP rank under the per-rank budget) is part of the batch.
+- ``routing`` (MoE routing replay, optional, set by the gateway, never by a client): int [N, L, k], for each
+  token and each of the model's L MoE layers the k experts to use, or a row of −1 (the router chooses). Checked
+  against the model's ``moe_shape`` (L, k, number of experts).
 
 Values are copied (detached, contiguous, on the CPU): floats as float64 (exact for the SDK's float32), ids as
 int64. The trainer moves a microbatch to its device when it runs it.
@@ -57,15 +60,18 @@ class TrainDatum:
 
     tokens: Any
     inputs: Mapping[str, Any]
+    routing: Any = None
 
 
 @dataclass(frozen=True)
 class BatchDatum:
     """A validated datum: ``tokens`` int64 [N]; ``inputs`` has exactly the batch's keys (int64 targets,
-    float64 values), each [N] or, for per-target keys with ``[N, K]`` targets, [N, K]."""
+    float64 values), each [N] or, for per-target keys with ``[N, K]`` targets, [N, K]; ``routing`` int64
+    [N, L, k] expert ids to replay (−1 rows: the router chooses) or None."""
 
     tokens: torch.Tensor
     inputs: dict[str, torch.Tensor]
+    routing: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -187,6 +193,28 @@ def _datum(
     return tokens, inputs
 
 
+def check_routing(raw: Any, i: int, n: int, moe_shape: tuple[int, int, int] | None) -> torch.Tensor | None:
+    """Datum ``i``'s ``routing`` as int64 [n, L, k] (None when it has none); UserInputError naming the problem.
+
+    ``moe_shape``: (MoE layers L, experts per token k, experts E) of the model, None for a dense model."""
+    value = getattr(raw, "routing", None)
+    if value is None:
+        return None
+    field = f"data[{i}].routing"
+    if moe_shape is None:
+        raise UserInputError(f"{field}: routing replay needs a mixture-of-experts model; this one has no MoE layer")
+    layers, k, experts = moe_shape
+    routing = as_tensor(value, field, integer=True)
+    if tuple(routing.shape) != (n, layers, k):
+        raise UserInputError(
+            f"{field}: shape {list(routing.shape)}; expected [{n}, {layers}, {k}] (tokens, MoE layers, k)"
+        )
+    partial = (routing < 0).any(-1) & (routing >= 0).any(-1)
+    if bool(partial.any()) or bool((routing < -1).any()) or bool((routing >= experts).any()):
+        raise UserInputError(f"{field}: each [token, layer] row holds k expert ids in [0, {experts}) or k times -1")
+    return routing
+
+
 def _complete(inputs: dict[str, torch.Tensor], keys: tuple[str, ...], loss: LossConfig, i: int, n: int):
     """The datum's values for exactly ``keys``: sent ones as they are, optional ones filled with defaults."""
     out = {}
@@ -218,6 +246,7 @@ def build_batch(
     max_tokens_per_rank: int,
     pad_multiplier: int = 8,
     max_target_k: int = MAX_TARGET_K,
+    moe_shape: tuple[int, int, int] | None = None,
 ) -> Batch:
     """Validate a request and plan it (see the module docstring); raises UserInputError, changes nothing.
 
@@ -246,7 +275,11 @@ def build_batch(
     per_token_clip = any(k in inputs for _, inputs in sent for k in CLIP_KEYS)
     keys = tuple(k for k in used_inputs(loss.loss_fn) if k not in CLIP_KEYS or per_token_clip)
     datums = tuple(
-        BatchDatum(tokens=tokens, inputs=_complete(inputs, keys, loss, i, tokens.numel()))
+        BatchDatum(
+            tokens=tokens,
+            inputs=_complete(inputs, keys, loss, i, tokens.numel()),
+            routing=check_routing(data[i], i, tokens.numel(), moe_shape),
+        )
         for i, (tokens, inputs) in enumerate(sent)
     )
     plan = pack_datums(

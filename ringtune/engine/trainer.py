@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -42,12 +43,13 @@ from ringtune.engine.memory import peak_memory_bytes
 from ringtune.engine.optimizer import AdamParams, apply_step, global_grad_norm, non_finite_update, prepare_step
 from ringtune.engine.replica_check import ReplicaCheck
 from ringtune.engine.request_outcome import ForwardBackwardResult, non_finite_error
+from ringtune.engine.routing_replay import replay_shards
 from ringtune.errors import NonFiniteError, ParallelConfigError
 from ringtune.layout.zigzag import zigzag_slice
 from ringtune.losses import PER_TARGET_KEYS, fixed_logprob_gradient, local_token_losses
 from ringtune.models.decoder import CausalLM
 from ringtune.models.layers import moe_router_stats as router_stats
-from ringtune.models.layers.moe import moe_blocks, set_expert_parallel
+from ringtune.models.layers.moe import moe_blocks, moe_shape, set_expert_parallel
 from ringtune.models.logprob_head import IGNORE_INDEX
 from ringtune.models.precision import check_compute_dtype, export_dtype, set_compute_dtype
 from ringtune.models.recompute import DEFAULT_RECOMPUTE, check_recompute_mode, set_recompute
@@ -194,6 +196,7 @@ class Trainer:
             max_tokens_per_rank=self.max_tokens_per_rank,
             pad_multiplier=self.pad_multiplier,
             max_target_k=self.max_target_k,
+            moe_shape=moe_shape(self.model),
         )
 
     def forward_backward(
@@ -297,6 +300,9 @@ class Trainer:
             pad_to=local_len,
         )
         plan = shard.plan
+        if any(d.routing is not None for d in members):  # routing replay: zigzag-sliced like the tokens
+            device = self.model.model.embed_tokens.weight.device
+            shard = replace(shard, replay_experts=replay_shards(self.model, members, plan, device))
         # Every datum carries exactly batch.input_keys (a pad-only row: empty tensors of the same trailing
         # shapes), so every rank runs the same loss code and the same collectives.
         k_shape = () if batch.target_k is None else (batch.target_k,)

@@ -39,6 +39,8 @@ import torch
 from ringtune.models.batch_cache import DecodeBatch
 from ringtune.models.cache import SequenceCache
 from ringtune.models.decoder import CausalLM
+from ringtune.models.layers.moe import capturing_routing, moe_shape
+from ringtune.models.shard import shard_of
 from ringtune.sample.alt_tokens import AltDraws, AltTokens
 from ringtune.sample.choose import choose_tokens
 from ringtune.sample.mesh_prompts import PromptForward
@@ -68,6 +70,7 @@ class SampledSequence:
     logprobs: list[float]
     stop_reason: str
     topk_logprobs: list[list[tuple[int, float]]] | None = None
+    routing: torch.Tensor | None = None  # int16 [len(prompt) + len(tokens) - 1, MoE layers, k] when recorded
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     topk: list[list[tuple[int, float]]] = field(default_factory=list)
+    routing: list[torch.Tensor] | None = None  # [n, L, k] pieces: the prompt's, then one per token fed
 
 
 def config_eos_token_ids(model: CausalLM) -> tuple[int, ...]:
@@ -131,8 +135,12 @@ class Generation:
         prefill_tokens: int,
         prefilled: Sequence[PromptForward] | None = None,
         targets: Sequence[torch.Tensor] | None = None,
+        record_routing: bool = False,
     ) -> None:
         self.model, self.prompts, self.params, self.stop = model, prompts, params, stop
+        # Routing records (R3) of a MoE model: prompts prefilled here and every decode step; a prompt prefilled
+        # on the mesh has none (its routing ran on other ranks).
+        self.record_routing = record_routing and moe_shape(model) is not None and prefilled is None
         self.prefilled, self.targets = prefilled, targets
         self.num_samples, self.want_lp, self.topk, self.sample_topk = num_samples, prompt_logprobs, topk, sample_topk
         self.max_batch, self.prefill_tokens, self.alt_k = max_batch, prefill_tokens, alt_k
@@ -197,7 +205,13 @@ class Generation:
             tokens += len(self.prompts[i])
         if not group:
             return
-        result = self._prefill(group)
+        if self.record_routing:
+            with capturing_routing(self.model) as captured:
+                result = self._prefill(group)
+            routing = torch.stack([layer[0] for layer in captured], dim=1).to(torch.int16).cpu()  # [row, L, k]
+            starts = shard_of([len(self.prompts[i]) for i in group]).plan.local_starts
+        else:
+            result = self._prefill(group)
         rows, caches, logits = [], [], []
         for g, i in enumerate(group):
             if result.prompt_logprobs is not None:
@@ -210,6 +224,8 @@ class Generation:
                 self.alt[i] = result.prompt_alt_tokens[g]
             for j in range(self.num_samples):
                 rows.append(_Row(prompt=i, sample=j, generator=sample_generator(self.seeds[i], j)))
+                if self.record_routing:
+                    rows[-1].routing = [routing[starts[g] : starts[g] + len(self.prompts[i])]]
                 caches.append(result.caches[g])
                 logits.append(result.last_logits[g])
         alive = self._take(rows, torch.stack(logits))
@@ -265,8 +281,9 @@ class Generation:
             stopped = self.stop.check(row.tokens)
             if stopped or len(row.tokens) >= self.max_tokens:
                 topk = row.topk if self.sample_topk else None
+                routing = torch.cat(row.routing) if row.routing is not None else None
                 self.done[row.prompt][row.sample] = SampledSequence(
-                    row.tokens, row.logprobs, stop_reason(stopped), topk
+                    row.tokens, row.logprobs, stop_reason(stopped), topk, routing
                 )
             else:
                 alive.append(b)
@@ -276,7 +293,15 @@ class Generation:
         assert self.batch is not None
         device = self.weight.device
         ids = torch.tensor([r.tokens[-1] for r in self.rows], dtype=torch.int64, device=device)
-        logits = output_logits(self.model.decode_hidden(ids, self.batch), self.weight)
+        if self.record_routing:
+            with capturing_routing(self.model) as captured:
+                hidden = self.model.decode_hidden(ids, self.batch)
+            step = torch.stack([layer[0] for layer in captured], dim=1).to(torch.int16).cpu()  # [B, L, k]
+            for b, row in enumerate(self.rows):
+                row.routing.append(step[b : b + 1])  # type: ignore[union-attr]
+        else:
+            hidden = self.model.decode_hidden(ids, self.batch)
+        logits = output_logits(hidden, self.weight)
         alive = self._take(self.rows, logits)
         if len(alive) < len(self.rows):
             self.rows = [self.rows[b] for b in alive]
@@ -302,6 +327,7 @@ def start_generation(
     prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
     prefilled: Sequence[PromptForward] | None = None,
     targets: Sequence[torch.Tensor] | None = None,
+    record_routing: bool = False,
 ) -> Generation:
     """A :class:`Generation` of ``num_samples`` continuations of every prompt, checked and not yet run: the
     caller advances it (:meth:`Generation.advance`), in one go or in slices. Arguments: see :func:`generate`."""
@@ -325,6 +351,7 @@ def start_generation(
         prefill_tokens=prefill_tokens,
         prefilled=prefilled,
         targets=check_targets(targets, checked, vocab),
+        record_routing=record_routing,
     )
     if prefilled is not None and len(prefilled) != len(checked):
         raise ValueError(f"prefilled has {len(prefilled)} entries for {len(checked)} prompts")
@@ -347,6 +374,7 @@ def generate(
     prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
     prefilled: Sequence[PromptForward] | None = None,
     targets: Sequence[torch.Tensor] | None = None,
+    record_routing: bool = False,
 ) -> list[PromptSamples]:
     """Sample ``num_samples`` continuations of every prompt (see the module docstring).
 
@@ -371,6 +399,8 @@ def generate(
             ``max_tokens > 1``) and prompt log-probs; decoding then continues exactly as after a prefill here.
         targets: per prompt an int64 [n−1, K] of token ids (Tinker's ``target_prompt_logprobs``, the same K
             for all; −1 = none): their log-probs come back as ``PromptSamples.target_prompt_logprobs``.
+        record_routing: on a MoE model, record per sequence the experts every MoE layer chose for each token
+            fed (``SampledSequence.routing``, for routing replay); prompts prefilled elsewhere have none.
     Returns:
         One :class:`PromptSamples` per prompt, in order. Raises UserInputError naming a bad field.
     """
@@ -389,6 +419,7 @@ def generate(
         prefill_tokens=prefill_tokens,
         prefilled=prefilled,
         targets=targets,
+        record_routing=record_routing,
     )
     generation.advance()
     return generation.results()

@@ -17,7 +17,8 @@ Every rank of the EP group must then run each MoE layer's forward (and backward)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -79,15 +80,16 @@ class TopKRouter(nn.Module):
         """x [T, hidden] -> (weights [T, k] in x's dtype, expert ids int64 [T, k]).
 
         ``replay`` (int64 [T, k]): use these ids instead of the top-k, their weights recomputed from this
-        router's own probabilities (so the router still gets gradients). ``with_probs``: the softmax
-        probabilities [T, num_experts] (float32 or wider, differentiable) come third.
+        router's own probabilities (so the router still gets gradients); a row of −1 keeps the router's own
+        top-k for that token. ``with_probs``: the softmax probabilities [T, num_experts] (float32 or wider,
+        differentiable) come third.
         """
         logits = F.linear(x, self.weight)
         probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
-        if replay is None:
-            top, ids = torch.topk(probs, self.top_k, dim=-1)
-        else:
-            ids = replay.to(device=x.device, dtype=torch.int64)
+        top, ids = torch.topk(probs, self.top_k, dim=-1)
+        if replay is not None:
+            replay = replay.to(device=x.device, dtype=torch.int64)
+            ids = torch.where(replay >= 0, replay, ids)  # rows are all ids or all -1 (check_replay)
             top = probs.gather(1, ids)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
@@ -155,15 +157,21 @@ class SparseMoE(nn.Module):
         self.ep_group: dist.ProcessGroup | None = None
         self.track_probs = False  # record the router probabilities for the aux loss (moe_router_stats)
         self.router_stats: RouterStats | None = None  # the last forward's (real tokens only)
+        self.captured: list[torch.Tensor] | None = None  # each forward's expert ids, while capturing_routing
 
     def check_replay(self, replay: torch.Tensor, tokens: int) -> None:
-        """Raise UserInputError unless ``replay`` is int [tokens, top_k] of expert ids in [0, num_experts)."""
+        """Raise UserInputError unless ``replay`` is int [tokens, top_k], each row k expert ids in
+        [0, num_experts) or k times −1 (the router chooses for that token)."""
         k, n = self.gate.top_k, self.experts.num_experts
         if replay.shape != (tokens, k) or replay.is_floating_point():
             raise UserInputError(f"replay_experts must be int [{tokens}, top_k={k}]; got {tuple(replay.shape)}")
-        if replay.numel() and not (0 <= int(replay.min()) and int(replay.max()) < n):
+        if not replay.numel():
+            return
+        partial = (replay < 0).any(-1) & (replay >= 0).any(-1)
+        if int(replay.min()) < -1 or int(replay.max()) >= n or bool(partial.any()):
             raise UserInputError(
-                f"replay_experts ids must be in [0, num_experts={n}); got [{int(replay.min())}, {int(replay.max())}]"
+                f"replay_experts ids must be in [0, num_experts={n}) (or a row of -1); got "
+                f"[{int(replay.min())}, {int(replay.max())}]"
             )
 
     def forward(
@@ -177,6 +185,8 @@ class SparseMoE(nn.Module):
             self.check_replay(replay, x.shape[0])
         weights, ids, probs = self.gate(x, replay, with_probs=True)
         self.router_stats = record(probs if self.track_probs else None, ids.detach(), valid, self.experts.num_experts)
+        if self.captured is not None:
+            self.captured.append(ids.detach())
         if self.ep_group is not None and dist.get_world_size(self.ep_group) > 1:
             out = routed_experts_ep(x, ids, weights, self.experts, self.ep_group)
         else:
@@ -189,6 +199,30 @@ class SparseMoE(nn.Module):
 def moe_blocks(model: nn.Module) -> list[SparseMoE]:
     """Every :class:`SparseMoE` of ``model``, in module order."""
     return [m for m in model.modules() if isinstance(m, SparseMoE)]
+
+
+@contextmanager
+def capturing_routing(model: nn.Module) -> Iterator[list[list[torch.Tensor]]]:
+    """While active, each MoE block of ``model`` appends every forward's expert ids (int64 [T, k], detached) to
+    its own list; yields the lists, in layer order (the sampler records routing for replay this way)."""
+    blocks = moe_blocks(model)
+    lists: list[list[torch.Tensor]] = [[] for _ in blocks]
+    for block, ids in zip(blocks, lists, strict=True):
+        block.captured = ids
+    try:
+        yield lists
+    finally:
+        for block in blocks:
+            block.captured = None
+
+
+def moe_shape(model: nn.Module) -> tuple[int, int, int] | None:
+    """(MoE layers, experts per token, experts) of ``model``, the shape of a routing record per token; None
+    for a dense model. Every MoE layer of the served families has the same k and number of experts."""
+    blocks = moe_blocks(model)
+    if not blocks:
+        return None
+    return len(blocks), blocks[0].gate.top_k, blocks[0].experts.num_experts
 
 
 def is_expert_parameter(name: str) -> bool:
