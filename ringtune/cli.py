@@ -163,6 +163,12 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="seconds a generation decodes per turn before other clients' ops run (0: each runs to its end)",
     )
     p.add_argument(
+        "--routing-replay",
+        action="store_true",
+        help="MoE models: record the experts the sampler chose and replay them when a training datum matches a "
+        "sampled sequence (R3; docs/moe.md)",
+    )
+    p.add_argument(
         "--restore-live-runs",
         action="store_true",
         help="bring back the runs that were live when the previous server on this --checkpoint-root stopped, from "
@@ -207,6 +213,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         autosave_keep=args.autosave_keep,
         sample_slice_s=args.sample_slice,
         restore_live_runs=args.restore_live_runs or torchrun_restarts() > 0,
+        routing_replay=args.routing_replay,
         max_body_bytes=args.max_body_mb * 2**20,
         fwdbwd_max_chunk_bytes=min(
             args.max_body_mb * 2**20 // 2, GatewayConfig(checkpoint_root="").fwdbwd_max_chunk_bytes
@@ -253,6 +260,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         max_tokens_per_rank=budget,
         trainer_options=options,
         mesh_prompt_tokens=args.mesh_prompt_tokens,
+        record_routing=args.routing_replay,
     )
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: every rank runs this
         backend = join_torchrun_world(spec, layout, **names)
@@ -269,6 +277,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             dtype=args.dtype,
             trainer_options=options,
             mesh_prompt_tokens=args.mesh_prompt_tokens,
+            record_routing=args.routing_replay,
             **names,
         )
     info = backend.info()

@@ -123,3 +123,58 @@ def test_replay_under_cp_and_ep_equals_one_process(pool4, model_dir):
         worst = max(r[key] for r in per_rank)
         print(f"\nrouting replay {key} vs one process: {worst:.1e}")
         assert worst < 1e-12, (key, worst)
+
+
+def test_served_replay_matches_sampled_sequences(tmp_path):
+    """``--routing-replay`` through the gateway and the real SDK (LocalBackend, float32): a datum that is a sampled
+    sequence (prompt + tokens[:-1]) gets its recorded routing on every token (``routing_replay_tokens:sum``), and
+    the trainer's log-probs of the sampled tokens equal the sampler's; a datum no sample produced gets none."""
+    import tinker
+    from gateway_fixtures import API_KEY, tiny_model_dir
+
+    from ringtune.gateway.config import GatewayConfig
+    from ringtune.gateway.local import LocalBackend
+    from ringtune.gateway.server import ServerThread
+
+    model_dir = tiny_model_dir(tmp_path / "model")  # the 96-word tokenizer ...
+    hf_model("qwen3_5_moe", seed=5).save_pretrained(model_dir)  # ... with a Qwen3.5-MoE in place of the model
+    backend = LocalBackend(str(model_dir), max_tokens_per_rank=128, record_routing=True)
+    config = GatewayConfig(checkpoint_root=str(tmp_path / "ckpt"), api_key=API_KEY, routing_replay=True)
+    with ServerThread(backend, config) as url, tinker.ServiceClient(base_url=url, api_key=API_KEY) as sc:
+        tc = sc.create_lora_training_client(str(model_dir), rank=0).result()
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        prompt = [3, 17, 42, 8, 5, 11]
+        params = tinker.SamplingParams(max_tokens=9, temperature=1.0, seed=4, stop=[])
+        seq = sampler.sample(tinker.ModelInput.from_ints(prompt), 1, params).result().sequences[0]
+        full = prompt + seq.tokens
+        datum = tinker.Datum(
+            model_input=tinker.ModelInput.from_ints(full[:-1]),
+            loss_fn_inputs={"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)},
+        )
+        out = tc.forward([datum], "cross_entropy").result()
+        assert out.metrics["routing_replay_tokens:sum"] == len(full) - 1
+        lp = out.loss_fn_outputs[0]["logprobs"].to_torch()[len(prompt) - 1 :]
+        assert torch.allclose(lp, torch.tensor(seq.logprobs), atol=1e-4), (lp, seq.logprobs)
+        other = tinker.Datum(
+            model_input=tinker.ModelInput.from_ints([9, 8, 7, 6]),
+            loss_fn_inputs={"target_tokens": [8, 7, 6, 5], "weights": [1.0] * 4},
+        )
+        assert tc.forward([other], "cross_entropy").result().metrics["routing_replay_tokens:sum"] == 0
+
+
+def test_routing_records_match_the_longest_prefix_and_stay_bounded():
+    from ringtune.gateway.routing_records import RoutingRecords
+
+    records = RoutingRecords(max_tokens=10)
+    a = torch.arange(4 * 2 * 2).reshape(4, 2, 2)
+    records.add([1, 2, 3, 4], a)
+    records.add([1, 2], a[:2] + 100)
+    got = records.lookup([1, 2, 3, 4, 5, 6])  # a multi-turn datum: the longest recorded prefix, then -1 rows
+    assert got is not None and torch.equal(got[:4], a) and bool((got[4:] == -1).all())
+    assert torch.equal(records.lookup([1, 2, 9]), torch.cat([a[:2] + 100, torch.full((1, 2, 2), -1)]))
+    assert records.lookup([2, 3]) is None and records.lookup([1, 2, 4, 3])[2:].eq(-1).all()
+    # 12 tokens > 10: the least recently used record goes ([1, 2, 3, 4]: [1, 2] was matched since)
+    records.add([7] * 6, torch.zeros(6, 2, 2, dtype=torch.int64))
+    assert len(records) == 2 and torch.equal(records.lookup([1, 2, 3, 4])[:2], a[:2] + 100)
+    with pytest.raises(ValueError, match="3 rows for 2 tokens"):
+        records.add([1, 2], a[:3])

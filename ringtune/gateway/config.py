@@ -30,6 +30,8 @@ class GatewayConfig:
             run's last save (0 = never); autosave_keep: autosaves kept per run (older ones are deleted).
         restore_live_runs: at start-up, open the sessions the previous server left open and bring their live runs
             back from their newest checkpoints (:mod:`ringtune.gateway.restore`); else they are forgotten.
+        routing_replay: keep the MoE routing of sampled sequences and replay it for training datums that match one
+            (:mod:`ringtune.gateway.routing_records`; the backend must record it: ``ModelSpec.record_routing``).
         sample_slice_s: a sampling request decodes for about this long per turn on the backend thread, then
             waits behind the other clients' queued ops for its next turn (0 = to the end in one turn).
     """
@@ -52,6 +54,7 @@ class GatewayConfig:
     autosave_keep: int = 2
     sample_slice_s: float = 0.5
     restore_live_runs: bool = False
+    routing_replay: bool = False
 
     def validate(self) -> None:
         """UserInputError naming the setting, its value and the limit."""

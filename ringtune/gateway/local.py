@@ -33,6 +33,7 @@ class LocalBackend(DistributedBackend):
         trainer_options: extra keyword arguments of :class:`Trainer` (``attention``, ``gated_delta``, ...).
         mesh_prompt_tokens: see :class:`ModelSpec` (``max_tokens=1`` requests of prompts this long run
             through the training forward instead of a prefill with a cache).
+        record_routing: sampled sequences of a MoE model carry their routing (``--routing-replay``).
     """
 
     def __init__(
@@ -46,6 +47,7 @@ class LocalBackend(DistributedBackend):
         tokenizer_cache: str | Path | None = None,
         trainer_options: Mapping[str, object] | None = None,
         mesh_prompt_tokens: int | None = None,
+        record_routing: bool = False,
     ) -> None:
         precision = check_precision(dtype)
         spec = ModelSpec(
@@ -54,6 +56,7 @@ class LocalBackend(DistributedBackend):
             max_tokens_per_rank=max_tokens_per_rank,
             trainer_options=dict(trainer_options or {}),
             mesh_prompt_tokens=mesh_prompt_tokens,
+            record_routing=record_routing,
         )
         model = load_model(spec.source, dtype=precision.param_dtype)
         info = describe(

@@ -34,6 +34,7 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from ringtune.errors import UserInputError
 from ringtune.gateway.futures import FutureStore, Outcome
+from ringtune.gateway.routing_records import RoutingRecords
 from ringtune.gateway.sample_targets import TargetLayout, encode_targets, parse_targets
 from ringtune.sample.alt_tokens import MAX_PROMPT_ALT_TOKENS_K
 from ringtune.sample.params import DEFAULT_MAX_TOKENS, SamplingParams
@@ -238,6 +239,7 @@ class SamplingService:
         submit: ``submit(key, fn)`` queues ``fn`` on the backend thread under ``key`` (a Future).
         max_prompt_tokens: the served context length (prompt + max_tokens).
         slice_s: decode time per turn of a job (0: each job runs to its end in one turn).
+        routing: where the sampled sequences' MoE routing is recorded for replay (``--routing-replay``), or None.
     """
 
     def __init__(
@@ -249,9 +251,10 @@ class SamplingService:
         *,
         max_prompt_tokens: int,
         slice_s: float = 0.0,
+        routing: RoutingRecords | None = None,
     ) -> None:
         self.backend, self.futures, self.submit, self.call_on_loop = backend, futures, submit, call_on_loop
-        self.max_prompt_tokens, self.slice_s = max_prompt_tokens, slice_s
+        self.max_prompt_tokens, self.slice_s, self.routing = max_prompt_tokens, slice_s, routing
         self.sessions: dict[str, SamplerSession] = {}
         self._seen: dict[tuple[str, int], dict[str, Any]] = {}
         self._pending: list[tuple[str, SampleRequest, str, TargetLayout | None]] = []
@@ -354,6 +357,11 @@ class SamplingService:
                 Outcome("proto", encode_sample_response(res, request.prompt_logprobs_last_n, layout))
                 for res, (request, _, layout) in zip(results, items, strict=True)
             ]
+            if self.routing is not None:
+                for res, (request, _, _) in zip(results, items, strict=True):
+                    for seq in res.sequences:
+                        if seq.routing is not None:
+                            self.routing.add(request.prompt + seq.tokens[:-1], seq.routing)
         except UserInputError as exc:
             outcomes = [Outcome.error(str(exc), "user")] * len(items)
         except Exception as exc:

@@ -31,6 +31,7 @@ from ringtune.gateway.futures import FutureStore, Outcome
 from ringtune.gateway.observe import ObservedBackend
 from ringtune.gateway.paths import CheckpointPaths, check_name, dir_bytes
 from ringtune.gateway.restore import restore_live_runs
+from ringtune.gateway.routing_records import RoutingRecords, attach_routing
 from ringtune.gateway.run_memory import check_admission
 from ringtune.gateway.sampling import CreateSamplingSessionBody, SamplingService, new_sampler_id
 from ringtune.gateway.scheduler import DEFAULT_KEY, FairExecutor
@@ -75,6 +76,8 @@ class GatewayService:
             retrieved_keep_s=config.retrieved_keep_s,
         )
         self.executor = FairExecutor("ringtune-backend")
+        self.routing = RoutingRecords() if config.routing_replay else None
+        """Sampled sequences' MoE routing, replayed for matching training datums (``--routing-replay``)."""
         self.sampling = SamplingService(
             self.backend,
             self.futures,
@@ -82,6 +85,7 @@ class GatewayService:
             call_on_loop=self._loop_call,
             max_prompt_tokens=backend.info().context_length,
             slice_s=config.sample_slice_s,
+            routing=self.routing,
         )
         self._creates: dict[str, str] = {}  # run_id -> request_id of its create_model / create-via-load
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -335,8 +339,13 @@ class GatewayService:
         def job() -> tuple[Outcome, Commit | None]:
             call = proto.decode_request(msg)
             data = translate.train_data(call)
+            replayed = 0
+            if self.routing is not None:  # R3: the experts the sampler used, where a datum matches a sample
+                data, replayed = attach_routing(data, self.routing)
             config = translate.loss_config(call.loss_config)
             outputs, metrics = backend.forward_backward(run_id, data, call.loss_fn, config, call.forward_only)
+            if self.routing is not None:
+                metrics = {**metrics, "routing_replay_tokens:sum": float(replayed)}
             arrays = [{k: v.detach().cpu().numpy() for k, v in o.items()} for o in outputs]
             return Outcome("proto", proto.encode_output(arrays, metrics)), None
 

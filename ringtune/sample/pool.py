@@ -96,6 +96,7 @@ class SamplerPool:
         max_snapshots: snapshots held at once.
         compute_dtype: the trainers' layer compute dtype under mixed precision (None: unmixed); loaded models
             compute in it as run snapshots do (:func:`~ringtune.models.precision.compute_like_trainer`).
+        record_routing: sequences sampled from a MoE snapshot carry their routing (routing replay).
     """
 
     def __init__(
@@ -105,10 +106,11 @@ class SamplerPool:
         decode: Callable[[list[int]], str] | None = None,
         max_snapshots: int = DEFAULT_MAX_SNAPSHOTS,
         compute_dtype: torch.dtype | None = None,
+        record_routing: bool = False,
     ) -> None:
         if max_snapshots < 1:
             raise UserInputError(f"max_snapshots={max_snapshots} must be >= 1")
-        self.decode, self.max_snapshots = decode, max_snapshots
+        self.decode, self.max_snapshots, self.record_routing = decode, max_snapshots, record_routing
         self.load = lambda path: compute_like_trainer(load(path), compute_dtype)
         self.snapshots: OrderedDict[tuple, CausalLM] = OrderedDict()  # key -> model, least recently used first
         self.sessions: dict[str, tuple[tuple, SamplerSource]] = {}
@@ -202,6 +204,7 @@ class SamplerPool:
                 decode=self.decode,
                 prefilled=[forwards[i] for i in members] if ran else None,  # type: ignore[misc]
                 targets=[requests[i].target_tokens for i in members] if target_k else None,  # type: ignore[misc]
+                record_routing=self.record_routing,
             )
             parts.append((members, generation))
         return PoolGeneration(len(requests), parts)

@@ -62,6 +62,7 @@ class ModelSpec:
         mesh_prompt_tokens: a ``max_tokens=1`` sampling request (``compute_logprobs``) whose prompt has at
             least this many tokens runs through the DP×CP forward (:mod:`ringtune.sample.mesh_prompts`);
             None: the per-rank budget.
+        record_routing: sampled sequences carry their MoE routing (``--routing-replay``; the gateway replays it).
     """
 
     source: str
@@ -70,6 +71,7 @@ class ModelSpec:
     trainer_options: Mapping[str, Any] = field(default_factory=dict)
     tokenizer_dir: str | None = None
     mesh_prompt_tokens: int | None = None
+    record_routing: bool = False
 
     @property
     def modes(self) -> dict[str, Any]:
@@ -131,6 +133,7 @@ class RankExecutor:
             lambda path: load_model(path or spec.source, dtype=self.precision.param_dtype),
             decode=tokenizer_decoder(spec.tokenizer_dir),
             compute_dtype=self.precision.compute_dtype if self.precision.mixed else None,
+            record_routing=spec.record_routing,
         )
         self.handlers: dict[str, Callable[[Command], Any]] = {
             "create_run": self._create_run,
