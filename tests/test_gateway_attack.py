@@ -23,9 +23,12 @@ from fastapi.routing import APIRoute
 from gateway_fixtures import API_KEY, MODEL_NAME, start_gateway, tiny_model_dir
 from pydantic import BaseModel
 
+from ringtune.gateway.downloads import DOWNLOAD_PREFIX
+
 MAX_BODY = 1 << 20
 PREFIX = "/api/v1"
 OPEN = {f"{PREFIX}/healthz"}
+"""Routes without a key; downloads (DOWNLOAD_PREFIX) are open too but need a signed URL."""
 JUNK: list[Any] = [None, True, -1, 2**70, "", "💥\u202e\x00", "../../etc/passwd", "/etc/passwd", [], {}]
 """Values every body field is set to in turn (a JSON-encodable catalogue of wrong types and hostile strings)."""
 
@@ -101,6 +104,7 @@ class Target:
             "retrieve_future": {"request_id": "nope"},
             "weights_info": {"tinker_path": self.weights_path},
             "ringtune/probe": {"name": "ring_accumulation"},
+            "save_weights_external": {"model_id": model, "path": "attack_x", "seq_id": 0},
             f"sessions/{self.spare_session}/finish": {"reason": {"type": "success"}},
         }
 
@@ -184,6 +188,8 @@ def test_every_route_needs_the_key(target):
             response = anonymous.request(method, url, headers=headers, content=b"{}")
             if template in OPEN:
                 assert response.status_code == 200, (method, template, response.text)
+            elif template.startswith(DOWNLOAD_PREFIX):  # open: its signed URL is the credential, none here
+                assert response.status_code == 403 and response.json()["category"] == "user", response.text
             else:
                 assert response.status_code == 401, (method, template, headers, response.text)
                 assert_refused(response, method, template, field="X-API-Key")

@@ -125,3 +125,44 @@ def test_lora_run_through_the_sdk_at_cp2(server):
         assert _close(fresh.forward(probe, "cross_entropy").result().metrics["loss:sum"], want_base)
     health = httpx.get(f"{server['url']}/api/v1/healthz")
     assert health.status_code == 200, health.text
+
+
+def test_save_weights_external_downloads_through_signed_urls(server, tmp_path, monkeypatch):
+    """SDK 0.38's download path: ``save_weights_external`` then ``RestClient.get_external_weights_urls`` (and the
+    cookbook's ``weights.download``) fetch every file of the export over signed URLs, for a LoRA run (its PEFT
+    adapter included) and a full fine-tuning run; a tampered or foreign signature is a 403, an encrypted export
+    a user error."""
+    import urllib.error
+    import urllib.request
+
+    from tinker_cookbook import weights
+
+    with tinker.ServiceClient(base_url=server["url"], api_key=API_KEY) as sc:
+        rest = tinker.RestClient(base_url=server["url"], api_key=API_KEY)
+        lora = sc.create_lora_training_client(str(server["model_dir"]), rank=RANK, seed=SEED).result()
+        full = sc.create_lora_training_client(str(server["model_dir"]), rank=0).result()
+        for tc, expect in ((lora, {"adapter_model.safetensors", "adapter_config.json"}), (full, set())):
+            tc.forward_backward(sdk_datums(1), "cross_entropy").result()
+            tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+            path = tc.save_weights_external("ext").result().path
+            assert path == f"tinker://{tc.model_id}/external_weights/ext"
+            listed = {c.checkpoint_id: c for c in rest.list_checkpoints(tc.model_id).result().checkpoints}
+            assert listed["external_weights/ext"].checkpoint_type == "external"
+            response = rest.get_external_weights_urls(path).result()
+            on_disk = server["root"] / tc.model_id / "external_weights" / "ext"
+            assert set(response.urls) == {p.name for p in on_disk.iterdir() if p.is_file()}
+            assert {"config.json", "model.safetensors"} | expect <= set(response.urls)
+            for name, url in response.urls.items():
+                assert urllib.request.urlopen(url).read() == (on_disk / name).read_bytes()  # no API key needed
+            bad = response.urls["config.json"].replace("sig=", "sig=0")
+            with pytest.raises(urllib.error.HTTPError, match="403"):
+                urllib.request.urlopen(bad)
+            other = response.urls["config.json"].replace("/config.json?", "/model.safetensors?")
+            with pytest.raises(urllib.error.HTTPError, match="403"):
+                urllib.request.urlopen(other)  # a URL names one file
+        monkeypatch.setenv("TINKER_API_KEY", API_KEY)
+        out = weights.download(tinker_path=path, output_dir=str(tmp_path / "dl"), base_url=server["url"])
+        assert (tmp_path / "dl" / "model.safetensors").read_bytes() == (on_disk / "model.safetensors").read_bytes()
+        assert out == str(tmp_path / "dl")
+        with pytest.raises(tinker.RequestFailedError, match="age_encryption_recipients"):
+            full.save_weights_external("enc", age_encryption_recipients=["age1xyz"]).result()

@@ -5,9 +5,10 @@ Layout::
 
     <root>/<run_id>/weights/<name>           training state (weights + optimizer + step; checkpoint.py)
     <root>/<run_id>/sampler_weights/<name>   HF export of the weights, for sampling (export_hf_weights)
+    <root>/<run_id>/external_weights/<name>  the same HF export, for download (save_weights_external)
 
 which is the tinker path ``tinker://<run_id>/<kind>/<name>`` (SDK checkpoint id ``<kind>/<name>``,
-checkpoint type ``training`` / ``sampler``). Run ids and names follow
+checkpoint type ``training`` / ``sampler`` / ``external``). Run ids and names follow
 :func:`~ringtune.engine.checkpoint_layout.check_name`: characters ``[A-Za-z0-9._:-]``, no leading ``.``,
 1..128 characters for a name and 1..255 for a run id; so neither holds ``/``, ``\\``, NUL or a control
 character, and ``.``/``..`` are excluded. On top of that every path is resolved (symlinks followed) and must
@@ -29,7 +30,7 @@ from ringtune.engine.checkpoint_layout import RUN_ID_MAX, check_name, is_complet
 from ringtune.errors import UserInputError
 from ringtune.models.checkpoints.hf import INDEX_NAME, SINGLE_NAME
 
-KINDS: dict[str, str] = {"weights": "training", "sampler_weights": "sampler"}
+KINDS: dict[str, str] = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 """Checkpoint kinds (the tinker path segment) and the SDK ``checkpoint_type`` of each."""
 TINKER_SCHEME = "tinker://"
 
@@ -58,7 +59,7 @@ class CheckpointRef:
 
     @property
     def checkpoint_type(self) -> str:
-        """``training`` for ``weights``, ``sampler`` for ``sampler_weights``."""
+        """``training`` for ``weights``, ``sampler`` for ``sampler_weights``, ``external`` for ``external_weights``."""
         return KINDS[self.kind]
 
 

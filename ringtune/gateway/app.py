@@ -17,11 +17,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ringtune.errors import UserInputError
 from ringtune.gateway import rest
+from ringtune.gateway.downloads import DOWNLOAD_PREFIX
 from ringtune.gateway.sampling import CreateSamplingSessionBody, SampleBody
 from ringtune.gateway.service import GatewayService, RefusedError
 from ringtune.gateway.wire import (
@@ -34,6 +35,7 @@ from ringtune.gateway.wire import (
     ProbeBody,
     RetrieveFutureBody,
     SaveWeightsBody,
+    SaveWeightsExternalBody,
     SaveWeightsForSamplerBody,
     SessionBody,
     WeightsInfoBody,
@@ -44,6 +46,8 @@ log = logging.getLogger(__name__)
 PREFIX = "/api/v1"
 PROTO = "application/x-protobuf"
 OPEN_PATHS = {f"{PREFIX}/healthz"}
+OPEN_PREFIXES = (DOWNLOAD_PREFIX,)
+"""Routes without ``X-API-Key``: healthz, and downloads (their signed URLs are the credential)."""
 
 
 def problem(status: int, message: str, category: str = "user") -> JSONResponse:
@@ -69,7 +73,8 @@ class Guard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+        path = scope["path"]
+        if self.api_key is not None and path not in OPEN_PATHS and not path.startswith(OPEN_PREFIXES):
             given = headers.get(b"x-api-key", b"")
             if not hmac.compare_digest(given, self.api_key.encode()):
                 await _send_problem(send, 401, "missing or wrong X-API-Key")
@@ -270,6 +275,18 @@ def create_app(service: GatewayService) -> Guard:
     @app.post(f"{PREFIX}/weights_info")
     async def weights_info(body: WeightsInfoBody) -> dict[str, Any]:
         return rest.weights_info(service, body.tinker_path)
+
+    @app.post(f"{PREFIX}/save_weights_external")
+    async def save_weights_external(body: SaveWeightsExternalBody) -> dict[str, Any]:
+        return service.save_weights_external(body)
+
+    @app.get(f"{PREFIX}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}/external_weights_urls")
+    async def external_weights_urls(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
+        return rest.external_weights_urls(service, run_id, checkpoint_id, str(request.base_url))
+
+    @app.get(DOWNLOAD_PREFIX + "{run_id}/{name}/{file:path}")
+    async def download(run_id: str, name: str, file: str, expires: str = "", sig: str = "") -> FileResponse:
+        return FileResponse(rest.download_file(service, run_id, name, file, expires, sig))
 
     @app.post(f"{PREFIX}/ringtune/probe")
     async def probe(body: ProbeBody) -> dict[str, Any]:

@@ -16,6 +16,7 @@ import re
 import shutil
 from pathlib import Path
 
+from ringtune.engine.checkpoint_root import KINDS as CHECKPOINT_KINDS
 from ringtune.engine.checkpoint_root import CheckpointNotFoundError, CheckpointRoot
 from ringtune.errors import UserInputError
 
@@ -25,8 +26,9 @@ NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
 RUN_ID_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-]{0,255}$")
 """Run ids (``<session_id>:train:<n>``): like names, plus ``:``."""
 
-KINDS = {"weights": "training", "sampler_weights": "sampler"}
-"""tinker path kinds this gateway writes, and their ``checkpoint_type``."""
+KINDS = CHECKPOINT_KINDS
+"""tinker path kinds this gateway writes (``weights``, ``sampler_weights``, ``external_weights``), and their
+``checkpoint_type`` (the engine's registry, :data:`ringtune.engine.checkpoint_root.KINDS`)."""
 
 
 def check_name(field: str, name: object) -> str:

@@ -7,10 +7,12 @@ raise :class:`~ringtune.gateway.service.RefusedError` 404, malformed ones 400.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 from ringtune.errors import UserInputError
 from ringtune.gateway import translate
+from ringtune.gateway.downloads import confined_file
 from ringtune.gateway.service import GatewayService, RefusedError
 from ringtune.gateway.state import RunRecord
 
@@ -132,3 +134,33 @@ def get_sampler(service: GatewayService, sampler_id: str) -> dict[str, Any]:
     if entry is None:
         raise RefusedError(404, f"sampler_id={sampler_id!r}: no such sampling session")
     return {"sampler_id": sampler_id, "base_model": entry.base_model, "model_path": entry.model_path}
+
+
+def external_weights_urls(service: GatewayService, run_id: str, checkpoint_id: str, base_url: str) -> dict[str, Any]:
+    """``ExternalWeightsUrlsResponse``: one signed URL per file of ``external_weights/<name>`` (404 otherwise)."""
+    record = _record(service, run_id)
+    try:
+        kind, name = translate.parse_checkpoint_id("checkpoint_id", checkpoint_id)
+    except UserInputError as exc:
+        raise RefusedError(400, str(exc)) from None
+    if kind != "external_weights":
+        raise RefusedError(400, f"checkpoint_id={checkpoint_id!r}: only external_weights/<name> checkpoints download")
+    if checkpoint_id not in record.checkpoints:
+        raise RefusedError(404, f"checkpoint_id={checkpoint_id!r}: run {run_id} has no such checkpoint")
+    urls, expires = service.downloads.urls(base_url, run_id, name, service.paths.checkpoint(run_id, kind, name))
+    return {"urls": urls, "expires": expires.isoformat()}
+
+
+def download_file(service: GatewayService, run_id: str, name: str, file: str, expires: str, sig: str) -> Path:
+    """The file a signed download URL names (403 for a bad or expired signature, 404 for a missing file)."""
+    why = service.downloads.check(run_id, name, file, expires, sig)
+    if why is not None:
+        raise RefusedError(403, f"download of {run_id}/external_weights/{name}/{file}: {why}")
+    try:
+        directory = service.paths.checkpoint(run_id, "external_weights", name)
+    except UserInputError as exc:
+        raise RefusedError(400, str(exc)) from None
+    path = confined_file(directory, file)
+    if path is None:
+        raise RefusedError(404, f"{run_id}/external_weights/{name} has no file {file!r}")
+    return path

@@ -27,6 +27,7 @@ from ringtune.gateway import proto, translate
 from ringtune.gateway.autosave import Autosaver, check_user_name
 from ringtune.gateway.backend import Backend
 from ringtune.gateway.config import GatewayConfig
+from ringtune.gateway.downloads import DownloadSigner
 from ringtune.gateway.futures import FutureStore, Outcome
 from ringtune.gateway.observe import ObservedBackend
 from ringtune.gateway.paths import CheckpointPaths, check_name, dir_bytes
@@ -41,6 +42,7 @@ from ringtune.gateway.wire import (
     LoadWeightsBody,
     OptimStepBody,
     SaveWeightsBody,
+    SaveWeightsExternalBody,
     SaveWeightsForSamplerBody,
 )
 from ringtune.probes.ring_accumulation import SERVED_PROBES
@@ -76,6 +78,8 @@ class GatewayService:
             retrieved_keep_s=config.retrieved_keep_s,
         )
         self.executor = FairExecutor("ringtune-backend")
+        self.downloads = DownloadSigner()
+        """Signs the download URLs of external weights (a new secret per server start)."""
         self.routing = RoutingRecords() if config.routing_replay else None
         """Sampled sequences' MoE routing, replayed for matching training datums (``--routing-replay``)."""
         self.sampling = SamplingService(
@@ -430,6 +434,32 @@ class GatewayService:
             return Outcome("json", result), self._add_checkpoint(record, checkpoint)
 
         return self._ordered(record, body.seq_id, "save_weights_for_sampler", job)
+
+    def save_weights_external(self, body: SaveWeightsExternalBody) -> dict[str, Any]:
+        """The run's weights as an HF checkpoint under ``<root>/<run>/external_weights/<name>`` (a LoRA run's with
+        its PEFT adapter), for download through signed URLs (:mod:`ringtune.gateway.downloads`)."""
+        record = self._run(body.model_id)
+        run_id = record.run_id
+
+        def job() -> tuple[Outcome, Commit | None]:
+            name = check_name("path", body.path)
+            ttl = translate.check_ttl(body.ttl_seconds)
+            if body.age_encryption_recipients:
+                raise UserInputError(
+                    f"age_encryption_recipients={body.age_encryption_recipients!r}: encrypted exports are not "
+                    "supported by this server; send none (downloads go over its own signed URLs)"
+                )
+            path = self.paths.checkpoint(run_id, "external_weights", name)
+            if path.exists():
+                raise UserInputError(f"path={name!r}: external_weights/{name} exists; choose another name")
+            self.backend.export_for_sampler(run_id, str(path))
+            when, size = now_utc(), dir_bytes(path)
+            expires = when + timedelta(seconds=ttl) if ttl else None
+            checkpoint = CheckpointRecord("external_weights", name, when, size, {}, expires)
+            result = {"path": f"tinker://{run_id}/external_weights/{name}", "size_bytes": size}
+            return Outcome("json", result | {"type": "save_weights_external"}), self._add_checkpoint(record, checkpoint)
+
+        return self._ordered(record, body.seq_id, "save_weights_external", job)
 
     def load_weights(self, body: LoadWeightsBody) -> dict[str, Any]:
         """Create-via-load (``session_id`` + ``model_seq_id``: a new run ``<session>:train:<n>`` restored from

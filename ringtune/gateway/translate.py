@@ -149,8 +149,8 @@ def parse_tinker_path(field: str, path: object, *, kinds: tuple[str, ...] = tupl
 
 
 def parse_checkpoint_id(field: str, checkpoint_id: str) -> tuple[str, str]:
-    """``weights/<name>`` or ``sampler_weights/<name>`` -> (kind, name)."""
+    """``<kind>/<name>`` (a kind of :data:`KINDS`: weights, sampler_weights, external_weights) -> (kind, name)."""
     kind, _, name = checkpoint_id.partition("/")
     if kind not in KINDS:
-        raise UserInputError(f"{field}={checkpoint_id!r}: expected weights/<name> or sampler_weights/<name>")
+        raise UserInputError(f"{field}={checkpoint_id!r}: expected <kind>/<name> with a kind of {list(KINDS)}")
     return kind, check_name(field, name)

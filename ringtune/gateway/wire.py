@@ -96,6 +96,16 @@ class SaveWeightsForSamplerBody(Body):
     user_metadata: dict[str, Any] | None = None
 
 
+class SaveWeightsExternalBody(Body):
+    """``save_weights_external`` (SDK 0.38's ``SaveWeightsExternalRequest``)."""
+
+    model_id: str
+    path: str
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+    age_encryption_recipients: list[str] | None = None
+
+
 class LoadWeightsBody(Body):
     """Create-via-load (``session_id`` + ``model_seq_id``) or legacy (``model_id`` + ``seq_id``)."""
 
