@@ -267,3 +267,16 @@ def test_serve_preflight_refuses_bad_ep(checkpoints, tmp_path):
     hf_model("qwen3", seed=0).save_pretrained(tmp_path / "dense")
     with pytest.raises(UserInputError, match=r"num_experts=0 \(0: not MoE\)"):
         preflight(ServeSettings(source=str(tmp_path / "dense"), cp=2, ep=2))
+
+
+def test_grouped_linear_of_no_rows_stays_in_the_graph():
+    """An EP rank that received no token in a layer must still run the backward of the all-to-all that brought
+    none (its peers run theirs; a skipped one hung DP2xCP2xEP2): the empty expert output stays connected."""
+    from ringtune.models.layers.moe import grouped_linear_loop
+
+    x = torch.zeros(0, 4, requires_grad=True)
+    w = torch.randn(3, 5, 4, requires_grad=True)
+    out = grouped_linear_loop(x, w, torch.zeros(3, dtype=torch.int64))
+    assert out.shape == (0, 5) and out.grad_fn is not None
+    out.sum().backward()
+    assert x.grad is not None and w.grad is not None and not w.grad.any()

@@ -219,7 +219,7 @@ def test_expert_memory_dispatch_bytes_and_wrong_group(pool4, checkpoints):
         assert "expert replicas" in r["caught"]
 
 
-TRAINER_LAYOUTS = ((2, 2, 4), (2, 1, 2))
+TRAINER_LAYOUTS = ((2, 2, 4), (2, 1, 2), (2, 2, 2))  # (2, 2, 2): two expert replicas across DP (it once hung)
 
 
 def trainer_case(ctx, *, root: str, out: str) -> dict[str, float]:

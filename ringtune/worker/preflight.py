@@ -124,11 +124,6 @@ def preflight(s: ServeSettings) -> Preflight:
         raise UserInputError(f"--ep={s.ep} must divide --dp x --cp = {s.dp * s.cp} (EP is carved out of those ranks)")
     if s.ep > 1 and s.shard_params != "none":
         raise UserInputError(f"--shard-params={s.shard_params} with --ep={s.ep}: not supported yet (docs/moe.md)")
-    if s.dp > 1 and s.cp > 1 and 1 < s.ep < s.dp * s.cp:
-        raise UserInputError(
-            f"--ep={s.ep} with --dp={s.dp} --cp={s.cp}: not supported yet (EP must be 1 or dp x cp = {s.dp * s.cp} "
-            "when both dp and cp are > 1; a smaller EP hangs in the dispatch backward, docs/moe.md)"
-        )
     check_precision(s.dtype, field="--dtype")
     check_recompute_mode(s.recompute, field="--recompute")
     check_sharding(s.shard_params, field="--shard-params")

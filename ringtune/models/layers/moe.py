@@ -34,9 +34,13 @@ GroupedLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tenso
 
 
 def grouped_linear_loop(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """The plain reference: one ``x_g @ w_g^T`` per group (skipping empty groups)."""
+    """The plain reference: one ``x_g @ w_g^T`` per group (skipping empty groups).
+
+    With no rows at all the result is still ``x @ w_0^T`` (an empty [0, out] tensor *in the graph*): under EP a
+    rank that received no tokens must still run the backward of the all-to-all that brought them (its peers
+    run theirs), which autograd only does if that all-to-all's output reaches the loss."""
     outs = [xg @ w[g].t() for g, xg in enumerate(x.split(counts.tolist())) if xg.shape[0]]
-    return torch.cat(outs) if outs else x.new_zeros((0, w.shape[1]))
+    return torch.cat(outs) if outs else x @ w[0].t()
 
 
 def grouped_linear_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
