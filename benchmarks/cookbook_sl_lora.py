@@ -1,6 +1,10 @@
 """The cookbook's supervised recipe with its default ``lora_rank=32`` against ``ringtune serve --cp 2``.
 
-Run ``python benchmarks/cookbook_sl_lora.py [--model DIR|smollm2-135m] [--steps 8] [--lr 1e-3]``.
+Run ``python benchmarks/cookbook_sl_lora.py [--model DIR|smollm2-135m] [--steps 8] [--lr 1e-3] [--moe]``.
+
+``--moe``: a tiny random Qwen3.5-MoE (GatedDeltaNet + attention hybrid, 8 experts top-2, shared expert) with
+SmolLM2's tokenizer instead, served with ``--cp 2 --ep 2`` (experts split over the two CP ranks) and trained with
+``lora_rank=0`` (full fine-tuning: LoRA adapters on MoE experts are not built, docs/lora.md).
 
 The unmodified ``tinker_cookbook.supervised.train.main`` (``train.Config`` with ``lora_rank`` left at its default
 32) on the cookbook's ``example_data/conversations.jsonl`` (``role_colon`` renderer, batch 16, max length 256,
@@ -29,21 +33,25 @@ from tinker_cookbook.supervised.types import ChatDatasetBuilderCommonConfig
 from ringtune.gateway.serve_process import ServeProcess
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from smollm_fixtures import tiny_smollm_dir  # a test fixture module (tests/ is not a package)
+from smollm_fixtures import tiny_smollm_dir, tiny_smollm_moe_dir  # test fixtures (tests/ is not a package)
 from test_cookbook_sl import CrashingConversationBuilder, DataLoaderCrashError
 
 API_KEY = "tml-cookbook-lora"
 CONVERSATIONS = resources.files("tinker_cookbook") / "example_data" / "conversations.jsonl"
 
 
-def config(url: str, model: str, log_path: Path, steps: int, lr: float, crash_at: int) -> train.Config:
+def config(
+    url: str, model: str, log_path: Path, steps: int, lr: float, crash_at: int, lora_rank: int | None = None
+) -> train.Config:
     common = ChatDatasetBuilderCommonConfig(
         model_name_for_tokenizer=model, renderer_name="role_colon", max_length=256, batch_size=16
     )
     builder = CrashingConversationBuilder(
         common_config=common, file_path=str(CONVERSATIONS), test_size=0, crash_at=crash_at
     )
-    return train.Config(  # lora_rank not given: the recipe's default (32)
+    rank = {} if lora_rank is None else {"lora_rank": lora_rank}  # not given: the recipe's default (32)
+    return train.Config(
+        **rank,
         log_path=str(log_path),
         model_name=model,
         recipe_name="ringtune_cookbook_sl_lora",
@@ -64,26 +72,32 @@ def main() -> int:
     parser.add_argument("--model", default=None)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--moe", action="store_true", help="a tiny Qwen3.5-MoE at --cp 2 --ep 2, lora_rank=0")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        model = args.model or str(tiny_smollm_dir(root / "tiny-smollm"))
+        if args.moe:
+            model = str(tiny_smollm_moe_dir(root / "tiny-moe"))
+        else:
+            model = args.model or str(tiny_smollm_dir(root / "tiny-smollm"))
+        extra = ["--cp", "2", "--context-length", "512"] + (["--ep", "2"] if args.moe else [])
+        rank = 0 if args.moe else None
         os.environ.update(HF_HUB_OFFLINE="1", TINKER_API_KEY=API_KEY)
         server = ServeProcess(
             model,
             checkpoint_root=root / "ckpt",
             log_path=root / "serve.log",
             api_key=API_KEY,
-            extra_args=["--cp", "2", "--context-length", "512"],
+            extra_args=extra,
         )
         with server:
             log_path = root / "sl"
             crash_at = args.steps - 2  # after the checkpoint at step 4 (save_every=4), as a dying data loader would
             try:
-                asyncio.run(train.main(config(server.url, model, log_path, args.steps, args.lr, crash_at)))
+                asyncio.run(train.main(config(server.url, model, log_path, args.steps, args.lr, crash_at, rank)))
             except DataLoaderCrashError as exc:
                 print(f"run 1 crashed as planned: {exc}")
-            asyncio.run(train.main(config(server.url, model, log_path, args.steps, args.lr, -1)))  # resumes
+            asyncio.run(train.main(config(server.url, model, log_path, args.steps, args.lr, -1, rank)))  # resumes
             rows = [json.loads(x) for x in (log_path / "metrics.jsonl").read_text().splitlines() if x.strip()]
             checkpoints = [json.loads(x) for x in (log_path / "checkpoints.jsonl").read_text().splitlines()]
             run_id = checkpoints[-1]["state_path"].removeprefix("tinker://").split("/")[0]

@@ -32,6 +32,25 @@ def tiny_smollm_dir(dest: Path, *, seed: int = 0) -> Path:
     return dest
 
 
+def tiny_smollm_moe_dir(dest: Path, *, seed: int = 0) -> Path:
+    """A random tiny Qwen3.5-MoE (``hf_config("qwen3_5_moe")``, routers at std 0.5) with SmolLM2's tokenizer."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = hf_config("qwen3_5_moe")
+    config.vocab_size = SMOLLM2_VOCAB
+    config.max_position_embeddings = 4096
+    config.bos_token_id, config.eos_token_id, config.pad_token_id = 1, 2, None
+    model = transformers.Qwen3_5MoeForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.5)  # routing that differs per token
+    model.save_pretrained(dest)
+    smollm2_tokenizer_dir(dest)
+    return dest
+
+
 @contextmanager
 def cookbook_server(root: Path, *, api_key: str, context_length: int) -> Iterator[dict]:
     """``ringtune serve`` over :func:`tiny_smollm_dir` in ``root``, with the environment the cookbook reads

@@ -1,7 +1,8 @@
 """The parity client (issue 11): the small matrix through real ``ringtune serve`` subprocesses and the real SDK.
 
 One module-scoped matrix on a tiny random Qwen3.5 (row budget 512 tokens): CP=1 reference, CP=2 headwise and
-chunkwise, DP=2 at CP=1 and at CP=2 in both modes (float32), and every debug fault compare catches, at its layout
+chunkwise, DP=2 at CP=1 and at CP=2 in both modes (float32), a tiny Qwen3.5-MoE at CP=2 EP=2 against its own
+CP=1 reference, and every debug fault compare catches, at its layout
 (``FAULT_LAYOUTS``: CP=2 or CP=4, float32 or bfloat16 with its own CP=1 reference). Clean layouts must pass
 ``compare`` (step-1 grad-norm ratio within 1e-5), each fault must fail it naming the figure, the CLI exits
 0 / 1 / 2, and the report and PNGs exist.
@@ -139,6 +140,7 @@ def matrix(tmp_path_factory):
         dtypes=("float32",),
         row_tokens=ROW_TOKENS,
         faults=tuple(EXPECTED),
+        moe_layouts=((1, 2, 2),),
     )
     return config, run_matrix(config)
 
@@ -152,6 +154,7 @@ def test_clean_layouts_pass_and_faults_fail(matrix):
         "cp1-dp2-float32",
         "cp2-headwise-dp2-float32",
         "cp2-chunkwise-dp2-float32",
+        "cp2-chunkwise-dp1-ep2-float32",  # the tiny Qwen3.5-MoE, experts split over the two CP ranks
     ]
     for row in clean:
         assert not row.result.failures, [(f.name, f.value, f.limit) for f in row.result.failures]
@@ -178,6 +181,7 @@ def test_clean_layouts_pass_and_faults_fail(matrix):
     text = config.doc.read_text()
     assert "| tiny-qwen3.5 | float32 | CP2 chunkwise | pass |" in text
     assert "| tiny-qwen3.5 | float32 | DP2 CP2 chunkwise | pass |" in text and "| DP2 CP1 | pass |" in text
+    assert "| tiny-qwen3.5-moe | float32 | CP2 chunkwise EP2 | pass |" in text
     assert "sampler KL" in text and "not measured" not in text
     assert all(f"`{name}`" in text for name in EXPECTED)
 

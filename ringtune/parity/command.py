@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from ringtune.engine.faults import DEBUG_FAULTS
+from ringtune.errors import UserInputError
 
 
 def add_parity_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,7 +34,7 @@ def add_parity_parser(sub: argparse._SubParsersAction) -> None:
         "--full",
         action="store_true",
         help="CP 1/2/4 and DP 1/2 (DP·CP <= 4) x both GDN modes x float32/bfloat16/float64, SmolLM2-135M at "
-        "CP 1/2, and every debug fault",
+        "CP 1/2, a tiny Qwen3.5-MoE at four (DP, CP, EP) layouts, and every debug fault",
     )
     m.add_argument("--cp", type=int, nargs="+", default=None, help="CP sizes (default 1 2 4)")
     m.add_argument("--dp", type=int, nargs="+", default=None, help="DP sizes (default 1; DP·CP <= 4)")
@@ -48,6 +49,9 @@ def add_parity_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument(
         "--faults", nargs="*", default=None, choices=DEBUG_FAULTS, help="debug faults to serve, each at its layout"
     )
+    m.add_argument(
+        "--moe", nargs="*", default=None, help="tiny Qwen3.5-MoE layouts as DP,CP,EP (default 1,2,2; none: skip)"
+    )
     m.add_argument("--row-tokens", type=int, default=1024, help="tokens per packed row (= context length)")
     m.add_argument("--embedded-cp", type=int, nargs="*", default=None, help="CP sizes for SmolLM2-135M")
     m.add_argument("--long-context", type=int, default=None)
@@ -55,6 +59,21 @@ def add_parity_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--doc", default="docs/validation.md")
     m.add_argument("--png-dir", default="docs/validation")
     m.add_argument("--reuse", action="store_true", help="re-compare dumps already in --workdir instead of serving")
+
+
+def _moe_layouts(given: list[str] | None, full: bool) -> tuple[tuple[int, int, int], ...]:
+    """``--moe`` as (DP, CP, EP) triples; the default set (or ``--full``'s) when not given."""
+    from ringtune.parity.matrix import MOE_DEFAULT, MOE_FULL
+
+    if given is None:
+        return MOE_FULL if full else MOE_DEFAULT
+    out = []
+    for text in given:
+        parts = text.split(",")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+            raise UserInputError(f"--moe {text!r}: expected DP,CP,EP (positive integers), e.g. 1,2,2")
+        out.append((int(parts[0]), int(parts[1]), int(parts[2])))
+    return tuple(out)
 
 
 def run_parity_command(args: argparse.Namespace) -> int:
@@ -110,6 +129,7 @@ def run_parity_command(args: argparse.Namespace) -> int:
         row_tokens=args.row_tokens,
         embedded_cps=tuple(args.embedded_cp if args.embedded_cp is not None else ((1, 2) if full else ())),
         faults=tuple(args.faults if args.faults is not None else (DEBUG_FAULTS if full else ())),
+        moe_layouts=_moe_layouts(args.moe, full),
         long_context=args.long_context,
         reuse=args.reuse,
     )

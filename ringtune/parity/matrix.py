@@ -16,7 +16,7 @@ from ringtune.engine.faults import DEBUG_FAULTS
 from ringtune.parity.client import load_dump, run_parity
 from ringtune.parity.compare import Comparison, compare_dumps
 from ringtune.parity.plot import plot_deltas
-from ringtune.parity.servers import API_KEY, ServeSpec, row_budget_specs, running_server, tiny_qwen35_dir
+from ringtune.parity.servers import API_KEY, ServeSpec, moe_specs, row_budget_specs, running_server, tiny_qwen35_dir
 
 FAULT_LAYOUTS: dict[str, tuple[int, str, str]] = {
     "position_off_by_one": (2, "headwise", "float32"),
@@ -32,6 +32,10 @@ FAULT_LAYOUTS: dict[str, tuple[int, str, str]] = {
 }
 """The (CP, GDN mode, dtype) each debug fault is served at (its must-fail layout)."""
 EMBEDDED = "smollm2-135m"
+MOE_DEFAULT: tuple[tuple[int, int, int], ...] = ((1, 2, 2),)
+"""(DP, CP, EP) of the tiny Qwen3.5-MoE in the default matrix."""
+MOE_FULL: tuple[tuple[int, int, int], ...] = ((1, 2, 2), (1, 4, 2), (1, 4, 4), (2, 2, 2))
+"""... and in ``--full`` (EP inside CP, EP across all ranks, two expert replicas across DP)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +52,8 @@ class MatrixConfig:
         embedded_row_tokens: its row budget (smaller: 135M parameters on a CPU).
         faults: debug faults to serve, each at its :data:`FAULT_LAYOUTS` layout; each must fail compare against
             the CP=1 reference of its dtype (served for the faults if ``dtypes`` lacks it).
+        moe_layouts: (DP, CP, EP) layouts of a tiny Qwen3.5-MoE (routers that differ per token), each compared
+            with its own DP=1, CP=1, EP=1 reference in every dtype of ``dtypes``; empty = skip it.
         long_context: cap of the long datums (None: the servers' context length).
         reuse: take a layout's dump from ``workdir`` when it is there already (re-compare without serving).
     """
@@ -63,6 +69,7 @@ class MatrixConfig:
     embedded_cps: tuple[int, ...] = ()
     embedded_row_tokens: int = 512
     faults: tuple[str, ...] = ()
+    moe_layouts: tuple[tuple[int, int, int], ...] = ()
     long_context: int | None = None
     seed: int = 0
     reuse: bool = False
@@ -143,6 +150,9 @@ def run_matrix(config: MatrixConfig) -> MatrixReport:
         ("tiny-qwen3.5", tiny, config.cps, config.dps, config.modes, dtype, config.row_tokens)
         for dtype in config.dtypes
     ]
+    moe_tiny = (
+        str(tiny_qwen35_dir(config.workdir / "tiny-qwen3.5-moe", family="qwen3_5_moe")) if config.moe_layouts else ""
+    )
     if config.embedded_cps:
         groups.append(
             ("smollm2-135m", EMBEDDED, config.embedded_cps, (1,), ("headwise",), "float32", config.embedded_row_tokens)
@@ -156,6 +166,12 @@ def run_matrix(config: MatrixConfig) -> MatrixReport:
             references[dtype] = reference
         for spec in specs[1:]:
             _compare(report, config, tag, spec, reference)
+    for dtype in config.dtypes if config.moe_layouts else ():
+        specs = moe_specs(moe_tiny, layouts=config.moe_layouts, dtype=dtype, row_tokens=config.row_tokens)
+        print(f"parity matrix: tiny-qwen3.5-moe {dtype}: reference {specs[0].name}", flush=True)
+        reference, _ = _run(specs[0], config, "tiny-qwen3.5-moe")
+        for spec in specs[1:]:
+            _compare(report, config, "tiny-qwen3.5-moe", spec, reference)
     for fault in config.faults:
         cp, mode, dtype = FAULT_LAYOUTS[fault]
         if dtype not in references:
@@ -194,9 +210,10 @@ def _fmt(x: float) -> str:
 
 
 def _layout(spec: ServeSpec) -> str:
-    """``CP2 headwise``, ``DP2 CP1``, ``DP2 CP2 chunkwise``: the report's layout cell."""
+    """``CP2 headwise``, ``DP2 CP1``, ``DP2 CP2 chunkwise``, ``CP2 chunkwise EP2``: the report's layout cell."""
     dp = f"DP{spec.dp} " if spec.dp > 1 else ""
-    return f"{dp}CP{spec.cp}" + (f" {spec.linear_cp_mode}" if spec.cp > 1 else "")
+    ep = f" EP{spec.ep}" if spec.ep > 1 else ""
+    return f"{dp}CP{spec.cp}" + (f" {spec.linear_cp_mode}" if spec.cp > 1 else "") + ep
 
 
 def _sampler_cell(result: Comparison) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ringtune.gateway.serve_process import ServeProcess
@@ -26,17 +26,21 @@ class ServeSpec:
     attention: str = "ring"
     max_tokens_per_rank: int = 512
     debug_fault: str | None = None
+    ep: int = 1
 
     @property
     def name(self) -> str:
         fault = f"-fault-{self.debug_fault}" if self.debug_fault else ""
         mode = f"-{self.linear_cp_mode}" if self.cp > 1 else ""
-        return f"cp{self.cp}{mode}-dp{self.dp}-{self.dtype}{fault}"
+        ep = f"-ep{self.ep}" if self.ep > 1 else ""
+        return f"cp{self.cp}{mode}-dp{self.dp}{ep}-{self.dtype}{fault}"
 
     def arguments(self) -> list[str]:
         args = ["--model", self.model, "--cp", str(self.cp), "--dp", str(self.dp), "--dtype", self.dtype]
         args += ["--linear-cp-mode", self.linear_cp_mode, "--attention", self.attention]
         args += ["--max-tokens-per-rank", str(self.max_tokens_per_rank)]
+        if self.ep > 1:
+            args += ["--ep", str(self.ep)]
         if self.debug_fault:
             args += ["--debug-fault", self.debug_fault]
         return args
@@ -69,9 +73,10 @@ BF16_EXACT_MARK = "bf16-exact-weights"
 """File in the tiny model's folder saying its float32 weights are bfloat16 values (see :func:`tiny_qwen35_dir`)."""
 
 
-def tiny_qwen35_dir(dest: Path, *, seed: int = 0) -> Path:
-    """A random tiny Qwen3.5 (``ringtune.testing.tiny_models.hf_model``) saved to ``dest`` with a 96-word
-    word-level tokenizer (``w0`` .. ``w95``); reused when ``dest`` already holds one.
+def tiny_qwen35_dir(dest: Path, *, seed: int = 0, family: str = "qwen3_5") -> Path:
+    """A random tiny Qwen3.5 (``ringtune.testing.tiny_models.hf_model``; ``family="qwen3_5_moe"``: the MoE hybrid,
+    routers that differ per token) saved to ``dest`` with a 96-word word-level tokenizer (``w0`` .. ``w95``);
+    reused when ``dest`` already holds one.
 
     Its float32 weights are rounded to bfloat16 once, so a bfloat16 server loads exactly the weights a float32 or
     float64 server holds (every dtype of the matrix computes from the same model).
@@ -83,7 +88,7 @@ def tiny_qwen35_dir(dest: Path, *, seed: int = 0) -> Path:
 
     from ringtune.testing.tiny_models import hf_model
 
-    model = hf_model("qwen3_5", seed=seed)
+    model = hf_model(family, seed=seed)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(p.to(torch.bfloat16).to(p.dtype))
@@ -99,6 +104,19 @@ def tiny_qwen35_dir(dest: Path, *, seed: int = 0) -> Path:
 
 MAX_MATRIX_RANKS = 4
 """Most ranks (DP·CP) of one matrix server: the matrix runs on a CPU machine, several ranks per core."""
+
+
+def moe_specs(model: str, *, layouts: Sequence[tuple[int, int, int]], dtype: str, row_tokens: int) -> list[ServeSpec]:
+    """The MoE model's DP=1, CP=1, EP=1 reference, then each (DP, CP, EP) of ``layouts`` (chunkwise GDN at CP > 1),
+    all at the same packed-row budget ``row_tokens`` (``max_tokens_per_rank · CP``)."""
+    specs = [ServeSpec(model=model, cp=1, dtype=dtype, max_tokens_per_rank=row_tokens)]
+    for dp, cp, ep in layouts:
+        if dp * cp > MAX_MATRIX_RANKS or (dp * cp) % ep:
+            raise ValueError(f"MoE layout DP{dp} CP{cp} EP{ep}: DP·CP <= {MAX_MATRIX_RANKS} and EP | DP·CP")
+        mode = "chunkwise" if cp > 1 else "headwise"
+        spec = ServeSpec(model=model, cp=cp, dp=dp, ep=ep, dtype=dtype, linear_cp_mode=mode)
+        specs.append(replace(spec, max_tokens_per_rank=row_tokens // cp))
+    return specs
 
 
 def row_budget_specs(
