@@ -309,9 +309,10 @@ def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
         "probe", help="GDN and gated attention layer: CP 2/4/8 vs no CP, cosines and norm ratios (gloo, CPU)"
     )
     p.add_argument("--cp", type=int, nargs="+", default=list(d.cps), help="CP sizes (one world each)")
-    p.add_argument("--layers", type=_csv, default=d.layers, help="comma list of gdn,attention")
+    p.add_argument("--layers", type=_csv, default=d.layers, help="comma list of gdn,attention,moe")
     p.add_argument("--gdn-modes", type=_csv, default=d.gdn_modes, help="comma list of headwise,chunkwise")
     p.add_argument("--attention-modes", type=_csv, default=d.attention_modes, help="ring,allgather,alltoall")
+    p.add_argument("--moe-modes", type=_csv, default=d.moe_modes, help="replicated,expert_parallel")
     p.add_argument("--dtype", default=d.dtype, choices=["float64", "float32", "bfloat16"])
     p.add_argument("--tokens", type=int, default=d.tokens, help="tokens of the packed row")
     p.add_argument("--scale", type=int, default=z.scale, help="divide hidden size and head dims by this")
@@ -344,6 +345,7 @@ def _probe_config(args: argparse.Namespace) -> LayerProbeConfig:
         layers=args.layers,
         gdn_modes=args.gdn_modes,
         attention_modes=args.attention_modes,
+        moe_modes=args.moe_modes,
         dtype=args.dtype,
         tokens=args.tokens,
         sizes=sizes,

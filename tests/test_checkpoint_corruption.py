@@ -435,7 +435,8 @@ def test_bad_names_are_refused_for_save_and_load(hf_dirs, saved, tmp_path):
         bad_run_id = "x" * 300 if len(name) > 100 else name
         with pytest.raises(UserInputError, match=r"run_id=.*allowed: 1 to 255 characters"):
             root.path(bad_run_id, "weights", "good")
-    with pytest.raises(UserInputError, match=r"checkpoint kind='\.\.' is not one of \['weights', 'sampler_weights'\]"):
+    kinds = r"\['weights', 'sampler_weights', 'external_weights'\]"
+    with pytest.raises(UserInputError, match=r"checkpoint kind='\.\.' is not one of " + kinds):
         root.path("run", "..", "good")
 
     for name in PATH_BAD_NAMES:

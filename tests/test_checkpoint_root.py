@@ -59,8 +59,8 @@ def test_tinker_paths():
         ("tinker://r/weights", r"has 2 '/'-separated parts after tinker://; must be exactly 3"),
         ("tinker://r/weights/a/b", r"has 4 '/'-separated parts"),
         (
-            "tinker://r/external_weights/a",
-            r"path kind='external_weights' is not one of \['weights', 'sampler_weights'\]",
+            "tinker://r/lora_weights/a",
+            r"path kind='lora_weights' is not one of \['weights', 'sampler_weights', 'external_weights'\]",
         ),
         ("tinker://../weights/a", r"path run_id='\.\.' starts with '\.'"),
         (None, "is not a tinker path"),

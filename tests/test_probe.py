@@ -1,4 +1,5 @@
-"""`ringtune probe` end to end at tiny sizes: CP 2 in float64 passes every check and prints the table."""
+"""`ringtune probe` end to end at tiny sizes: CP 2 in float64 passes every check (GDN, attention and the MoE MLP,
+its experts replicated and split over the CP ranks) and prints the table."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ def test_probe_float64_cp2_passes(capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "probe PASS" in out and "gdn       chunkwise C=2" in out and "input grad pre-split" in out
+    assert "moe       expert_parallel C=2  mlp.experts.gate_up_proj" in out  # experts split over the CP ranks
 
 
 def test_loss_sits_after_the_first_split_of_the_straddling_datum():

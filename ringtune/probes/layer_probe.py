@@ -1,9 +1,12 @@
-"""Layer gradient probe: one GatedDeltaNet layer and one gated attention layer, CP against no CP.
+"""Layer gradient probe: one GatedDeltaNet layer, one gated attention layer and one sparse MoE MLP, CP against no CP.
 
 Every rank builds the same layers and the same packed THD row from a seed. The loss is a fixed random
 projection of the output on the tokens of the datum that straddles the first contiguous CP split, from
 the split on; half the GDN heads decay slowly. So the input gradients before the split, and part of
 every parameter gradient, must cross ranks (the state hand-off, the ring's dK/dV, the head all-to-all).
+The MoE MLP routes per token (no CP exchange of its own); its CP modes are where the experts live: every
+expert on every rank (``replicated``), or split over the CP ranks with tokens dispatched to them and back by
+all-to-alls (``expert_parallel``, EP = CP), whose expert gradients are gathered, not summed, for the comparison.
 The reference runs the whole row in one process in the same dtype; the CP run gathers the output and
 the input gradient back to row order and sums parameter gradients over the CP group.
 """
@@ -17,9 +20,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ringtune.errors import ParallelConfigError
 from ringtune.layout.zigzag import ZigzagPlan, chunk_len, zigzag_plan
 from ringtune.models.layers.attention import Attention
 from ringtune.models.layers.gated_deltanet import GatedDeltaNet
+from ringtune.models.layers.moe import SparseMoE
 
 # Default sizes: Qwen3.5-4B's GatedDeltaNet (16 key / 32 value heads of 128) and full-attention layer.
 QWEN35_4B = {
@@ -46,6 +51,10 @@ class ProbeSizes:
     attn_kv_heads: int = QWEN35_4B["attn_kv_heads"]
     attn_head_dim: int = QWEN35_4B["attn_head_dim"]
     attention_gate: bool = True
+    moe_experts: int = 64
+    moe_top_k: int = 8
+    moe_intermediate: int = 512
+    moe_shared: int = 512
     scale: int = 1
 
     def scaled(self, value: int) -> int:
@@ -103,7 +112,7 @@ def loss_mask(seq_lens: tuple[int, ...], cp: int) -> tuple[torch.Tensor, int, in
 
 
 def build_layers(sizes: ProbeSizes, *, dtype: torch.dtype, seed: int, sharpness: float | None) -> dict[str, nn.Module]:
-    """The two probe layers, seeded (identical on every rank), cast to ``dtype``.
+    """The probe layers (``gdn``, ``attention``, ``moe``), seeded (identical on every rank), cast to ``dtype``.
 
     GDN: half the value heads decay slowly (A = exp(A_log) = 1e-3: ~e^-1.3 over 1000 tokens), the other half
     as transformers initialises them. Attention: zero-centred q/k RMSNorm, output gate unless disabled, no
@@ -134,7 +143,41 @@ def build_layers(sizes: ProbeSizes, *, dtype: torch.dtype, seed: int, sharpness:
         gain = math.sqrt(sharpness) - 1.0 if sharpness is not None else 0.0
         for norm in (attention.q_norm, attention.k_norm):
             norm.weight.fill_(gain).add_(0.02 * torch.randn_like(norm.weight))
-    return {"gdn": gdn.to(dtype), "attention": attention.to(dtype)}
+    moe = ProbeMoE(
+        SparseMoE(
+            s(sizes.hidden),
+            s(sizes.moe_intermediate),
+            sizes.moe_experts,
+            sizes.moe_top_k,
+            norm_topk_prob=True,
+            shared_intermediate_size=s(sizes.moe_shared),
+        )
+    )
+    with torch.no_grad():
+        moe.mlp.gate.weight.normal_(0.0, 0.5)  # routing that differs per token
+    return {"gdn": gdn.to(dtype), "attention": attention.to(dtype), "moe": moe.to(dtype)}
+
+
+MOE_MODES = ("replicated", "expert_parallel")
+"""Where the probe's MoE experts live under CP: on every rank, or split over the CP ranks (EP = CP)."""
+
+
+class ProbeMoE(nn.Module):
+    """The probe's MoE MLP with the probe's layer interface: ``forward(x, shard)`` and ``check_cp(cp, mode)``."""
+
+    def __init__(self, mlp: SparseMoE) -> None:
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, x: torch.Tensor, shard) -> torch.Tensor:
+        return self.mlp(x, None, shard.plan.is_real.to(x.device))
+
+    def check_cp(self, cp: int, mode: str) -> None:
+        """ParallelConfigError unless ``mode`` is a MoE mode and (expert_parallel) CP divides the experts."""
+        if mode not in MOE_MODES:
+            raise ParallelConfigError(f"MoE probe mode {mode!r}: choose one of {MOE_MODES}")
+        if mode == "expert_parallel" and self.mlp.experts.num_experts % cp:
+            raise ParallelConfigError(f"expert_parallel needs CP={cp} to divide {self.mlp.experts.num_experts} experts")
 
 
 def probe_inputs(tokens: int, hidden: int, *, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

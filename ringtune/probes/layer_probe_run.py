@@ -6,6 +6,7 @@ torchrun). Rank 0 also runs the no-CP reference and compares; the other ranks on
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from dataclasses import dataclass, field
@@ -15,10 +16,12 @@ import torch.distributed as dist
 
 from ringtune.errors import ParallelConfigError
 from ringtune.layout.zigzag import zigzag_slice
+from ringtune.models.layers.moe import is_expert_parameter, set_expert_parallel
 from ringtune.models.shard import shard_of
 from ringtune.ops.cp_modes import ATTENTION_MODES, GATED_DELTA_MODES
 from ringtune.parallel.launch import init_from_env, spawn
 from ringtune.probes.layer_probe import (
+    MOE_MODES,
     ProbeSizes,
     build_layers,
     cosine,
@@ -36,7 +39,7 @@ from ringtune.probes.layer_probe import (
 # to ~1e-6 relative; bfloat16 rounds every layer input/output (8 bits of mantissa, ~4e-3 relative per
 # op), so whole-tensor cosines stay above 0.999 and single rows may dip, most of all rows of tiny norm.
 LIMITS = {"float64": (1 - 1e-10, 1e-8, 0.0), "float32": (0.9999, 1e-3, 0.0), "bfloat16": (0.99, 0.03, 0.01)}
-MODES = {"gdn": GATED_DELTA_MODES, "attention": ATTENTION_MODES}
+MODES = {"gdn": GATED_DELTA_MODES, "attention": ATTENTION_MODES, "moe": MOE_MODES}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,9 +47,10 @@ class LayerProbeConfig:
     """What ``ringtune probe`` runs; one field per flag."""
 
     cps: tuple[int, ...] = (2, 4, 8)
-    layers: tuple[str, ...] = ("gdn", "attention")
+    layers: tuple[str, ...] = ("gdn", "attention", "moe")
     gdn_modes: tuple[str, ...] = MODES["gdn"]
     attention_modes: tuple[str, ...] = MODES["attention"]
+    moe_modes: tuple[str, ...] = MODES["moe"]
     dtype: str = "bfloat16"
     tokens: int = 4096
     sizes: ProbeSizes = field(default_factory=ProbeSizes)
@@ -86,13 +90,22 @@ def _reference(layer, x_row, w_row, mask, seq_lens):
 
 
 def _cp_run(layer, x_row, w_row, mask, seq_lens, cp, rank, group, kind, mode):
-    """This rank's CP run; out and input grad gathered to row order, param grads summed over ``group``."""
-    kwargs = {"attention": mode} if kind == "attention" else {"gated_delta": mode}
+    """This rank's CP run; out and input grad gathered to row order, param grads summed over ``group`` (the
+    experts of an ``expert_parallel`` MoE, split over ``group``, gathered back to every expert instead)."""
+    kwargs = {"attention": mode} if kind == "attention" else {"gated_delta": mode} if kind == "gdn" else {}
     shard = shard_of(seq_lens, cp_size=cp, cp_rank=rank, group=group, **kwargs)
     plan = shard.plan
+    if kind == "moe" and mode == "expert_parallel":
+        layer = copy.deepcopy(layer)
+        set_expert_parallel(layer, group)
     out, x, grads = _run_shard(layer, x_row, w_row, mask, shard)
-    for g in grads.values():
-        dist.all_reduce(g, group=group)
+    for name, g in grads.items():
+        if kind == "moe" and mode == "expert_parallel" and is_expert_parameter(name):
+            parts = [torch.empty_like(g) for _ in range(cp)]
+            dist.all_gather(parts, g.contiguous(), group=group)
+            grads[name] = torch.cat(parts)
+        else:
+            dist.all_reduce(g, group=group)
     plans = [plan.for_rank(r) for r in range(cp)]
     rows = []
     for local in (out.detach(), x.grad):
@@ -115,7 +128,8 @@ def probe_world(rank: int, config: LayerProbeConfig, cp: int) -> list[dict] | No
     for kind in config.layers:
         layer = layers[kind]
         ref = _reference(layer, x_row, w_row, mask, seq_lens) if rank == 0 else None
-        for mode in config.gdn_modes if kind == "gdn" else config.attention_modes:
+        modes = {"gdn": config.gdn_modes, "attention": config.attention_modes, "moe": config.moe_modes}[kind]
+        for mode in modes:
             entry = {"layer": kind, "mode": mode, "cp": cp, "datum": datum, "split": split}
             try:
                 layer.check_cp(cp, mode)
