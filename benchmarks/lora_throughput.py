@@ -27,25 +27,11 @@ import time
 from pathlib import Path
 
 import tinker
-import torch
+from lora_runs import datums  # the same 8 datums of 64 tokens
 
 from ringtune.gateway.serve_process import ServeProcess
 
 ADAM = tinker.AdamParams(learning_rate=1e-4)
-
-
-def datums(vocab: int, seed: int) -> list[tinker.Datum]:
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(8):
-        tokens = torch.randint(0, vocab, (65,), generator=gen).tolist()
-        out.append(
-            tinker.Datum(
-                model_input=tinker.ModelInput.from_ints(tokens[:-1]),
-                loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 64},
-            )
-        )
-    return out
 
 
 def train(tc: tinker.TrainingClient, data: list[tinker.Datum], steps: int) -> list[float]:

@@ -23,13 +23,18 @@ def tiny_smollm_dir(dest: Path, *, seed: int = 0) -> Path:
     import transformers
 
     torch.manual_seed(seed)
-    config = hf_config("llama")
+    transformers.LlamaForCausalLM(_smollm_config("llama")).save_pretrained(dest)
+    smollm2_tokenizer_dir(dest)
+    return dest
+
+
+def _smollm_config(family: str):
+    """The tiny ``family`` config with SmolLM2's vocabulary and special token ids."""
+    config = hf_config(family)
     config.vocab_size = SMOLLM2_VOCAB
     config.max_position_embeddings = 4096
     config.bos_token_id, config.eos_token_id, config.pad_token_id = 1, 2, None
-    transformers.LlamaForCausalLM(config).save_pretrained(dest)
-    smollm2_tokenizer_dir(dest)
-    return dest
+    return config
 
 
 def tiny_smollm_moe_dir(dest: Path, *, seed: int = 0) -> Path:
@@ -37,11 +42,7 @@ def tiny_smollm_moe_dir(dest: Path, *, seed: int = 0) -> Path:
     import transformers
 
     torch.manual_seed(seed)
-    config = hf_config("qwen3_5_moe")
-    config.vocab_size = SMOLLM2_VOCAB
-    config.max_position_embeddings = 4096
-    config.bos_token_id, config.eos_token_id, config.pad_token_id = 1, 2, None
-    model = transformers.Qwen3_5MoeForCausalLM(config)
+    model = transformers.Qwen3_5MoeForCausalLM(_smollm_config("qwen3_5_moe"))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
