@@ -4,7 +4,8 @@ One server per module (float64, tiny Qwen3.5, ``--autosave-every 2``), driven by
 A worker rank is SIGKILLed during a forward_backward: that request fails with ``category: server`` (never a
 hang), rank 0 restarts the worker ranks, healthz answers 200 again, the run is restored from its autosave at
 step 2 (its next request fails once naming that step, then it works and repeats step 3 bit for bit), the
-sampling session built from a saved export samples the same tokens as before; autosaves are pruned and their
+sampling session built from a saved export samples the same tokens as before, a LoRA run beside it is back with
+its autosaved adapters on the restarted ranks' shared base (its forward bit-equal); autosaves are pruned and their
 prefix is reserved; a second kill while idle heals too (fresh store and process group each time), and a run
 autosaved at its current step goes on without an error.
 """
@@ -81,6 +82,11 @@ def test_sigkill_of_a_worker_heals_and_restores_the_run(server):
         for step in range(3):  # optimizer steps 1, 2, 3; autosave after step 2
             losses.append(tc.forward_backward(sdk_datums(step), "cross_entropy").result().metrics["loss:sum"])
             tc.optim_step(ADAM).result()
+        lora = sc.create_lora_training_client(str(server["model_dir"]), rank=4, seed=1).result()
+        for step in range(2):  # a LoRA run on the shared base: steps 1, 2, autosaved at 2 (adapters + moments)
+            lora.forward_backward(sdk_datums(20 + step), "cross_entropy").result()
+            lora.optim_step(ADAM).result()
+        lora_before = lora.forward(sdk_datums(9), "cross_entropy").result().metrics["loss:sum"]
         saved = tc.save_weights_for_sampler("after-3").result().path
         sampler = sc.create_sampling_client(model_path=saved)
         prompt, params = tinker.ModelInput.from_ints([1, 2, 3]), tinker.SamplingParams(max_tokens=6, seed=7)
@@ -111,6 +117,9 @@ def test_sigkill_of_a_worker_heals_and_restores_the_run(server):
         assert tc.optim_step(ADAM).result().metrics["step:max"] == 3.0
         after = sampler.sample(prompt, 2, params).result().sequences
         assert [s.tokens for s in after] == [s.tokens for s in before]
+        # The LoRA run came back on the restarted ranks' shared base with its autosaved adapters: it lost nothing
+        # (autosaved at its current step 2), so it goes on without a notice, computing exactly as before.
+        assert lora.forward(sdk_datums(9), "cross_entropy").result().metrics["loss:sum"] == lora_before
         print(
             f"\nheal: request failed {failed - killed:.1f} s after SIGKILL, healthz 200 {healthy - killed:.1f} s after;"
             " steps lost 1 (3 -> autosave at 2)"
