@@ -5,7 +5,8 @@ with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (docs/operations.md), trains one s
 rank 1 and prints how long healthz was down, that the run's autosave is listed after the restart, and what the
 same SDK client sees next: the restarted server brought the run back from its autosave (a torchrun restart always
 restores live runs, ``ringtune.gateway.restore``), so its first request fails with a ``server`` error naming the
-step, and the next step continues the run (step 2).
+step, and the next step continues the run (step 2). Last, SIGTERM to torchrun with a forward_backward in flight:
+what the request got, the agent's exit, and whether any ringtune process is left.
 
     .venv/bin/python benchmarks/heal_torchrun.py --model smollm2-135m
 """
@@ -38,6 +39,19 @@ def healthy(url: str) -> bool:
         return httpx.get(f"{url}/api/v1/healthz", timeout=3).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def ranks_of(port: int) -> list[int]:
+    """Pids of the ``ringtune.cli`` processes serving on ``port`` (alive)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and b"ringtune.cli" in (entry / "cmdline").read_bytes():
+                if str(port).encode() in (entry / "cmdline").read_bytes():
+                    out.append(int(entry.name))
+        except OSError:
+            continue
+    return out
 
 
 def rank_pid(port: int, rank: int, agent: int) -> int:
@@ -111,13 +125,32 @@ def main() -> None:
             print(f"  checkpoints listed after the restart: {listed}")
             print(f"  the same client's next request: {notice}")
             print(f"  then forward_backward + optim_step on the restored run: step {step:.0f} (goal 2)")
-        finally:
-            os.killpg(agent.pid, signal.SIGTERM)
+
+            # SIGTERM to the agent (how torchrun is stopped) with a forward_backward in flight.
+            busy = tc.forward_backward([DATUM] * 64, "cross_entropy")
+            time.sleep(0.3)
+            stopped = time.monotonic()
+            os.kill(agent.pid, signal.SIGTERM)
             try:
-                agent.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(agent.pid, signal.SIGKILL)
-                agent.wait()
+                busy.result(timeout=120)
+                outcome = "completed"
+            except tinker.RequestFailedError as exc:
+                outcome = f"failed, category {exc.category}"
+            except Exception as exc:  # the server went away before answering
+                outcome = f"no answer ({type(exc).__name__})"
+            code = agent.wait(120)
+            gone = time.monotonic() - stopped
+            left = [p for p in ranks_of(port) if p != agent.pid]
+            print(f"  SIGTERM to torchrun with a forward_backward in flight: the request {outcome}; torchrun exited")
+            print(f"  with {code} {gone:.1f} s after the signal; ringtune processes left: {len(left)}")
+        finally:
+            if agent.poll() is None:
+                os.killpg(agent.pid, signal.SIGTERM)
+                try:
+                    agent.wait(60)
+                except subprocess.TimeoutExpired:
+                    os.killpg(agent.pid, signal.SIGKILL)
+                    agent.wait()
         os._exit(0)  # the SDK clients' sessions would be finished over HTTP against a stopped server
 
 
