@@ -53,3 +53,29 @@ def test_serve_prints_the_sdk_settings_and_serves(tmp_path):
     # uvicorn shuts down (lifespan: the service and backend close), then re-raises SIGINT
     assert proc.returncode in (0, -signal.SIGINT), rest
     assert "Application shutdown complete" in rest, rest
+
+
+def test_serve_process_moves_to_a_fresh_port_when_its_port_was_taken(tmp_path, monkeypatch):
+    """Servers started side by side: the port ``ServeProcess`` picked is bound by someone else before the child
+    binds it (made deterministic here by holding it). The child's bind fails; the server starts on a fresh port."""
+    import socket
+
+    from ringtune.gateway import serve_process
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    held = taken.getsockname()[1]
+    picks = iter([held])
+    monkeypatch.setattr(serve_process, "free_port", lambda: next(picks, None) or free_port())
+    proc = serve_process.ServeProcess(
+        str(tiny_model_dir(tmp_path / "model")),
+        checkpoint_root=tmp_path / "ckpt",
+        log_path=tmp_path / "serve.log",
+        extra_args=["--context-length", "64"],
+    )
+    try:
+        with proc:
+            assert proc.port != held and httpx.get(f"{proc.url}/api/v1/healthz").status_code == 200
+    finally:
+        taken.close()

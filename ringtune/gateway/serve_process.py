@@ -39,6 +39,13 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
 
 
+PORT_ATTEMPTS = 3
+"""Starts tried on fresh ports when the picked one was taken meanwhile (see :meth:`ServeProcess.start`)."""
+
+PORT_TAKEN = "address already in use"
+"""What uvicorn logs when the port is bound by another process."""
+
+
 class ServeProcess:
     """A ``ringtune serve`` child on ``127.0.0.1:<port>``; use as ``with ServeProcess(...) as server``.
 
@@ -62,6 +69,7 @@ class ServeProcess:
         extra_args: Sequence[str] = (),
     ) -> None:
         self.port = port or free_port()
+        self.any_port = not port  # a port we picked: another one is tried if it was taken meanwhile
         self.api_key = api_key
         self.log_path = Path(log_path)
         self.command = [
@@ -97,8 +105,23 @@ class ServeProcess:
     def start(self, timeout_s: float = READY_TIMEOUT_S) -> str:
         """Spawn the child and wait until ``/api/v1/healthz`` answers 200; returns the base URL.
 
-        Raises ServerStartError (with the log tail) if the child exits first or ``timeout_s`` passes.
+        Raises ServerStartError (with the log tail) if the child exits first or ``timeout_s`` passes. When the
+        port was picked here (``port=0``) and another process bound it between the pick and the child's bind
+        (servers started side by side), the child is started again on a fresh port, up to
+        :data:`PORT_ATTEMPTS` times.
         """
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            try:
+                return self._start_once(timeout_s)
+            except ServerStartError:
+                if not (self.any_port and attempt < PORT_ATTEMPTS and PORT_TAKEN in self.log_tail()):
+                    raise
+            old, self.port = self.port, free_port()
+            self.command[self.command.index("--port") + 1] = str(self.port)
+            print(f"ringtune serve: port {old} was taken meanwhile; trying {self.port}", file=sys.stderr)
+        raise AssertionError("unreachable")
+
+    def _start_once(self, timeout_s: float) -> str:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
