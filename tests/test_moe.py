@@ -261,8 +261,7 @@ def test_serve_preflight_refuses_bad_ep(checkpoints, tmp_path):
         preflight(ServeSettings(source=moe, dp=3, ep=3))
     with pytest.raises(UserInputError, match=r"--shard-params=dp with --ep=2"):
         preflight(ServeSettings(source=moe, dp=2, ep=2, shard_params="dp"))
-    with pytest.raises(UserInputError, match=r"--ep=2 with --dp=2 --cp=2: not supported yet"):
-        preflight(ServeSettings(source=moe, dp=2, cp=2, ep=2))  # the known DP2xCP2xEP2 hang (docs/moe.md)
+    preflight(ServeSettings(source=moe, dp=2, cp=2, ep=2))  # two expert replicas across DP fit (hang fixed)
     preflight(ServeSettings(source=moe, dp=2, cp=2, ep=4))  # EP over all dp x cp ranks fits
     hf_model("qwen3", seed=0).save_pretrained(tmp_path / "dense")
     with pytest.raises(UserInputError, match=r"num_experts=0 \(0: not MoE\)"):
