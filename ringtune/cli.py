@@ -237,6 +237,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             mesh_prompt_tokens=args.mesh_prompt_tokens,
             tokenizer_dir=args.tokenizer,
             debug_fault=args.debug_fault,
+            routing_replay=args.routing_replay,
         )
     )
     options = {"attention": checked.attention, "gated_delta": checked.gated_delta, "recompute": args.recompute}

@@ -264,6 +264,8 @@ def test_serve_preflight_refuses_bad_ep(checkpoints, tmp_path):
     preflight(ServeSettings(source=moe, dp=2, cp=2, ep=2))  # two expert replicas across DP fit (hang fixed)
     preflight(ServeSettings(source=moe, dp=2, cp=2, ep=4))  # EP over all dp x cp ranks fits
     hf_model("qwen3", seed=0).save_pretrained(tmp_path / "dense")
+    notes = preflight(ServeSettings(source=str(tmp_path / "dense"), routing_replay=True)).notes
+    assert "--routing-replay has nothing to record: the model has no MoE layer" in notes
     with pytest.raises(UserInputError, match=r"num_experts=0 \(0: not MoE\)"):
         preflight(ServeSettings(source=str(tmp_path / "dense"), cp=2, ep=2))
 

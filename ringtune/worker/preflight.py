@@ -58,6 +58,7 @@ class ServeSettings:
     mesh_prompt_tokens: int | None = None
     tokenizer_dir: str | None = None
     debug_fault: str | None = None
+    routing_replay: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,6 +150,8 @@ def preflight(s: ServeSettings) -> Preflight:
     limit = config.hf_config.get("max_position_embeddings")
     if isinstance(limit, int) and context > limit:
         notes.append(f"context {context} tokens exceeds the model's max_position_embeddings={limit} (served anyway)")
+    if s.routing_replay and not config.has_moe:
+        notes.append("--routing-replay has nothing to record: the model has no MoE layer")
     return Preflight(
         config=config, attention=attention, gated_delta=gated_delta, context_length=context, notes=tuple(notes)
     )
