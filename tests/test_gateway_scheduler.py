@@ -31,8 +31,9 @@ def test_errors_shutdown_and_cancel_like_a_thread_pool():
     executor = FairExecutor("test-fair")
     with pytest.raises(ZeroDivisionError):
         executor.submit(lambda: 1 / 0).result(timeout=10)
-    gate = threading.Event()
-    running = executor.submit(gate.wait)
+    gate, started = threading.Event(), threading.Event()
+    running = executor.submit(lambda: (started.set(), gate.wait())[1])
+    assert started.wait(10)  # on a busy machine the worker may not have taken it yet: it would be cancelled
     queued = executor.submit_for("k", lambda: "never")
     threading.Timer(0.2, gate.set).start()
     executor.shutdown(wait=True, cancel_futures=True)
