@@ -88,6 +88,8 @@ class Batch:
         input_keys: the keys every datum carries (``target_tokens`` first).
         target_k: None for ``[N]`` targets, else K of ``[N, K]`` targets.
         plan: rows of datums per DP rank under the per-rank budget.
+        adapter_of_datum: several LoRA runs in one pass (:mod:`ringtune.engine.lora_batch`): the index of the
+            run each datum belongs to, in request order; None: one run.
     """
 
     datums: tuple[BatchDatum, ...]
@@ -95,6 +97,7 @@ class Batch:
     input_keys: tuple[str, ...]
     target_k: int | None
     plan: PackingPlan
+    adapter_of_datum: tuple[int, ...] | None = None
 
     @property
     def num_tokens(self) -> int:

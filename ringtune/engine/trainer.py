@@ -25,6 +25,7 @@ the outcome over the mesh's control group (:mod:`ringtune.parallel.control`) bef
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ringtune.engine import expert_parallel, faults, sharding
 from ringtune.engine.batch import MAX_TARGET_K, Batch, TrainDatum, build_batch
@@ -162,6 +164,16 @@ class Trainer:
         self.weights_version = 0  # bumped whenever the weights change (a sampler snapshot of them is then stale)
         self.microbatch_hook: Callable[[int], None] | None = None
         self.broken: str | None = None
+
+    def view(self, *, model: nn.Module, params: list[torch.nn.Parameter], invariant: Any) -> Trainer:
+        """A shallow copy of this trainer that runs :meth:`run_batch` on another ``model`` (several LoRA runs'
+        :class:`~ringtune.models.lora_mixed.MixedLoraModel`), accumulating into ``params`` and counting
+        microbatches on ``invariant`` (:class:`~ringtune.engine.lora_batch.InvariantGroup`); mesh, modes and
+        options are this trainer's. Only for :meth:`run_batch`: its optimizer is not the params'."""
+        other = copy.copy(self)
+        other.model, other.params, other.invariant = model, params, invariant
+        other.names = {id(p): n for n, p in model.named_parameters()}
+        return other
 
     @property
     def cp_group(self) -> dist.ProcessGroup | None:
@@ -303,6 +315,11 @@ class Trainer:
         if any(d.routing is not None for d in members):  # routing replay: zigzag-sliced like the tokens
             device = self.model.model.embed_tokens.weight.device
             shard = replace(shard, replay_experts=replay_shards(self.model, members, plan, device))
+        if batch.adapter_of_datum is not None:  # several LoRA runs in one pass: each token's run, zigzag-sliced
+            runs = torch.tensor([batch.adapter_of_datum[i] for i in row], dtype=torch.int64)
+            per_token = torch.repeat_interleave(runs, torch.tensor(lens, dtype=torch.int64))
+            device = self.model.model.embed_tokens.weight.device
+            shard = replace(shard, adapter_index=zigzag_slice(per_token, plan, pad_value=-1).to(device))
         # Every datum carries exactly batch.input_keys (a pad-only row: empty tensors of the same trailing
         # shapes), so every rank runs the same loss code and the same collectives.
         k_shape = () if batch.target_k is None else (batch.target_k,)

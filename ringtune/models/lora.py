@@ -207,22 +207,26 @@ class LoraAdapters(nn.Module):
         for t in self.targets:
             yield (t, *self.pair(t.name))
 
-    def delta(self, module: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out + scale · B(A(x))`` for the adapters on base module ``module`` (a split module: each adapter
-        on its row block); adapters are cast to ``x``'s dtype (mixed precision computes them like the layer)."""
+    def delta_only(self, module: str, x: torch.Tensor) -> torch.Tensor:
+        """``scale · B(A(x))`` [..., out] for the adapters on base module ``module`` (a split module: each
+        adapter on its row block, concatenated); adapters are cast to ``x``'s dtype (mixed precision computes
+        them like the layer)."""
         parts = []
         for t in self.by_module[module]:
             a, b = self.pair(t.name)
             parts.append(F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype)) * self.scale)
-        delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        return out + delta.to(out.dtype)
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+    def delta(self, module: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out + scale · B(A(x))`` (:meth:`delta_only`) in ``out``'s dtype."""
+        return out + self.delta_only(module, x).to(out.dtype)
 
 
 class LoraSlot:
     """The forward hooks of one base model: each targeted linear adds the delta of ``active`` (or nothing)."""
 
     def __init__(self, base: CausalLM) -> None:
-        self.active: LoraAdapters | None = None
+        self.active: LoraAdapters | Any = None  # LoraAdapters, or several runs' (models/lora_mixed.MixedAdapters)
         self.hooked: set[str] = set()
         self._modules = dict(base.named_modules())
 

@@ -30,6 +30,9 @@ class PackedShard:
         replay_experts: routing replay (``ringtune.models.layers.moe``): one entry per decoder layer, int64
             [local_len, top_k] expert ids for a MoE layer (this rank's zigzag shard, like the tokens) or None
             (route by the router's own top-k); None: no replay anywhere.
+        adapter_index: several LoRA runs in one pass (:mod:`ringtune.models.lora_mixed`): int64 [local_len],
+            the index of the run whose adapters each local token uses (this rank's zigzag shard; −1 on the
+            stream pad: no adapter); None: one model for every token.
     """
 
     plan: ZigzagPlan
@@ -38,6 +41,7 @@ class PackedShard:
     attention: str = DEFAULT_ATTENTION
     gated_delta: str = DEFAULT_GATED_DELTA
     replay_experts: tuple[torch.Tensor | None, ...] | None = None
+    adapter_index: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         check_attention_mode(self.attention)
