@@ -163,6 +163,13 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="seconds a generation decodes per turn before other clients' ops run (0: each runs to its end)",
     )
     p.add_argument(
+        "--lora-pass-runs",
+        type=int,
+        default=d.lora_pass_runs,
+        help="join the waiting forward(_backward) requests of up to N LoRA runs into one pass over the shared base "
+        "(1: each alone; docs/lora.md)",
+    )
+    p.add_argument(
         "--routing-replay",
         action="store_true",
         help="MoE models: record the experts the sampler chose and replay them when a training datum matches a "
@@ -214,6 +221,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         sample_slice_s=args.sample_slice,
         restore_live_runs=args.restore_live_runs or torchrun_restarts() > 0,
         routing_replay=args.routing_replay,
+        lora_pass_runs=args.lora_pass_runs,
         max_body_bytes=args.max_body_mb * 2**20,
         fwdbwd_max_chunk_bytes=min(
             args.max_body_mb * 2**20 // 2, GatewayConfig(checkpoint_root="").fwdbwd_max_chunk_bytes

@@ -52,3 +52,52 @@ def test_run_in_executor_uses_the_default_key():
 
     assert asyncio.run(main()) == "test-fair"
     executor.shutdown()
+
+
+def test_joinable_jobs_run_together_only_from_queue_heads():
+    executor = FairExecutor("test-fair", max_join=8)
+    gate, started, calls = threading.Event(), threading.Event(), []
+    executor.submit_for("blocker", lambda: (started.set(), gate.wait()))
+    assert started.wait(10)
+
+    def runner(items: list[str]) -> list[str]:
+        calls.append(list(items))
+        return [f"done-{item}" for item in items]
+
+    futures = [
+        executor.submit_joinable("A", "X", "a1", runner),
+        executor.submit_joinable("A", "X", "a2", runner),  # behind a1: never joins a1's pass
+        executor.submit_for("B", calls.append, "b1"),
+        executor.submit_joinable("B", "X", "b2", runner),  # behind b1: joins only once b1 ran
+        executor.submit_joinable("C", "X", "c1", runner),
+        executor.submit_joinable("D", "Y", "d1", runner),  # another kind: alone
+    ]
+    gate.set()
+    assert [f.result(timeout=10) for f in futures] == ["done-a1", "done-a2", None, "done-b2", "done-c1", "done-d1"]
+    assert calls == [["a1", "c1"], "b1", ["d1"], ["a2", "b2"]]
+    executor.shutdown()
+
+
+def test_joined_jobs_respect_max_join_and_share_an_error():
+    executor = FairExecutor("test-fair", max_join=2)
+    gate, started, calls = threading.Event(), threading.Event(), []
+    executor.submit_for("blocker", lambda: (started.set(), gate.wait()))
+    assert started.wait(10)
+
+    def runner(items: list[int]) -> list[int]:
+        calls.append(list(items))
+        if 9 in items:
+            raise ValueError("boom")
+        return items
+
+    futures = [executor.submit_joinable(f"k{i}", "X", i, runner) for i in range(3)]
+    failing = [executor.submit_joinable("k9", "Z", 9, runner), executor.submit_joinable("k8", "Z", 8, runner)]
+    gate.set()
+    assert [f.result(timeout=10) for f in futures] == [0, 1, 2]
+    for future in failing:
+        with pytest.raises(ValueError, match="boom"):
+            future.result(timeout=10)
+    assert calls == [[0, 1], [2], [9, 8]]  # k2 is next in the rotation
+    with pytest.raises(ValueError, match="max_join"):
+        FairExecutor("test-fair", max_join=0)
+    executor.shutdown()

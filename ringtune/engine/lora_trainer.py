@@ -8,8 +8,8 @@ step (a few MiB), plus the run's :class:`~ringtune.models.lora.LoraSpec` in ``ex
 another spec (shapes or targets) or of a full fine-tuning run is refused by the load plan (UserInputError).
 
 What differs: the HF export for sampling writes the merged weights (:mod:`ringtune.models.lora_merge`), and
-:meth:`LoraTrainer.sampler_snapshot` gives the sampler the merged model. FSDP sharding is refused: the
-adapters are small, and the base is frozen and shared, not a run's state.
+:meth:`LoraTrainer.sampler_snapshot` gives the sampler a copy of the adapters on the shared base. FSDP
+sharding is refused: the adapters are small, and the base is frozen and shared, not a run's state.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from ringtune.engine.trainer import Trainer
 from ringtune.errors import ParallelConfigError
 from ringtune.models.decoder import CausalLM
 from ringtune.models.lora import LoraModel
-from ringtune.models.lora_merge import merged_config, merged_model, merged_state
+from ringtune.models.lora_merge import merged_config, merged_state
 from ringtune.models.lora_peft import write_peft_adapter
+from ringtune.models.lora_snapshot import LoraSnapshot
 from ringtune.parallel.control import run_on_source
 from ringtune.parallel.mesh import ParallelMesh
 
@@ -63,7 +64,7 @@ class LoraTrainer(Trainer):
         export_hf_weights(shell, path, group=self.control_group, dtype=self.export_dtype, state=state)
         run_on_source(lambda: write_peft_adapter(self.lora, path), self.control_group)
 
-    def sampler_snapshot(self) -> CausalLM:
-        """The sampler's inference copy of this run now: the merged model (see :mod:`ringtune.models.lora_merge`)."""
+    def sampler_snapshot(self) -> LoraSnapshot:
+        """The sampler's copy of this run now: its adapters on the shared base (models/lora_snapshot.py)."""
         self._check_usable()
-        return merged_model(self.lora)
+        return LoraSnapshot(self.lora)

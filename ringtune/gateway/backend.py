@@ -21,6 +21,7 @@ import torch
 
 from ringtune.engine.optimizer import AdamParams
 from ringtune.engine.trainer import TrainDatum
+from ringtune.errors import UserInputError
 from ringtune.sample.pool import SampleRequest, SamplerSource
 from ringtune.sample.sampler import PromptSamples
 
@@ -102,6 +103,19 @@ class Backend(Protocol):
         """Tinker forward(_backward): per-datum outputs (``logprobs``, ``elementwise_loss``, shaped like
         ``target_tokens``) and metrics (``name:reduction`` keys, ``loss:sum`` included). Gradients accumulate
         until :meth:`optim_step` unless ``forward_only``."""
+        ...
+
+    def forward_backward_many(
+        self,
+        run_ids: Sequence[str],
+        data: Sequence[Sequence[TrainDatum]],
+        loss_fn: str,
+        loss_config: Mapping[str, float] | None,
+        forward_only: bool,
+    ) -> list[tuple[list[dict[str, torch.Tensor]], dict[str, float]] | UserInputError]:
+        """:meth:`forward_backward` of ``data[i]`` on LoRA run ``run_ids[i]`` for every i, in one pass over their
+        shared base where possible (:mod:`ringtune.engine.lora_batch`): per run its (outputs, metrics), as
+        alone, or the UserInputError its request got (the others still ran)."""
         ...
 
     def optim_step(self, run_id: str, adam: AdamParams) -> dict[str, float]:

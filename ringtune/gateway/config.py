@@ -34,6 +34,8 @@ class GatewayConfig:
             (:mod:`ringtune.gateway.routing_records`; the backend must record it: ``ModelSpec.record_routing``).
         sample_slice_s: a sampling request decodes for about this long per turn on the backend thread, then
             waits behind the other clients' queued ops for its next turn (0 = to the end in one turn).
+        lora_pass_runs: the most LoRA runs whose waiting forward(_backward) requests run as one pass over the
+            shared base (:mod:`ringtune.gateway.lora_passes`); 1 = each request alone.
     """
 
     checkpoint_root: str
@@ -55,6 +57,7 @@ class GatewayConfig:
     sample_slice_s: float = 0.5
     restore_live_runs: bool = False
     routing_replay: bool = False
+    lora_pass_runs: int = 8
 
     def validate(self) -> None:
         """UserInputError naming the setting, its value and the limit."""
@@ -69,6 +72,7 @@ class GatewayConfig:
             ("autosave_minutes", self.autosave_minutes, self.autosave_minutes >= 0, ">= 0 (0 = never)"),
             ("autosave_keep", self.autosave_keep, self.autosave_keep >= 1, ">= 1"),
             ("sample_slice_s", self.sample_slice_s, self.sample_slice_s >= 0, ">= 0 (0 = no slicing)"),
+            ("lora_pass_runs", self.lora_pass_runs, self.lora_pass_runs >= 1, ">= 1 (1 = each request alone)"),
         )
         for name, value, ok, limit in checks:
             if not ok:

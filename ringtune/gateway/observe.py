@@ -20,6 +20,7 @@ import torch
 
 from ringtune.engine.optimizer import AdamParams
 from ringtune.engine.trainer import TrainDatum
+from ringtune.errors import UserInputError
 from ringtune.gateway.backend import Backend, BackendHealth, BackendInfo
 from ringtune.sample.pool import SampleRequest, SamplerSource
 from ringtune.sample.sampler import PromptSamples
@@ -97,6 +98,29 @@ class ObservedBackend:
         )
         self._record(run_id, op, metrics)
         return outputs, metrics
+
+    def forward_backward_many(
+        self,
+        run_ids: Sequence[str],
+        data: Sequence[Sequence[TrainDatum]],
+        loss_fn: str,
+        loss_config: Mapping[str, float] | None,
+        forward_only: bool,
+    ) -> list[tuple[list[dict[str, torch.Tensor]], dict[str, float]] | UserInputError]:
+        op = "forward" if forward_only else "forward_backward"
+        results = self._observe(
+            f"{op}_many",
+            ",".join(run_ids),
+            lambda: self.backend.forward_backward_many(run_ids, data, loss_fn, loss_config, forward_only),
+            loss_fn=loss_fn,
+            runs=len(run_ids),
+            datums=sum(len(d) for d in data),
+            tokens=sum(_tokens(d) for d in data),
+        )
+        for run_id, result in zip(run_ids, results, strict=True):
+            if not isinstance(result, UserInputError):
+                self._record(run_id, op, result[1])
+        return results
 
     def optim_step(self, run_id: str, adam: AdamParams) -> dict[str, float]:
         metrics = self._observe("optim_step", run_id, lambda: self.backend.optim_step(run_id, adam))

@@ -151,7 +151,8 @@ def _tokens(datum: pb.Datum, i: int) -> np.ndarray:
     return np.concatenate([np.zeros(0, np.int64), *parts]).astype(np.int64)
 
 
-def _loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float | str]:
+def decode_loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float | str]:
+    """The request's ``loss_fn_config_v2`` (numbers and text) or, when absent, ``loss_fn_config``."""
     if msg.loss_fn_config_v2:
         config: dict[str, float | str] = {}
         for key, value in msg.loss_fn_config_v2.items():
@@ -176,7 +177,7 @@ def decode_request(msg: pb.ForwardBackwardRequest) -> ForwardBackwardCall:
         model_id=msg.model_id,
         seq_id=int(msg.seq_id),
         loss_fn=msg.loss_fn,
-        loss_config=_loss_config(msg),
+        loss_config=decode_loss_config(msg),
         forward_only=bool(msg.forward_only),
         data=data,
     )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from ringtune.gateway.backend import Backend
 from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.downloads import DownloadSigner
 from ringtune.gateway.futures import FutureStore, Outcome
+from ringtune.gateway.lora_passes import LoraPart, pass_kind, run_pass
 from ringtune.gateway.observe import ObservedBackend
 from ringtune.gateway.paths import CheckpointPaths, check_name, dir_bytes
 from ringtune.gateway.restore import restore_live_runs
@@ -53,6 +54,8 @@ log = logging.getLogger(__name__)
 Commit = Callable[[], None]
 SHUTTING_DOWN = "the server is shutting down (SIGTERM/SIGINT); this request was not executed: resend it after a restart"
 Job = Callable[[], tuple[Outcome, Commit | None]]
+Joinable = tuple[Hashable, Any, Callable[[list[Any]], list[tuple[Outcome, Commit | None]]]]
+"""(kind, item, runner) of a request that may share a backend call (FairExecutor.submit_joinable)."""
 
 
 class RefusedError(Exception):
@@ -77,7 +80,7 @@ class GatewayService:
             max_age_s=config.future_max_age_s,
             retrieved_keep_s=config.retrieved_keep_s,
         )
-        self.executor = FairExecutor("ringtune-backend")
+        self.executor = FairExecutor("ringtune-backend", max_join=config.lora_pass_runs)
         self.downloads = DownloadSigner()
         """Signs the download URLs of external weights (a new secret per server start)."""
         self.routing = RoutingRecords() if config.routing_replay else None
@@ -103,9 +106,11 @@ class GatewayService:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _dispatch(self, request_id: str, job: Job, key: str = DEFAULT_KEY) -> None:
+    def _dispatch(self, request_id: str, job: Job, key: str = DEFAULT_KEY, join: Joinable | None = None) -> None:
         """Run ``job`` on the worker thread, queued under ``key`` (a run's id: its ops keep their order); resolve
-        the future (and apply its commit) back on the loop."""
+        the future (and apply its commit) back on the loop. With ``join`` = (kind, item, runner) the request is
+        queued as a joinable job instead (a LoRA pass, :mod:`ringtune.gateway.lora_passes`; the runner never
+        raises) and ``job`` is not used."""
 
         def guarded() -> tuple[Outcome, Commit | None]:
             try:
@@ -135,7 +140,11 @@ class GatewayService:
         if self.stopping:
             self.futures.resolve(request_id, Outcome.error(SHUTTING_DOWN, "server"))
             return
-        asyncio.wrap_future(self.executor.submit_for(key, guarded)).add_done_callback(done)
+        if join is not None:
+            future = self.executor.submit_joinable(key, join[0], join[1], join[2])
+        else:
+            future = self.executor.submit_for(key, guarded)
+        asyncio.wrap_future(future).add_done_callback(done)
 
     def _run(self, model_id: str, *, live: bool = True) -> RunRecord:
         record = self.registry.runs.get(model_id)
@@ -155,7 +164,9 @@ class GatewayService:
             raise RefusedError(410, f"session_id={session_id!r} is finished ({session.finished})")
         return session
 
-    def _ordered(self, record: RunRecord, seq_id: int | None, op: str, job: Job) -> dict[str, Any]:
+    def _ordered(
+        self, record: RunRecord, seq_id: int | None, op: str, job: Job, join: Joinable | None = None
+    ) -> dict[str, Any]:
         """Submit an op of ``record`` in ``seq_id`` order; a resubmit gets the original request_id."""
         try:
             seq = translate.check_seq_id(seq_id)
@@ -171,7 +182,7 @@ class GatewayService:
             if notice is not None:
                 self.futures.resolve(request_id, Outcome.error(notice, "server"))
             else:
-                self._dispatch(request_id, job, record.run_id)
+                self._dispatch(request_id, job, record.run_id, join)
 
         try:
             record.gate.add(seq, request_id, dispatch, self.futures.clock())
@@ -353,7 +364,11 @@ class GatewayService:
             arrays = [{k: v.detach().cpu().numpy() for k, v in o.items()} for o in outputs]
             return Outcome("proto", proto.encode_output(arrays, metrics)), None
 
-        return self._ordered(record, msg.seq_id, "forward" if msg.forward_only else "forward_backward", job)
+        join = None
+        kind = pass_kind(msg) if record.lora is not None and self.executor.max_join > 1 else None
+        if kind is not None:  # a LoRA run: may share one pass over the base with other runs' waiting requests
+            join = (kind, LoraPart(run_id, msg), lambda parts: run_pass(backend, parts, self.routing))
+        return self._ordered(record, msg.seq_id, "forward" if msg.forward_only else "forward_backward", job, join)
 
     def optim_step(self, body: OptimStepBody) -> dict[str, Any]:
         record = self._run(body.model_id)

@@ -22,6 +22,7 @@ import torch
 from ringtune.engine.sharding import full_state_dict
 from ringtune.errors import UserInputError
 from ringtune.models.decoder import CausalLM
+from ringtune.models.lora_snapshot import LoraSnapshot
 from ringtune.models.precision import compute_like_trainer, layers_compute_dtype
 from ringtune.parallel.expert_dispatch import gather_expert_state
 from ringtune.sample.mesh_prompts import PromptForward
@@ -30,6 +31,9 @@ from ringtune.sample.sampler import Generation, PromptSamples, start_generation
 
 DEFAULT_MAX_SNAPSHOTS = 4
 """Snapshots (weight copies) held per rank by default."""
+
+DEFAULT_MAX_ADAPTER_SNAPSHOTS = 64
+"""LoRA adapter snapshots (on the shared base) held per rank by default."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,9 @@ class SamplerPool:
     Args:
         load: loads a model from a source path (``None`` = the base model), e.g. ``load_model``.
         decode: token ids -> text, for stop strings (the served tokenizer), or None.
-        max_snapshots: snapshots held at once.
+        max_snapshots: weight copies held at once (base model, HF directories, full fine-tuning runs).
+        max_adapter_snapshots: LoRA runs' adapter snapshots held at once (:mod:`ringtune.models.lora_snapshot`:
+            adapters on the shared base, a few MiB each; they do not count against ``max_snapshots``).
         compute_dtype: the trainers' layer compute dtype under mixed precision (None: unmixed); loaded models
             compute in it as run snapshots do (:func:`~ringtune.models.precision.compute_like_trainer`).
         record_routing: sequences sampled from a MoE snapshot carry their routing (routing replay).
@@ -105,12 +111,14 @@ class SamplerPool:
         *,
         decode: Callable[[list[int]], str] | None = None,
         max_snapshots: int = DEFAULT_MAX_SNAPSHOTS,
+        max_adapter_snapshots: int = DEFAULT_MAX_ADAPTER_SNAPSHOTS,
         compute_dtype: torch.dtype | None = None,
         record_routing: bool = False,
     ) -> None:
         if max_snapshots < 1:
             raise UserInputError(f"max_snapshots={max_snapshots} must be >= 1")
         self.decode, self.max_snapshots, self.record_routing = decode, max_snapshots, record_routing
+        self.max_adapter_snapshots = max_adapter_snapshots
         self.load = lambda path: compute_like_trainer(load(path), compute_dtype)
         self.snapshots: OrderedDict[tuple, CausalLM] = OrderedDict()  # key -> model, least recently used first
         self.sessions: dict[str, tuple[tuple, SamplerSource]] = {}
@@ -123,23 +131,29 @@ class SamplerPool:
             return ("run", source.run_id, trainer.weights_version)  # type: ignore[attr-defined]
         return ("path", source.path)
 
-    def _hold(self, key: tuple, make: Callable[[], CausalLM]) -> CausalLM:
+    def _hold(self, key: tuple, make: Callable[[], CausalLM], *, adapters: bool = False) -> CausalLM:
+        """The snapshot under ``key``, made now if not held; ``adapters``: it is a LoRA run's adapter snapshot
+        (counted against ``max_adapter_snapshots``, not against the weight copies' ``max_snapshots``)."""
         if key in self.snapshots:
             self.snapshots.move_to_end(key)
             return self.snapshots[key]
-        while len(self.snapshots) >= self.max_snapshots:
-            self.snapshots.popitem(last=False)
+        limit = self.max_adapter_snapshots if adapters else self.max_snapshots
+        while sum(self._is_adapters(k) == adapters for k in self.snapshots) >= limit:
+            del self.snapshots[next(k for k in self.snapshots if self._is_adapters(k) == adapters)]
         model = make()
         self.snapshots[key] = model
         return model
+
+    def _is_adapters(self, key: tuple) -> bool:
+        return isinstance(self.snapshots.get(key), LoraSnapshot)
 
     def create(self, sampler_id: str, source: SamplerSource, trainers: Mapping[str, object]) -> None:
         """Register session ``sampler_id`` on ``source`` and hold its snapshot (copied or loaded once)."""
         key = self._key(source, trainers)
         if source.run_id is not None:
-            trainer = trainers[source.run_id]  # a LoRA run's snapshot is its merged model (sampler_snapshot)
-            make = getattr(trainer, "sampler_snapshot", None) or (lambda: snapshot_of(trainer.model))  # type: ignore[attr-defined]
-            self._hold(key, make)
+            trainer = trainers[source.run_id]  # a LoRA run's snapshot: its adapters on the shared base
+            make = getattr(trainer, "sampler_snapshot", None)
+            self._hold(key, make or (lambda: snapshot_of(trainer.model)), adapters=make is not None)  # type: ignore[attr-defined]
         else:
             self._hold(key, lambda: self.load(source.path))
         self.sessions[sampler_id] = (key, source)

@@ -98,6 +98,24 @@ class DistributedBackend:
         outputs, metrics = self._run(Command("forward_backward", run_id, args))
         return outputs, metrics
 
+    def forward_backward_many(
+        self,
+        run_ids: Sequence[str],
+        data: Sequence[Sequence[TrainDatum]],
+        loss_fn: str,
+        loss_config: Mapping[str, float] | None,
+        forward_only: bool,
+    ) -> list[tuple[list[dict[str, torch.Tensor]], dict[str, float]] | UserInputError]:
+        args = {
+            "runs": list(run_ids),
+            "data": [list(d) for d in data],
+            "loss_fn": loss_fn,
+            "loss_config": loss_config,
+            "forward_only": forward_only,
+        }
+        results = self._run(Command("forward_backward_many", None, args))
+        return [UserInputError(r) if isinstance(r, str) else r for r in results]
+
     def optim_step(self, run_id: str, adam: AdamParams) -> dict[str, float]:
         return self._run(Command("optim_step", run_id, {"adam": adam}))
 

@@ -9,6 +9,7 @@ OPS = (
     "create_run",
     "free_run",
     "forward_backward",
+    "forward_backward_many",
     "optim_step",
     "save_state",
     "load_state",

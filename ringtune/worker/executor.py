@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ringtune.engine.lora_batch import forward_backward_many
+from ringtune.engine.lora_trainer import LoraTrainer
 from ringtune.engine.sharding import check_sharding
 from ringtune.engine.trainer import SHARDED_GROUPS_LOST, Trainer
 from ringtune.errors import ParallelConfigError, ServerConfigError, UserInputError
@@ -139,6 +141,7 @@ class RankExecutor:
             "create_run": self._create_run,
             "free_run": self._free_run,
             "forward_backward": self._forward_backward,
+            "forward_backward_many": self._forward_backward_many,
             "optim_step": lambda c: self._trainer(c).optim_step(c.args["adam"]),
             "save_state": lambda c: self._trainer(c).save_state(c.args["path"]),
             "load_state": lambda c: self._trainer(c).load_state(c.args["path"], optimizer=c.args["optimizer"]),
@@ -373,6 +376,21 @@ class RankExecutor:
         for trainer in self.trainers.values():
             if trainer.fsdp_units:
                 trainer.broken = SHARDED_GROUPS_LOST
+
+    def _forward_backward_many(self, command: Command) -> list[Any]:
+        """Several LoRA runs' requests in one pass (:func:`ringtune.engine.lora_batch.forward_backward_many`):
+        per run ``(outputs, metrics)`` or the message of its UserInputError."""
+        a = command.args
+        trainers = []
+        for run_id in a["runs"]:
+            trainer = self._trainer(Command("forward_backward", run_id, {}))
+            if not isinstance(trainer, LoraTrainer):
+                raise UserInputError(f"run {run_id!r} is not a LoRA run; only LoRA runs share a forward pass")
+            trainers.append(trainer)
+        outcomes = forward_backward_many(
+            trainers, a["data"], a["loss_fn"], a["loss_config"], forward_only=a["forward_only"]
+        )
+        return [str(o) if isinstance(o, UserInputError) else (o.outputs, o.metrics) for o in outcomes]
 
     def _forward_backward(self, command: Command):
         a = command.args

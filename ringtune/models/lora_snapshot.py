@@ -1,0 +1,72 @@
+"""A LoRA run's sampler weights on the shared frozen base: a frozen copy of its adapters, not a merged model.
+
+``save_weights_for_sampler`` / ``save_weights_and_get_sampling_client`` of a LoRA run give the sampler a
+:class:`LoraSnapshot`: the base every LoRA run of the rank shares plus a copy of the run's adapters as they
+are now (the run's later steps do not change it). It quacks like a :class:`~ringtune.models.decoder.CausalLM`
+for the sampler (``config``, ``model``, ``output_weight``, ``hidden_states``, ``decode_hidden``); each forward
+makes its adapters the active ones on the base's :class:`~ringtune.models.lora.LoraSlot`, exactly as the
+training forward does, so the sampler computes what the trainer computes, in the same precision. A snapshot
+costs the adapters (a few MiB to a few hundred), not a copy of the model; the unembedding's adapter is
+merged into a ``[vocab, hidden]`` weight only while a generation or prefill reads it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from ringtune.models.lora import LoraModel, LoraSpec
+from ringtune.models.shard import PackedShard
+
+
+class LoraSnapshot(nn.Module):
+    """A sampling copy of ``lora``'s adapters on its base (``base`` is a submodule: MoE routing capture and
+    device queries see its layers; the snapshot's own tensors are the adapters' copies, no gradient)."""
+
+    def __init__(self, lora: LoraModel) -> None:
+        super().__init__()
+        self.base = lora.base
+        self.config = lora.base.config
+        object.__setattr__(self, "slot", lora.slot)
+        self.adapters = copy.deepcopy(lora.adapters).requires_grad_(False)
+        self.unembed = lora.unembed
+
+    @property
+    def spec(self) -> LoraSpec:
+        return self.adapters.spec
+
+    @property
+    def model(self) -> nn.Module:
+        return self.base.model
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        """[vocab, hidden]: the base's output weight, plus ``scale · B @ A`` when the unembedding is adapted."""
+        weight = self.base.output_weight
+        if self.unembed is None:
+            return weight
+        a, b = self.adapters.pair(self.unembed.name)
+        with torch.no_grad():
+            return weight + (b @ a).to(weight.dtype) * self.adapters.scale
+
+    def adapter_bytes(self) -> int:
+        """Bytes of this snapshot's own tensors (the adapters' copies)."""
+        return sum(t.numel() * t.element_size() for t in self.adapters.parameters())
+
+    def activate(self) -> None:
+        self.slot.active = self.adapters
+
+    def check_parallel(self, shard: PackedShard) -> None:
+        self.base.check_parallel(shard)
+
+    def hidden_states(self, input_ids: torch.Tensor, shard: PackedShard, **kwargs) -> torch.Tensor:
+        """:meth:`CausalLM.hidden_states` with this snapshot's adapters (collective over the shard's CP group)."""
+        self.activate()
+        return self.base.hidden_states(input_ids, shard, **kwargs)
+
+    def decode_hidden(self, input_ids: torch.Tensor, batch) -> torch.Tensor:
+        """:meth:`CausalLM.decode_hidden` with this snapshot's adapters."""
+        self.activate()
+        return self.base.decode_hidden(input_ids, batch)
