@@ -25,6 +25,7 @@ from ringtune.models.lora import LoraModel, LoraSpec
 API_KEY = "tml-lora"
 BUDGET = 64
 RANK, SEED = 4, 3
+ADAM_SDK = tinker.AdamParams(learning_rate=1e-2, eps=1e-8)  # = test_gateway_workers.ADAM
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +126,32 @@ def test_lora_run_through_the_sdk_at_cp2(server):
         assert _close(fresh.forward(probe, "cross_entropy").result().metrics["loss:sum"], want_base)
     health = httpx.get(f"{server['url']}/api/v1/healthz")
     assert health.status_code == 200, health.text
+
+
+def test_lora_runs_share_a_pass_on_the_served_mesh(server):
+    """Three LoRA runs' requests queued behind a long forward of a fourth run join one pass on the CP=2 mesh
+    (the supervised backend, the command to both ranks); each run's loss and step equal a single-process
+    LoraTrainer of its own (float64)."""
+    base = str(server["model_dir"])
+    seeds = (20, 21, 22)
+    model = load_hf(base, dtype=torch.float64)
+    with tinker.ServiceClient(base_url=server["url"], api_key=API_KEY) as sc:
+        long = sc.create_lora_training_client(base, rank=RANK, seed=19).result()
+        runs = [sc.create_lora_training_client(base, rank=RANK, seed=s).result() for s in seeds]
+        busy = long.forward(sdk_datums(0, lens=(60,) * 24), "cross_entropy")  # the backend is busy a while
+        pending = [
+            (tc.forward_backward(sdk_datums(40 + i), "cross_entropy"), tc.optim_step(ADAM_SDK))
+            for i, tc in enumerate(runs)
+        ]
+        busy.result(timeout=300)
+        results = [(fb.result(timeout=300), step.result(timeout=300)) for fb, step in pending]
+    assert max(fb.metrics.get("lora_pass_runs:max", 1.0) for fb, _ in results) >= 2.0
+    for i, (seed, (fb, step)) in enumerate(zip(seeds, results, strict=True)):
+        direct = LoraTrainer(LoraModel(model, LoraSpec(rank=RANK, seed=seed)), None, max_tokens_per_rank=BUDGET)
+        want = direct.forward_backward(engine_datums(sdk_datums(40 + i)), "cross_entropy")
+        want_step = direct.optim_step(ADAM)
+        assert _close(fb.metrics["loss:sum"], want.metrics["loss:sum"]), (i, fb.metrics)
+        assert _close(step.metrics["grad_norm:mean"], want_step["grad_norm:mean"]), i
 
 
 def test_save_weights_external_downloads_through_signed_urls(server, tmp_path, monkeypatch):

@@ -21,7 +21,6 @@ import torch
 
 from ringtune.engine.optimizer import AdamParams
 from ringtune.engine.trainer import TrainDatum
-from ringtune.errors import UserInputError
 from ringtune.sample.pool import SampleRequest, SamplerSource
 from ringtune.sample.sampler import PromptSamples
 
@@ -112,10 +111,11 @@ class Backend(Protocol):
         loss_fn: str,
         loss_config: Mapping[str, float] | None,
         forward_only: bool,
-    ) -> list[tuple[list[dict[str, torch.Tensor]], dict[str, float]] | UserInputError]:
+    ) -> list[tuple[list[dict[str, torch.Tensor]], dict[str, float]] | Exception]:
         """:meth:`forward_backward` of ``data[i]`` on LoRA run ``run_ids[i]`` for every i, in one pass over their
         shared base where possible (:mod:`ringtune.engine.lora_batch`): per run its (outputs, metrics), as
-        alone, or the UserInputError its request got (the others still ran)."""
+        alone, or the error its request got while the others still ran: a UserInputError (``user``) or
+        another exception (``server``: a restored run's notice)."""
         ...
 
     def optim_step(self, run_id: str, adam: AdamParams) -> dict[str, float]:

@@ -86,6 +86,8 @@ def run_pass(backend: Backend, parts: list[LoraPart], routing: RoutingRecords | 
             outcomes[i] = result
         elif isinstance(result, UserInputError):
             outcomes[i] = Outcome.error(str(result), "user")
+        elif isinstance(result, Exception):  # this run's own server error (a restored run's notice)
+            outcomes[i] = Outcome.error(str(result), "server")
         else:
             outputs, metrics = result
             if routing is not None:

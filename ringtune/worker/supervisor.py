@@ -336,6 +336,32 @@ class SupervisedBackend:
             self.runs[run_id].pending = True
         return out
 
+    def forward_backward_many(
+        self,
+        run_ids: Sequence[str],
+        data: Sequence[Sequence[TrainDatum]],
+        loss_fn: str,
+        loss_config: Mapping[str, float] | None,
+        forward_only: bool,
+    ) -> list[Any]:
+        """LoRA runs in one pass (:meth:`Backend.forward_backward_many`); a restored run's pending notice is its
+        own result (a RankFailedError), the other runs still share the pass."""
+        with self._cond:
+            noticed = {r: self.notices.pop(r) for r in run_ids if r in self.notices}
+        out: list[Any] = [RankFailedError(noticed[r], error_type=RESTORED) if r in noticed else None for r in run_ids]
+        keep = [i for i, r in enumerate(run_ids) if r not in noticed]
+        if not keep:
+            return out
+        ids, parts = [run_ids[i] for i in keep], [data[i] for i in keep]
+        results = self._call(
+            None, lambda: self.inner.forward_backward_many(ids, parts, loss_fn, loss_config, forward_only)
+        )
+        for i, result in zip(keep, results, strict=True):
+            out[i] = result
+            if not forward_only and not isinstance(result, Exception) and run_ids[i] in self.runs:
+                self.runs[run_ids[i]].pending = True
+        return out
+
     def optim_step(self, run_id: str, adam: AdamParams) -> dict[str, float]:
         metrics = self._call(run_id, lambda: self.inner.optim_step(run_id, adam))
         track = self.runs.get(run_id)
