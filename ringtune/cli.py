@@ -167,7 +167,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         default=d.lora_pass_runs,
         help="join the waiting forward(_backward) requests of up to N LoRA runs into one pass over the shared base "
-        "(1: each alone; docs/lora.md)",
+        "(1, the default: each alone; slower on CPU, see docs/lora.md)",
     )
     p.add_argument(
         "--routing-replay",

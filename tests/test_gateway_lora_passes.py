@@ -30,7 +30,9 @@ def gateway(tmp_path_factory) -> Iterator[ServerThread]:
     backend = LocalBackend(
         str(model_dir), max_tokens_per_rank=MAX_TOKENS_PER_RANK, model_name=MODEL_NAME, dtype="float64"
     )
-    config = GatewayConfig(checkpoint_root=str(root / "checkpoints"), api_key=API_KEY, max_live_runs=8)
+    config = GatewayConfig(
+        checkpoint_root=str(root / "checkpoints"), api_key=API_KEY, max_live_runs=8, lora_pass_runs=8
+    )
     server = ServerThread(backend, config)
     server.start()
     yield server

@@ -33,7 +33,7 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("lora_serve")
     model_dir = tiny_model_dir(tmp / "models" / "tiny")
     args = ["--cp", "2", "--dtype", "float64", "--max-tokens-per-rank", str(BUDGET), "--linear-cp-mode", "chunkwise"]
-    args += ["--collective-timeout", "20"]
+    args += ["--collective-timeout", "20", "--lora-pass-runs", "8"]
     proc = ServeProcess(
         str(model_dir), checkpoint_root=tmp / "ckpt", log_path=tmp / "serve.log", api_key=API_KEY, extra_args=args
     )

@@ -50,7 +50,7 @@ class FairExecutor(Executor):
     (or are cancelled with ``cancel_futures``), new ones raise RuntimeError.
     """
 
-    def __init__(self, thread_name: str = "ringtune-backend", *, max_join: int = 8) -> None:
+    def __init__(self, thread_name: str = "ringtune-backend", *, max_join: int = 1) -> None:
         """``max_join``: the most joinable jobs run together (1: each alone)."""
         if max_join < 1:
             raise ValueError(f"max_join={max_join} must be >= 1")
