@@ -20,7 +20,6 @@ import torch
 
 from ringtune.engine.optimizer import AdamParams
 from ringtune.engine.trainer import TrainDatum
-from ringtune.errors import UserInputError
 from ringtune.gateway.backend import Backend, BackendHealth, BackendInfo
 from ringtune.sample.pool import SampleRequest, SamplerSource
 from ringtune.sample.sampler import PromptSamples
@@ -106,7 +105,7 @@ class ObservedBackend:
         loss_fn: str,
         loss_config: Mapping[str, float] | None,
         forward_only: bool,
-    ) -> list[tuple[list[dict[str, torch.Tensor]], dict[str, float]] | UserInputError]:
+    ) -> list[tuple[list[dict[str, torch.Tensor]], dict[str, float]] | Exception]:
         op = "forward" if forward_only else "forward_backward"
         results = self._observe(
             f"{op}_many",
@@ -118,7 +117,7 @@ class ObservedBackend:
             tokens=sum(_tokens(d) for d in data),
         )
         for run_id, result in zip(run_ids, results, strict=True):
-            if not isinstance(result, UserInputError):
+            if not isinstance(result, Exception):  # a run's own error (user, or a restored run's notice)
                 self._record(run_id, op, result[1])
         return results
 
