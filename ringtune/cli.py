@@ -163,6 +163,13 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="seconds a generation decodes per turn before other clients' ops run (0: each runs to its end)",
     )
     p.add_argument(
+        "--shared-decode",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode every sampling request on one base model in one batch per rank, LoRA adapters of several runs "
+        "included (--no-shared-decode: each request's rows decode in a batch of their own)",
+    )
+    p.add_argument(
         "--lora-pass-runs",
         type=int,
         default=d.lora_pass_runs,
@@ -270,6 +277,7 @@ def _run_serve(args: argparse.Namespace) -> int:
         trainer_options=options,
         mesh_prompt_tokens=args.mesh_prompt_tokens,
         record_routing=args.routing_replay,
+        shared_decode=args.shared_decode,
     )
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: every rank runs this
         backend = join_torchrun_world(spec, layout, **names)
@@ -287,6 +295,7 @@ def _run_serve(args: argparse.Namespace) -> int:
             trainer_options=options,
             mesh_prompt_tokens=args.mesh_prompt_tokens,
             record_routing=args.routing_replay,
+            shared_decode=args.shared_decode,
             **names,
         )
     info = backend.info()

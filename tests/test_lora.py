@@ -27,6 +27,7 @@ from ringtune.models.lora import LoraModel, LoraSpec
 from ringtune.models.lora_merge import merged_model
 from ringtune.models.lora_peft import write_peft_adapter
 from ringtune.models.shard import shard_of
+from ringtune.testing.lora import randomize_adapters
 from ringtune.testing.tiny_models import hf_model, next_token_labels, packed_tokens
 
 PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
@@ -34,15 +35,6 @@ LENS = (5, 17, 3, 40, 9)
 LAYOUTS = ((1, 1, "none"), (1, 2, "none"), (2, 1, "none"), (2, 2, "full"), (1, 4, "selective"))
 ADAM = AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01)
 RANK = 4
-
-
-def randomize(model: LoraModel, seed: int, std: float = 0.1) -> None:
-    """Nonzero A and B (a fresh run's B = 0 would leave A without gradient), the same on every rank."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, a, b in model.adapters.named_pairs():
-            a.copy_(torch.randn(a.shape, generator=gen, dtype=torch.float64) * std)
-            b.copy_(torch.randn(b.shape, generator=gen, dtype=torch.float64) * std)
 
 
 def row_logprobs(model, ids, labels, shard) -> torch.Tensor:
@@ -59,7 +51,7 @@ def peft_case(ctx, *, root: str, family: str):
         hf_model(family, seed=7), LoraConfig(r=RANK, lora_alpha=32, target_modules=PEFT_TARGETS, lora_dropout=0.0)
     )
     ours = LoraModel(load_hf(pathlib.Path(root) / family, dtype=torch.float32), LoraSpec(rank=RANK, seed=1))
-    randomize(ours, seed=11)
+    randomize_adapters(ours, seed=11)
     peft_params = {}
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -136,7 +128,7 @@ def invariance_case(ctx, *, root: str, loss_fn: str):
     for dp, cp, recompute in LAYOUTS:
         mesh = ctx.mesh(dp=dp, cp=cp)
         model = LoraModel(base, LoraSpec(rank=RANK, seed=5))  # every layout's run shares the one base
-        randomize(model, seed=9)
+        randomize_adapters(model, seed=9)
         gated_delta = "chunkwise" if cp == 4 else "headwise"
         trainer = LoraTrainer(model, mesh, max_tokens_per_rank=48, gated_delta=gated_delta, recompute=recompute)
         result = trainer.forward_backward(make_data(base.config.vocab_size, loss_fn), loss_fn)
@@ -176,7 +168,7 @@ def state_case(ctx, *, root: str, path: str):
     out = {}
     base = load_hf(pathlib.Path(root) / "qwen3_5", dtype=torch.float64)
     model = LoraModel(base, LoraSpec(rank=RANK, seed=5))
-    randomize(model, seed=9)
+    randomize_adapters(model, seed=9)
     ids = packed_tokens(LENS, base.config.vocab_size, seed=3)
     labels = next_token_labels(ids, LENS)
     with torch.no_grad():
@@ -210,7 +202,7 @@ def state_case(ctx, *, root: str, path: str):
     lps = {}
     for dtype in ("float32", "bf16-mixed"):
         model32 = LoraModel(load_hf(pathlib.Path(root) / "qwen3_5", dtype=torch.float32), LoraSpec(rank=RANK, seed=5))
-        randomize(model32, seed=9, std=0.03)  # at 0.1 (delta ~ base weights) this tiny net is chaotic in bf16
+        randomize_adapters(model32, seed=9, std=0.03)  # at 0.1 (delta ~ base weights) this tiny net is chaotic in bf16
         mixed = {"compute_dtype": torch.bfloat16} if dtype == "bf16-mixed" else {}
         t = LoraTrainer(model32, mesh, max_tokens_per_rank=64, **mixed)
         res = t.forward_backward(data, "cross_entropy")
@@ -246,7 +238,7 @@ def test_peft_export_loads_in_peft(roots, tmp_path, family):
     from safetensors.torch import load_file
 
     ours = LoraModel(load_hf(pathlib.Path(roots) / family, dtype=torch.float32), LoraSpec(rank=RANK, seed=1))
-    randomize(ours, seed=11, std=0.05)
+    randomize_adapters(ours, seed=11, std=0.05)
     write_peft_adapter(ours, tmp_path)
     seed = 21 if family == "qwen3_5" else 7
     model = get_peft_model(hf_model(family, seed=seed), LoraConfig.from_pretrained(tmp_path))

@@ -23,6 +23,7 @@ from ringtune.engine.trainer import TrainDatum
 from ringtune.errors import UserInputError
 from ringtune.models.checkpoints.hf import load_hf
 from ringtune.models.lora import LoraModel, LoraSpec
+from ringtune.testing.lora import randomize_adapters
 from ringtune.testing.tiny_models import hf_model
 
 LAYOUTS = (
@@ -38,14 +39,6 @@ SPECS = (
 )
 LENS = ((5, 17, 3), (1,), (40, 9, 2))
 ADAM = AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01)
-
-
-def randomize(model: LoraModel, seed: int, std: float = 0.1) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, a, b in model.adapters.named_pairs():
-            a.copy_(torch.randn(a.shape, generator=gen, dtype=torch.float64) * std)
-            b.copy_(torch.randn(b.shape, generator=gen, dtype=torch.float64) * std)
 
 
 def make_data(vocab: int, lens: tuple[int, ...], seed: int) -> list[TrainDatum]:
@@ -72,7 +65,7 @@ def batch_case(ctx, *, root: str):
             trainers = []
             for i, spec in enumerate(SPECS):
                 model = LoraModel(base, spec)
-                randomize(model, seed=20 + i)
+                randomize_adapters(model, seed=20 + i)
                 trainers.append(
                     LoraTrainer(model, mesh, max_tokens_per_rank=48, gated_delta=gated_delta, recompute=recompute)
                 )

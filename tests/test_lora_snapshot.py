@@ -22,6 +22,7 @@ from ringtune.models.lora_snapshot import LoraSnapshot
 from ringtune.models.shard import shard_of
 from ringtune.sample import SamplingParams, generate
 from ringtune.sample.pool import SamplerPool, SamplerSource
+from ringtune.testing.lora import randomize_adapters
 from ringtune.testing.tiny_models import hf_model
 
 PROMPTS = [[3, 17, 42, 8, 5], [9], [11, 2, 60, 61, 7, 7, 1, 30]]
@@ -36,11 +37,7 @@ def trainer(tmp_path_factory) -> LoraTrainer:
     hf_model("qwen3_5", seed=21).save_pretrained(path)
     base = load_hf(path, dtype=torch.float64)
     lora = LoraModel(base, LoraSpec(rank=4, seed=3))
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for _, a, b in lora.adapters.named_pairs():
-            a.copy_(torch.randn(a.shape, generator=gen, dtype=torch.float64) * 0.1)
-            b.copy_(torch.randn(b.shape, generator=gen, dtype=torch.float64) * 0.1)
+    randomize_adapters(lora, seed=5)
     return LoraTrainer(lora, None, max_tokens_per_rank=256)
 
 

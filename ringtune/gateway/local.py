@@ -34,6 +34,7 @@ class LocalBackend(DistributedBackend):
         mesh_prompt_tokens: see :class:`ModelSpec` (``max_tokens=1`` requests of prompts this long run
             through the training forward instead of a prefill with a cache).
         record_routing: sampled sequences of a MoE model carry their routing (``--routing-replay``).
+        shared_decode: sampling requests decode in one batch per base model (``--shared-decode``).
     """
 
     def __init__(
@@ -48,6 +49,7 @@ class LocalBackend(DistributedBackend):
         trainer_options: Mapping[str, object] | None = None,
         mesh_prompt_tokens: int | None = None,
         record_routing: bool = False,
+        shared_decode: bool = True,
     ) -> None:
         precision = check_precision(dtype)
         spec = ModelSpec(
@@ -57,6 +59,7 @@ class LocalBackend(DistributedBackend):
             trainer_options=dict(trainer_options or {}),
             mesh_prompt_tokens=mesh_prompt_tokens,
             record_routing=record_routing,
+            shared_decode=shared_decode,
         )
         model = load_model(spec.source, dtype=precision.param_dtype)
         info = describe(

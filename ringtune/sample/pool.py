@@ -28,6 +28,7 @@ from ringtune.parallel.expert_dispatch import gather_expert_state
 from ringtune.sample.mesh_prompts import PromptForward
 from ringtune.sample.params import SamplingParams
 from ringtune.sample.sampler import Generation, PromptSamples, start_generation
+from ringtune.sample.shared_decode import SharedDecodes
 
 DEFAULT_MAX_SNAPSHOTS = 4
 """Snapshots (weight copies) held per rank by default."""
@@ -103,6 +104,9 @@ class SamplerPool:
         compute_dtype: the trainers' layer compute dtype under mixed precision (None: unmixed); loaded models
             compute in it as run snapshots do (:func:`~ringtune.models.precision.compute_like_trainer`).
         record_routing: sequences sampled from a MoE snapshot carry their routing (routing replay).
+        shared_decode: the rows of every generation on one base model decode in one batch
+            (:mod:`ringtune.sample.shared_decode`: across requests, sessions and LoRA adapters); False: each
+            settings group of a request decodes in a batch of its own.
     """
 
     def __init__(
@@ -114,11 +118,13 @@ class SamplerPool:
         max_adapter_snapshots: int = DEFAULT_MAX_ADAPTER_SNAPSHOTS,
         compute_dtype: torch.dtype | None = None,
         record_routing: bool = False,
+        shared_decode: bool = True,
     ) -> None:
         if max_snapshots < 1:
             raise UserInputError(f"max_snapshots={max_snapshots} must be >= 1")
         self.decode, self.max_snapshots, self.record_routing = decode, max_snapshots, record_routing
         self.max_adapter_snapshots = max_adapter_snapshots
+        self.decodes = SharedDecodes(enabled=shared_decode)
         self.load = lambda path: compute_like_trainer(load(path), compute_dtype)
         self.snapshots: OrderedDict[tuple, CausalLM] = OrderedDict()  # key -> model, least recently used first
         self.sessions: dict[str, tuple[tuple, SamplerSource]] = {}
@@ -184,7 +190,8 @@ class SamplerPool:
     ) -> PoolGeneration:
         """``requests`` on the session's snapshot as a :class:`PoolGeneration`, not yet run (checked now).
 
-        Requests with equal sampling settings are generated together (one batch of sequences).
+        Requests with equal sampling settings are generated together (one :class:`Generation`); every
+        generation's rows decode in the shared batch of the snapshot's base (``shared_decode``).
         ``prefilled[i]``: request i's prompt already ran through the mesh forward (its logits, caches and
         prompt log-probs; :mod:`ringtune.sample.mesh_prompts`), or None to prefill it here. The generation
         holds the snapshot: evicting it or freeing the session meanwhile does not stop the generation.
@@ -219,6 +226,7 @@ class SamplerPool:
                 prefilled=[forwards[i] for i in members] if ran else None,  # type: ignore[misc]
                 targets=[requests[i].target_tokens for i in members] if target_k else None,  # type: ignore[misc]
                 record_routing=self.record_routing,
+                decodes=self.decodes,
             )
             parts.append((members, generation))
         return PoolGeneration(len(requests), parts)
@@ -255,6 +263,11 @@ class PoolGeneration:
             if not generation.finished:
                 generation.advance(deadline)
         return self.finished
+
+    def close(self) -> None:
+        """Abandon the generation: its rows leave the shared decode batch (:meth:`Generation.close`)."""
+        for _, generation in self.parts:
+            generation.close()
 
     def results(self) -> list[PromptSamples]:
         """One :class:`PromptSamples` per request, in request order (once :attr:`finished`)."""

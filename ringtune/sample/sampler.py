@@ -1,11 +1,12 @@
 """``generate``: prefill + batched token-by-token decoding of many sequences, with log-probs and stop rules.
 
-The loop keeps a :class:`DecodeBatch` of running sequences (rows). While there is room (``max_batch``
-rows), waiting prompts are prefilled together as one packed row (:func:`ringtune.sample.prefill.prefill`,
-the training forward at CP = 1), each prompt's ``num_samples`` sequences take their first token from the
-prompt's last logits and join the batch; then every step feeds each row's newest token through
-:meth:`CausalLM.decode_hidden` (KV cache for attention layers, recurrent state and conv window for
-GatedDeltaNet layers), chooses the next tokens, and rows that stopped leave the batch.
+The running sequences (rows) decode in a batch (:class:`~ringtune.sample.shared_decode.SharedDecode`, shared
+with the other generations on the same base model when the caller passes a :class:`SharedDecodes`). While
+there is room (``max_batch`` rows in that batch), waiting prompts are prefilled together as one packed row
+(:func:`ringtune.sample.prefill.prefill`, the training forward at CP = 1), each prompt's ``num_samples``
+sequences take their first token from the prompt's last logits and join the batch; then every step feeds each
+row's newest token through :meth:`CausalLM.decode_hidden` (KV cache for attention layers, recurrent state and
+conv window for GatedDeltaNet layers), chooses the next tokens, and rows that stopped leave the batch.
 
 Log-probs: every sampled token comes with the model's own **untempered** log-prob,
 ``log_softmax(logits)[token]`` of the raw logits (float32, float64 for a float64 model), whatever the
@@ -36,8 +37,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ringtune.models.batch_cache import DecodeBatch
-from ringtune.models.cache import SequenceCache
 from ringtune.models.decoder import CausalLM
 from ringtune.models.layers.moe import capturing_routing, moe_shape
 from ringtune.models.shard import shard_of
@@ -45,8 +44,9 @@ from ringtune.sample.alt_tokens import AltDraws, AltTokens
 from ringtune.sample.choose import choose_tokens
 from ringtune.sample.mesh_prompts import PromptForward
 from ringtune.sample.params import DEFAULT_MAX_TOKENS, SamplingParams
-from ringtune.sample.prefill import PrefillResult, output_logits, prefill
+from ringtune.sample.prefill import PrefillResult, prefill
 from ringtune.sample.request_checks import check_request, check_targets
+from ringtune.sample.shared_decode import SharedDecode, SharedDecodes
 from ringtune.sample.stopping import Decode, StopCondition, stop_condition, stop_reason
 
 DEFAULT_MAX_BATCH = 64
@@ -136,6 +136,7 @@ class Generation:
         prefilled: Sequence[PromptForward] | None = None,
         targets: Sequence[torch.Tensor] | None = None,
         record_routing: bool = False,
+        decodes: SharedDecodes | None = None,
     ) -> None:
         self.model, self.prompts, self.params, self.stop = model, prompts, params, stop
         # Routing records (R3) of a MoE model: prompts prefilled here and every decode step; a prompt prefilled
@@ -149,8 +150,9 @@ class Generation:
         self.weight = weight if weight.dtype in (torch.float32, torch.float64) else weight.float()
         self.seeds = [params.seed if params.seed is not None else secrets.randbits(63) for _ in prompts]
         self.waiting = deque(range(len(prompts)))
-        self.rows: list[_Row] = []
-        self.batch: DecodeBatch | None = None
+        self.decodes = decodes if decodes is not None else SharedDecodes(enabled=False)
+        self.decode: SharedDecode | None = None  # the batch this generation's rows decode in
+        self.failure: BaseException | None = None
         self.done: list[list[SampledSequence | None]] = [[None] * num_samples for _ in prompts]
         self.prompt_lp: list[list[float | None] | None] = [None] * len(prompts)
         self.prompt_topk: list[list[list[tuple[int, float]] | None] | None] = [None] * len(prompts)
@@ -158,21 +160,44 @@ class Generation:
         self.alt: list[AltTokens | None] = [None] * len(prompts)
 
     @property
+    def running(self) -> int:
+        """Rows of this generation decoding now (in its shared batch)."""
+        return self.decode.count(self) if self.decode is not None else 0
+
+    @property
     def finished(self) -> bool:
-        """Whether every prompt's samples are done (then :meth:`results` answers)."""
-        return not self.waiting and not self.rows
+        """Whether every prompt's samples are done (then :meth:`results` answers); never after a failure."""
+        return self.failure is None and not self.waiting and not self.running
 
     def advance(self, deadline: float | None = None) -> bool:
         """Prefill and decode until every sequence stopped, or until ``time.monotonic()`` passes ``deadline``
-        (checked after each step, so each call makes progress; None: to the end). Whether it is finished."""
+        (checked after each step, so each call makes progress; None: to the end). Whether it is finished.
+
+        A step decodes every row of the shared batch (:mod:`ringtune.sample.shared_decode`): other
+        generations' rows advance too. Raises the error of a failed shared step, here or in another
+        generation's call, and from then on."""
         with torch.inference_mode():
             while not self.finished:
+                if self.failure is not None:
+                    raise self.failure
                 self._admit()
-                if self.rows:
-                    self._step()
+                if self.running:
+                    self.decode.step()  # type: ignore[union-attr]
                 if deadline is not None and time.monotonic() >= deadline:
                     break
+        if self.failure is not None:
+            raise self.failure
         return self.finished
+
+    def fail(self, error: BaseException) -> None:
+        """A shared step failed with ``error`` and dropped this generation's rows: it can no longer finish."""
+        self.failure = error
+
+    def close(self) -> None:
+        """Take this generation's rows out of its shared batch (it is abandoned, e.g. its job failed)."""
+        if self.decode is not None:
+            self.decode.leave(self)
+        self.waiting.clear()
 
     def results(self) -> list[PromptSamples]:
         """One :class:`PromptSamples` per prompt, in order (once :attr:`finished`)."""
@@ -191,15 +216,21 @@ class Generation:
 
     def _admit(self) -> None:
         """Prefill waiting prompts whose samples fit the free rows (at least one prompt if none run)."""
+        if not self.waiting:
+            return
+        if not self.running:  # the batch its base decodes in now (another generation's, or a new one)
+            self.decode = self.decodes.for_model(self.model)
+        assert self.decode is not None
+        busy, own = len(self.decode), self.running
         group: list[int] = []
         tokens = 0
         while self.waiting:
             i = self.waiting[0]
-            fits_rows = len(self.rows) + (len(group) + 1) * self.num_samples <= self.max_batch
+            fits_rows = busy + (len(group) + 1) * self.num_samples <= self.max_batch
             fits_tokens = tokens + len(self.prompts[i]) <= self.prefill_tokens
             if group and not (fits_rows and fits_tokens):
                 break
-            if not group and not fits_rows and self.rows:
+            if not group and not fits_rows and own:  # with no rows of its own it always admits one prompt
                 break
             group.append(self.waiting.popleft())
             tokens += len(self.prompts[i])
@@ -228,15 +259,9 @@ class Generation:
                     rows[-1].routing = [routing[starts[g] : starts[g] + len(self.prompts[i])]]
                 caches.append(result.caches[g])
                 logits.append(result.last_logits[g])
-        alive = self._take(rows, torch.stack(logits))
-        joining: list[SequenceCache] = [caches[r] for r in alive]
-        self.rows.extend(rows[r] for r in alive)
-        if not joining:
-            return
-        if self.batch is None:
-            self.batch = DecodeBatch.of(joining, reserve=min(self.max_tokens, RESERVE_TOKENS))
-        else:
-            self.batch.join(joining)
+        alive = self.take(rows, torch.stack(logits))
+        reserve = min(self.max_tokens, RESERVE_TOKENS)
+        self.decode.join(self, [rows[r] for r in alive], [caches[r] for r in alive], reserve)
 
     def _prefill(self, group: list[int]) -> PrefillResult:
         """The prompts' prefill: run here as one packed row, or taken from ``prefilled`` (run on the mesh)."""
@@ -259,7 +284,7 @@ class Generation:
             prompt_alt_tokens=[f.prompt_alt_tokens for f in done] if self.alt_k else None,  # type: ignore[misc]
         )
 
-    def _take(self, rows: list[_Row], logits: torch.Tensor) -> list[int]:
+    def take(self, rows: list[_Row], logits: torch.Tensor) -> list[int]:
         """Choose each row's next token from ``logits`` [B, V]; finish the rows that stop; return the others."""
         uniforms = None
         if not self.params.greedy:
@@ -289,27 +314,6 @@ class Generation:
                 alive.append(b)
         return alive
 
-    def _step(self) -> None:
-        assert self.batch is not None
-        device = self.weight.device
-        ids = torch.tensor([r.tokens[-1] for r in self.rows], dtype=torch.int64, device=device)
-        if self.record_routing:
-            with capturing_routing(self.model) as captured:
-                hidden = self.model.decode_hidden(ids, self.batch)
-            step = torch.stack([layer[0] for layer in captured], dim=1).to(torch.int16).cpu()  # [B, L, k]
-            for b, row in enumerate(self.rows):
-                row.routing.append(step[b : b + 1])  # type: ignore[union-attr]
-        else:
-            hidden = self.model.decode_hidden(ids, self.batch)
-        logits = output_logits(hidden, self.weight)
-        alive = self._take(self.rows, logits)
-        if len(alive) < len(self.rows):
-            self.rows = [self.rows[b] for b in alive]
-            if alive:
-                self.batch.keep(alive)
-            else:
-                self.batch = None
-
 
 def start_generation(
     model: CausalLM,
@@ -328,9 +332,11 @@ def start_generation(
     prefilled: Sequence[PromptForward] | None = None,
     targets: Sequence[torch.Tensor] | None = None,
     record_routing: bool = False,
+    decodes: SharedDecodes | None = None,
 ) -> Generation:
     """A :class:`Generation` of ``num_samples`` continuations of every prompt, checked and not yet run: the
-    caller advances it (:meth:`Generation.advance`), in one go or in slices. Arguments: see :func:`generate`."""
+    caller advances it (:meth:`Generation.advance`), in one go or in slices. Arguments: see :func:`generate`;
+    ``decodes``: the rank's shared decode batches its rows join (None: a batch of its own)."""
     vocab = model.config.vocab_size
     checked = check_request(
         prompts, vocab, num_samples, topk_prompt_logprobs, max_batch, topk_sample_logprobs, prompt_alt_tokens_k
@@ -352,6 +358,7 @@ def start_generation(
         prefilled=prefilled,
         targets=check_targets(targets, checked, vocab),
         record_routing=record_routing,
+        decodes=decodes,
     )
     if prefilled is not None and len(prefilled) != len(checked):
         raise ValueError(f"prefilled has {len(prefilled)} entries for {len(checked)} prompts")

@@ -65,6 +65,8 @@ class ModelSpec:
             least this many tokens runs through the DP×CP forward (:mod:`ringtune.sample.mesh_prompts`);
             None: the per-rank budget.
         record_routing: sampled sequences carry their MoE routing (``--routing-replay``; the gateway replays it).
+        shared_decode: sampling requests on one base model (any session, any LoRA adapter) decode in one
+            batch per rank (``--shared-decode``, :mod:`ringtune.sample.shared_decode`).
     """
 
     source: str
@@ -74,6 +76,7 @@ class ModelSpec:
     tokenizer_dir: str | None = None
     mesh_prompt_tokens: int | None = None
     record_routing: bool = False
+    shared_decode: bool = True
 
     @property
     def modes(self) -> dict[str, Any]:
@@ -131,11 +134,13 @@ class RankExecutor:
         self._spare = spare
         self.lora_base = SharedBase(self._take_model)
         self.decode_jobs: dict[str, DecodeJob] = {}  # sampling requests decoding across commands, by job id
+        self._next_decode_rank = 0  # the rank the next job's first short request decodes on
         self.samplers = SamplerPool(
             lambda path: load_model(path or spec.source, dtype=self.precision.param_dtype),
             decode=tokenizer_decoder(spec.tokenizer_dir),
             compute_dtype=self.precision.compute_dtype if self.precision.mixed else None,
             record_routing=spec.record_routing,
+            shared_decode=spec.shared_decode,
         )
         self.handlers: dict[str, Callable[[Command], Any]] = {
             "create_run": self._create_run,
@@ -212,7 +217,8 @@ class RankExecutor:
         Requests with long prompts (:func:`takes_mesh_forward`) run their prompts together on the whole mesh
         (:meth:`_prefill_on_mesh`) and are decoded by the rank each prompt was given to; the others are
         spread round-robin over the ranks, each prefilling and decoding its share on its own snapshot
-        replica (:meth:`SamplerPool.begin`). ``slice_s`` None: the job runs to the end in this command.
+        replica (:meth:`SamplerPool.begin`), continuing where the previous job's stopped. ``slice_s`` None:
+        the job runs to the end in this command.
         """
         requests: list[SampleRequest] = command.args["requests"]
         sampler_id = command.args["sampler_id"]
@@ -227,7 +233,11 @@ class RankExecutor:
         on_mesh = [i for i, is_long in enumerate(long) if is_long]
         spread = [i for i, is_long in enumerate(long) if not is_long]
         prefilled = self._prefill_on_mesh(sampler_id, [requests[i] for i in on_mesh]) if on_mesh else {}
-        mine = [on_mesh[j] for j in sorted(prefilled)] + [i for n, i in enumerate(spread) if n % size == rank]
+        # round-robin from where the previous job stopped (the same count on every rank: commands are
+        # replicated), so that one-request jobs do not all land on rank 0
+        first = self._next_decode_rank
+        self._next_decode_rank = (first + len(spread)) % size
+        mine = [on_mesh[j] for j in sorted(prefilled)] + [i for n, i in enumerate(spread) if (first + n) % size == rank]
 
         def begin() -> DecodeJob:
             forwards = [prefilled[j] for j in sorted(prefilled)] + [None] * (len(mine) - len(prefilled))
@@ -259,6 +269,8 @@ class RankExecutor:
         states = all_gather_objects(None if error is not None else job.generation.finished, group)  # type: ignore[union-attr]
         if any(state is None for state in states):
             self.decode_jobs.pop(job_id, None)
+            if job is not None:  # its rows leave the rank's shared decode batch
+                job.generation.close()
             if error is not None:
                 raise error
             raise RankFailedError("another rank failed while decoding a sampling request")
