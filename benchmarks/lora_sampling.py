@@ -70,7 +70,7 @@ def measure(args: argparse.Namespace, shared: bool) -> tuple[list, list]:
                 vocab = tc.get_tokenizer().vocab_size
                 tc.forward_backward(datums(vocab, i), "cross_entropy").result()
                 tc.optim_step(ADAM).result()
-                samplers.append(tc.save_weights_and_get_sampling_client())
+                samplers.append(tc.save_weights_and_get_sampling_client().result())
             prompt = tinker.ModelInput.from_ints([(37 * k + 11) % vocab for k in range(16)])
             sample_all(samplers[:2], prompt, args, together=True)  # warm-up: first decode allocations
             start = time.monotonic()

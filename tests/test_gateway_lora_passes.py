@@ -4,6 +4,8 @@ One gateway (LocalBackend, tiny random Qwen3.5, float64) serves the module. With
 until every client's requests are queued, three LoRA runs' forward_backward calls run as one pass
 (``lora_pass_runs:max`` = 3), and each run's loss, log-probs and next forward (after its own optim_step)
 equal those of a twin run that stepped alone; a bad request joined with good ones gets its own error.
+Their sampling clients' concurrent requests decode in one batch (every row with its run's adapters), and
+each sampled token's log-prob equals the run's own training forward of the sequence.
 """
 
 from __future__ import annotations
@@ -30,8 +32,12 @@ def gateway(tmp_path_factory) -> Iterator[ServerThread]:
     backend = LocalBackend(
         str(model_dir), max_tokens_per_rank=MAX_TOKENS_PER_RANK, model_name=MODEL_NAME, dtype="float64"
     )
-    config = GatewayConfig(
-        checkpoint_root=str(root / "checkpoints"), api_key=API_KEY, max_live_runs=8, lora_pass_runs=8
+    config = GatewayConfig(  # a 1 ms decode slice: concurrent generations take turns of about one step
+        checkpoint_root=str(root / "checkpoints"),
+        api_key=API_KEY,
+        max_live_runs=8,
+        lora_pass_runs=8,
+        sample_slice_s=0.001,
     )
     server = ServerThread(backend, config)
     server.start()
@@ -122,3 +128,33 @@ def test_three_lora_runs_share_a_pass_and_each_gets_its_own_result(gateway):
             wrong.result(timeout=120)
         assert first.result(timeout=120).metrics["lora_pass_runs:max"] == 2.0
         assert third.result(timeout=120).metrics["lora_pass_runs:max"] == 2.0
+
+
+def test_lora_samplers_decode_in_one_batch_each_with_its_adapters(gateway):
+    service = gateway.service
+    stats = gateway.backend.executor.samplers.decodes.stats
+    with tinker.ServiceClient(base_url=gateway.url, api_key=API_KEY) as sc:
+        runs = [sc.create_lora_training_client(MODEL_NAME, rank=2 + 2 * i, seed=20 + i).result() for i in range(3)]
+        for tc, d in zip(runs, DATA, strict=True):  # adapters of their own (a fresh run's B = 0 is the base)
+            tc.forward_backward(d, "cross_entropy").result()
+            tc.optim_step(tinker.AdamParams(learning_rate=5e-2)).result()
+        samplers = [tc.save_weights_and_get_sampling_client().result() for tc in runs]
+        prompt = tinker.ModelInput.from_ints([5, 17, 3, 44, 2])
+        before = stats.peak_models
+
+        def submit():
+            params = [tinker.SamplingParams(max_tokens=12, temperature=1.0, stop=[], seed=i) for i in range(3)]
+            return [s.sample(prompt, num_samples=2, sampling_params=p) for s, p in zip(samplers, params, strict=True)]
+
+        results = [call.result(timeout=120) for call in held(service, 3, submit)]
+        assert before < 3 <= stats.peak_models  # the three runs' rows decoded in one step
+        for tc, result in zip(runs, results, strict=True):
+            for seq in result.sequences:
+                tokens = [*prompt.to_ints(), *seq.tokens]
+                datum = tinker.Datum(
+                    model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+                    loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+                )
+                forward = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].data
+                got = forward[prompt.length - 1 :]
+                assert max(abs(a - b) for a, b in zip(got, seq.logprobs, strict=True)) <= 1e-9

@@ -1,7 +1,7 @@
 """Several LoRA runs' forward(_backward) requests as one pass over their shared base (multi-adapter batching).
 
 The requests must share a loss (``loss_fn`` and its config) and ``forward_only``; the gateway groups only such
-requests (:mod:`ringtune.gateway.lora_passes`). Their datums are packed into one :class:`Batch` whose
+requests (:mod:`ringtune.gateway.passes`). Their datums are packed into one :class:`Batch` whose
 ``adapter_of_datum`` says each datum's run; the first run's trainer runs it (:meth:`Trainer.view`) on a
 :class:`~ringtune.models.lora_mixed.MixedLoraModel`, accumulating each run's adapter gradients into that run's
 own ``.grad`` (all-or-nothing, like one request) and counting the microbatches on every run's gradient

@@ -35,7 +35,7 @@ class GatewayConfig:
         sample_slice_s: a sampling request decodes for about this long per turn on the backend thread, then
             waits behind the other clients' queued ops for its next turn (0 = to the end in one turn).
         lora_pass_runs: the most LoRA runs whose waiting forward(_backward) requests run as one pass over the
-            shared base (:mod:`ringtune.gateway.lora_passes`); 1 (the default) = each request alone. Off by
+            shared base (:mod:`ringtune.gateway.passes`); 1 (the default) = each request alone. Off by
             default because on CPU it does not pay (docs/lora.md: the matmuls of one run's request are already
             large enough, and a joined pass holds every run's merged unembedding at once).
     """

@@ -13,7 +13,7 @@ Joinable jobs (:meth:`FairExecutor.submit_joinable`): a job with a ``kind`` may 
 the same kind at the head of other keys' queues (never behind another job of its key, so each key's order
 holds): when one comes up, the worker takes it and up to ``max_join − 1`` such heads, in rotation order, and
 calls its runner once with all their items. The gateway joins LoRA runs' forward passes this way
-(:mod:`ringtune.gateway.lora_passes`).
+(:mod:`ringtune.gateway.passes`).
 
 A job that is running is never interrupted. A long generation is cut into turns by the gateway instead
 (:mod:`ringtune.gateway.sampling`: each turn decodes for ``sample_slice_s`` and queues the next under its own

@@ -29,11 +29,11 @@ from ringtune.gateway.backend import Backend
 from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.downloads import DownloadSigner
 from ringtune.gateway.futures import FutureStore, Outcome
-from ringtune.gateway.lora_passes import LoraPart, pass_kind, run_pass
 from ringtune.gateway.observe import ObservedBackend
+from ringtune.gateway.passes import PassPart, pass_kind, run_pass
 from ringtune.gateway.paths import CheckpointPaths, check_name, dir_bytes
 from ringtune.gateway.restore import restore_live_runs
-from ringtune.gateway.routing_records import RoutingRecords, attach_routing
+from ringtune.gateway.routing_records import RoutingRecords
 from ringtune.gateway.run_memory import check_admission
 from ringtune.gateway.sampling import CreateSamplingSessionBody, SamplingService, new_sampler_id
 from ringtune.gateway.scheduler import DEFAULT_KEY, FairExecutor
@@ -109,7 +109,7 @@ class GatewayService:
     def _dispatch(self, request_id: str, job: Job, key: str = DEFAULT_KEY, join: Joinable | None = None) -> None:
         """Run ``job`` on the worker thread, queued under ``key`` (a run's id: its ops keep their order); resolve
         the future (and apply its commit) back on the loop. With ``join`` = (kind, item, runner) the request is
-        queued as a joinable job instead (a LoRA pass, :mod:`ringtune.gateway.lora_passes`; the runner never
+        queued as a joinable job instead (a LoRA pass, :mod:`ringtune.gateway.passes`; the runner never
         raises) and ``job`` is not used."""
 
         def guarded() -> tuple[Outcome, Commit | None]:
@@ -351,23 +351,13 @@ class GatewayService:
         record = self._run(msg.model_id)
         run_id, backend = record.run_id, self.backend
 
-        def job() -> tuple[Outcome, Commit | None]:
-            call = proto.decode_request(msg)
-            data = translate.train_data(call)
-            replayed = 0
-            if self.routing is not None:  # R3: the experts the sampler used, where a datum matches a sample
-                data, replayed = attach_routing(data, self.routing)
-            config = translate.loss_config(call.loss_config)
-            outputs, metrics = backend.forward_backward(run_id, data, call.loss_fn, config, call.forward_only)
-            if self.routing is not None:
-                metrics = {**metrics, "routing_replay_tokens:sum": float(replayed)}
-            arrays = [{k: v.detach().cpu().numpy() for k, v in o.items()} for o in outputs]
-            return Outcome("proto", proto.encode_output(arrays, metrics)), None
+        def job() -> tuple[Outcome, Commit | None]:  # the request alone: a pass of one part
+            return run_pass(backend, [PassPart(run_id, msg)], self.routing)[0]
 
         join = None
         kind = pass_kind(msg) if record.lora is not None and self.executor.max_join > 1 else None
         if kind is not None:  # a LoRA run: may share one pass over the base with other runs' waiting requests
-            join = (kind, LoraPart(run_id, msg), lambda parts: run_pass(backend, parts, self.routing))
+            join = (kind, PassPart(run_id, msg), lambda parts: run_pass(backend, parts, self.routing))
         return self._ordered(record, msg.seq_id, "forward" if msg.forward_only else "forward_backward", job, join)
 
     def optim_step(self, body: OptimStepBody) -> dict[str, Any]:

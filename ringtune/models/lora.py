@@ -221,6 +221,20 @@ class LoraAdapters(nn.Module):
         """``out + scale · B(A(x))`` (:meth:`delta_only`) in ``out``'s dtype."""
         return out + self.delta_only(module, x).to(out.dtype)
 
+    @property
+    def unembed(self) -> Target | None:
+        """The unembedding's adapter (``train_unembed``), or None."""
+        return next((t for t in self.targets if t.module == UNEMBED), None)
+
+    def output_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """The base's output weight [vocab, hidden] as these adapters see it: ``weight + scale · B @ A`` with
+        ``train_unembed`` (differentiable in A and B), else ``weight`` itself."""
+        target = self.unembed
+        if target is None:
+            return weight
+        a, b = self.pair(target.name)
+        return weight + (b @ a).to(weight.dtype) * self.scale
+
 
 class LoraSlot:
     """The forward hooks of one base model: each targeted linear adds the delta of ``active`` (or nothing)."""
@@ -283,17 +297,12 @@ class LoraModel(nn.Module):
 
     @property
     def unembed(self) -> Target | None:
-        return next((t for t in self.adapters.targets if t.module == UNEMBED), None)
+        return self.adapters.unembed
 
     @property
     def output_weight(self) -> torch.Tensor:
         """[vocab, hidden]: the base's output weight, plus ``scale · B @ A`` with ``train_unembed``."""
-        weight = self.base.output_weight
-        target = self.unembed
-        if target is None:
-            return weight
-        a, b = self.adapters.pair(target.name)
-        return weight + (b @ a).to(weight.dtype) * self.adapters.scale
+        return self.adapters.output_weight(self.base.output_weight)
 
     def activate(self) -> None:
         """Make this run's adapters the ones the base's hooks add (until another run activates its own)."""

@@ -31,7 +31,6 @@ class LoraSnapshot(nn.Module):
         self.config = lora.base.config
         object.__setattr__(self, "slot", lora.slot)
         self.adapters = copy.deepcopy(lora.adapters).requires_grad_(False)
-        self.unembed = lora.unembed
 
     @property
     def spec(self) -> LoraSpec:
@@ -44,12 +43,8 @@ class LoraSnapshot(nn.Module):
     @property
     def output_weight(self) -> torch.Tensor:
         """[vocab, hidden]: the base's output weight, plus ``scale · B @ A`` when the unembedding is adapted."""
-        weight = self.base.output_weight
-        if self.unembed is None:
-            return weight
-        a, b = self.adapters.pair(self.unembed.name)
         with torch.no_grad():
-            return weight + (b @ a).to(weight.dtype) * self.adapters.scale
+            return self.adapters.output_weight(self.base.output_weight)
 
     def adapter_bytes(self) -> int:
         """Bytes of this snapshot's own tensors (the adapters' copies)."""

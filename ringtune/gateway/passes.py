@@ -1,6 +1,8 @@
-"""LoRA runs' forward(_backward) requests joined into one pass over the shared base (multi-adapter batching).
+"""A ``forward_backward`` / ``forward`` request run as one pass: a single run's, or several LoRA runs' joined
+into one pass over their shared base (multi-adapter batching).
 
-Each LoRA run's ``forward_backward`` / ``forward`` is queued on the backend thread under its run's key as a
+:func:`run_pass` is the job body of every such request (one part: :meth:`Backend.forward_backward`). Each
+LoRA run's ``forward_backward`` / ``forward`` is queued on the backend thread under its run's key as a
 *joinable* job (:meth:`~ringtune.gateway.scheduler.FairExecutor.submit_joinable`) of kind :func:`pass_kind`:
 the loss function, its config and ``forward_only``. When one comes up, the requests of the same kind at the
 head of other runs' queues (up to ``--lora-pass-runs``) run with it as one backend call
@@ -30,8 +32,8 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class LoraPart:
-    """One LoRA run's request waiting to join a pass: its run id and its parsed protobuf message."""
+class PassPart:
+    """One run's request in a pass: its run id and its parsed protobuf ``ForwardBackwardRequest``."""
 
     run_id: str
     msg: Any
@@ -47,7 +49,7 @@ def pass_kind(msg: Any) -> Hashable | None:
     return ("lora_pass", msg.loss_fn, bool(msg.forward_only), tuple(sorted(call_config.items())))
 
 
-def run_pass(backend: Backend, parts: list[LoraPart], routing: RoutingRecords | None) -> list[tuple[Outcome, None]]:
+def run_pass(backend: Backend, parts: list[PassPart], routing: RoutingRecords | None) -> list[tuple[Outcome, None]]:
     """Decode each part, run the good ones in one backend call (one alone: :meth:`Backend.forward_backward`),
     and encode each answer. Never raises: every part gets its outcome."""
     outcomes: list[Outcome | None] = [None] * len(parts)
