@@ -1,10 +1,11 @@
 """The cookbook's supervised recipe with its default ``lora_rank=32`` against ``ringtune serve --cp 2``.
 
-Run ``python benchmarks/cookbook_sl_lora.py [--model DIR|smollm2-135m] [--steps 8] [--lr 1e-3] [--moe]``.
+Run ``python benchmarks/cookbook_sl_lora.py [--model DIR|smollm2-135m] [--steps 8] [--lr 1e-3] [--moe [--ep 2]]``.
 
 ``--moe``: a tiny random Qwen3.5-MoE (GatedDeltaNet + attention hybrid, 8 experts top-2, shared expert) with
-SmolLM2's tokenizer instead, served with ``--cp 2 --ep 2`` (experts split over the two CP ranks) and trained with
-``lora_rank=0`` (full fine-tuning: LoRA adapters on MoE experts are not built, docs/lora.md).
+SmolLM2's tokenizer instead, with the recipe's default LoRA (adapters on the routed experts too, docs/lora.md).
+``--moe --ep 2``: served with ``--cp 2 --ep 2`` (experts split over the two CP ranks) and trained with
+``lora_rank=0`` (full fine-tuning: LoRA under expert parallelism is not built).
 
 The unmodified ``tinker_cookbook.supervised.train.main`` (``train.Config`` with ``lora_rank`` left at its default
 32) on the cookbook's ``example_data/conversations.jsonl`` (``role_colon`` renderer, batch 16, max length 256,
@@ -72,7 +73,8 @@ def main() -> int:
     parser.add_argument("--model", default=None)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--moe", action="store_true", help="a tiny Qwen3.5-MoE at --cp 2 --ep 2, lora_rank=0")
+    parser.add_argument("--moe", action="store_true", help="a tiny Qwen3.5-MoE")
+    parser.add_argument("--ep", type=int, default=1, help="with --moe: expert parallelism (then lora_rank=0)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -80,8 +82,8 @@ def main() -> int:
             model = str(tiny_smollm_moe_dir(root / "tiny-moe"))
         else:
             model = args.model or str(tiny_smollm_dir(root / "tiny-smollm"))
-        extra = ["--cp", "2", "--context-length", "512"] + (["--ep", "2"] if args.moe else [])
-        rank = 0 if args.moe else None
+        extra = ["--cp", "2", "--context-length", "512"] + (["--ep", str(args.ep)] if args.ep > 1 else [])
+        rank = 0 if args.ep > 1 else None
         os.environ.update(HF_HUB_OFFLINE="1", TINKER_API_KEY=API_KEY)
         server = ServeProcess(
             model,

@@ -270,10 +270,11 @@ def test_spec_checks():
         with pytest.raises(UserInputError, match=field):
             bad.validate()
     assert LoraSpec(rank=32).scale == 1.0
-    moe = load_hf_model_moe()
-    with pytest.raises(UserInputError, match="train_mlp"):
-        LoraModel(moe, LoraSpec(rank=2))
-    assert LoraModel(moe, LoraSpec(rank=2, train_mlp=False)).adapters.targets
+    moe = load_hf_model_moe()  # layers 0, 1, 3 sparse (routed experts, no shared expert), layer 2 dense
+    names = [t.name for t in LoraModel(moe, LoraSpec(rank=2)).adapters.targets]
+    assert "model.layers.0.mlp.experts.down_proj" in names and "model.layers.2.mlp.gate_proj" in names
+    assert not any("mlp.gate." in n or n.endswith("mlp.gate") for n in names)  # the router is not adapted
+    assert not any(".mlp." in t.name for t in LoraModel(moe, LoraSpec(rank=2, train_mlp=False)).adapters.targets)
 
 
 def load_hf_model_moe():

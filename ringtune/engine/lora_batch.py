@@ -10,7 +10,8 @@ invariant, so each run's later ``optim_step`` is its own, unchanged.
 Contract: each run gets what it would get alone. A request that is invalid on its own gets its own
 UserInputError and the others run without it. If the shared pass is refused as a whole (a non-finite loss
 or gradient of one run's datum, or the joined request over a limit), nothing was changed on any rank, and
-each request is run alone, so one client's error is never another's. Collective over the mesh, like
+each request is run alone, so one client's error is never another's. A run with adapters on routed experts
+runs alone (its rows are grouped by expert, not by run). Collective over the mesh, like
 :meth:`Trainer.forward_backward`.
 """
 
@@ -110,6 +111,9 @@ def forward_backward_many(
         except UserInputError as exc:
             return exc
 
+    for i in [i for i in good if trainers[i].lora.adapters.has_experts]:  # their rows group by expert: alone
+        results[i] = alone(i)
+        good.remove(i)
     if len(good) <= 1:
         for i in good:
             results[i] = alone(i)

@@ -18,7 +18,12 @@ of ``tinker_cookbook.hyperparam_utils`` match these sets):
 - ``train_attn``: ``q_proj``, ``k_proj``, ``v_proj``, ``o_proj`` of full-attention layers; in GatedDeltaNet
   layers ``in_proj_qkv`` as three adapters ``in_proj_q`` / ``in_proj_k`` / ``in_proj_v`` on its row blocks
   (Tinker trains them separately), ``in_proj_z`` and ``out_proj`` (not the gate projections ``in_proj_a/b``);
-- ``train_mlp``: ``gate_proj``, ``up_proj``, ``down_proj`` of SwiGLU MLPs (MoE layers are refused);
+- ``train_mlp``: ``gate_proj``, ``up_proj``, ``down_proj`` of SwiGLU MLPs; in MoE layers the shared expert's
+  three (a SwiGLU) and the routed experts' as hosted Tinker adapts them (its per-rank parameter counts of
+  Qwen3-30B-A3B and Qwen3.5-35B-A3B in ``tinker_cookbook.hyperparam_utils`` match): ``experts.gate_proj`` and
+  ``experts.up_proj`` with one ``A`` [r, hidden] shared by every expert and a ``B`` [E, I, r] per expert,
+  ``experts.down_proj`` with an ``A`` [E, r, I] per expert and one ``B`` [hidden, r] shared (the hidden side
+  is shared, the expert side is each expert's); the router and the shared expert's gate are not adapted;
 - ``train_unembed``: ``lm_head`` (the output weight, also when tied to the embeddings: the input embedding
   stays the base's).
 
@@ -44,6 +49,7 @@ from ringtune.models.decoder import CausalLM
 from ringtune.models.layers.attention import Attention
 from ringtune.models.layers.gated_deltanet import GatedDeltaNet
 from ringtune.models.layers.mlp import SwiGLU
+from ringtune.models.layers.moe import Experts, SparseMoE
 from ringtune.models.logprob_head import label_logprobs
 from ringtune.models.shard import PackedShard
 
@@ -60,6 +66,8 @@ ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 GDN_LINEARS = ("in_proj_z", "out_proj")
 GDN_SPLIT_QKV = ("in_proj_q", "in_proj_k", "in_proj_v")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
+EXPERT_PROJ = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
+"""Each routed-expert adapter and the fused expert tensor it adapts (gate and up are row blocks of gate_up)."""
 
 
 @dataclass(frozen=True)
@@ -105,19 +113,45 @@ class LoraSpec:
 @dataclass(frozen=True)
 class Target:
     """One adapter: ``name`` (its module path, Tinker's name for a split block), the base ``module`` path it
-    hooks, its output rows ``[start, start + out_features)`` of that module, ``in_features``."""
+    hooks, its output rows ``[start, start + out_features)`` of that module, ``in_features``; ``experts`` > 0
+    for the routed experts of a MoE layer (``module`` is the ``Experts`` module; one matrix per expert on the
+    expert side, :attr:`per_expert`)."""
 
     name: str
     module: str
     start: int
     out_features: int
     in_features: int
+    experts: int = 0
+
+    @property
+    def per_expert(self) -> str | None:
+        """Which matrix each expert has its own of: ``"B"`` (gate/up: the output is the expert's), ``"A"``
+        (down: the input is), None for a plain linear."""
+        if not self.experts:
+            return None
+        return "A" if self.name.endswith(".down_proj") else "B"
+
+    def shapes(self, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(A's shape, B's shape): ``[r, in]``, ``[out, r]``, with a leading ``[E]`` on the per-expert one."""
+        a, b = (rank, self.in_features), (self.out_features, rank)
+        if self.per_expert == "A":
+            return (self.experts, *a), b
+        if self.per_expert == "B":
+            return a, (self.experts, *b)
+        return a, b
+
+    @property
+    def params_per_rank(self) -> int:
+        """Adapter parameters per unit of rank (the cookbook's per-rank counts)."""
+        a, b = self.shapes(1)
+        return math.prod(a) + math.prod(b)
 
 
 def lora_targets(base: CausalLM, spec: LoraSpec) -> list[Target]:
     """Every adapter of ``spec`` on ``base`` in a fixed order (layers, then the unembedding).
 
-    Raises UserInputError for ``train_mlp`` on a model with MoE layers (not supported).
+    Raises UserInputError for ``train_mlp`` on an MLP of no known kind.
     """
     targets: list[Target] = []
 
@@ -141,23 +175,39 @@ def lora_targets(base: CausalLM, spec: LoraSpec) -> list[Target]:
             for n in GDN_LINEARS:
                 linear(f"{prefix}.linear_attn.{n}", getattr(gdn, n))
         if spec.train_mlp:
-            if not isinstance(layer.mlp, SwiGLU):
-                raise UserInputError(
-                    f"lora_config.train_mlp=True: layer {i}'s MLP is {type(layer.mlp).__name__}; LoRA on MoE "
-                    "experts is not supported yet (pass train_mlp=False)"
-                )
-            for n in MLP_LINEARS:
-                linear(f"{prefix}.mlp.{n}", getattr(layer.mlp, n))
+            mlp = layer.mlp
+            if isinstance(mlp, SwiGLU):
+                for n in MLP_LINEARS:
+                    linear(f"{prefix}.mlp.{n}", getattr(mlp, n))
+            elif isinstance(mlp, SparseMoE):
+                targets.extend(expert_targets(f"{prefix}.mlp.experts", mlp.experts))
+                if hasattr(mlp, "shared_expert"):
+                    for n in MLP_LINEARS:
+                        linear(f"{prefix}.mlp.shared_expert.{n}", getattr(mlp.shared_expert, n))
+            else:
+                kind = type(mlp).__name__
+                raise UserInputError(f"lora_config.train_mlp=True: layer {i}'s MLP {kind} cannot be adapted")
     if spec.train_unembed:
         vocab, hidden = base.output_weight.shape
         targets.append(Target(UNEMBED, UNEMBED, 0, vocab, hidden))
     return targets
 
 
+def expert_targets(module: str, experts: Experts) -> list[Target]:
+    """The routed experts' three adapters of one MoE layer (``module``: the path of its ``Experts``)."""
+    hidden, inter = experts.down_proj.shape[1], experts.down_proj.shape[2]
+    count = experts.num_experts
+    return [
+        Target(f"{module}.gate_proj", module, 0, inter, hidden, count),
+        Target(f"{module}.up_proj", module, inter, inter, hidden, count),
+        Target(f"{module}.down_proj", module, 0, hidden, inter, count),
+    ]
+
+
 def lora_params_per_rank(base: CausalLM) -> dict[str, int]:
     """Adapter parameters per unit of rank of each target group (``attn``, ``mlp``, ``unembed``) on ``base``:
-    ``sum(in + out)`` over the group's targets (the cookbook's ``_LORA_PARAMS_PER_RANK_BY_COMPONENT``); a group
-    LoRA cannot adapt here (MoE MLPs) is left out."""
+    :attr:`Target.params_per_rank` summed over the group's targets (the cookbook's
+    ``_LORA_PARAMS_PER_RANK_BY_COMPONENT``); a group LoRA cannot adapt here is left out."""
     out: dict[str, int] = {}
     for group in ("attn", "mlp", "unembed"):
         flags = {f"train_{g}": g == group for g in ("attn", "mlp", "unembed")}
@@ -165,7 +215,7 @@ def lora_params_per_rank(base: CausalLM) -> dict[str, int]:
             targets = lora_targets(base, LoraSpec(rank=1, **flags))
         except UserInputError:
             continue
-        out[group] = sum(t.in_features + t.out_features for t in targets)
+        out[group] = sum(t.params_per_rank for t in targets)
     return out
 
 
@@ -188,16 +238,22 @@ class LoraAdapters(nn.Module):
         like = base.output_weight
         gen = torch.Generator().manual_seed(spec.seed)
         for t in self.targets:
-            a = torch.empty(spec.rank, t.in_features, dtype=torch.float64)
-            nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
+            a_shape, b_shape = t.shapes(spec.rank)
+            a = torch.empty(a_shape, dtype=torch.float64)
+            for matrix in a.reshape(-1, spec.rank, t.in_features):  # each expert's A initialised as a linear's
+                nn.init.kaiming_uniform_(matrix, a=math.sqrt(5), generator=gen)
             self.lora_A[_key(t.name)] = nn.Parameter(a.to(dtype=like.dtype, device=like.device))
-            self.lora_B[_key(t.name)] = nn.Parameter(
-                torch.zeros(t.out_features, spec.rank, dtype=like.dtype, device=like.device)
-            )
+            self.lora_B[_key(t.name)] = nn.Parameter(torch.zeros(b_shape, dtype=like.dtype, device=like.device))
         self.by_module: dict[str, list[Target]] = {}
         for t in self.targets:
             if t.module != UNEMBED:
                 self.by_module.setdefault(t.module, []).append(t)
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether routed experts are adapted (their rows are grouped by expert, not by token: such runs do
+        not share a pass or a decode step with other runs)."""
+        return any(t.experts for t in self.targets)
 
     def pair(self, name: str) -> tuple[nn.Parameter, nn.Parameter]:
         """(A, B) of the adapter called ``name``."""
@@ -220,6 +276,33 @@ class LoraAdapters(nn.Module):
     def delta(self, module: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out + scale · B(A(x))`` (:meth:`delta_only`) in ``out``'s dtype."""
         return out + self.delta_only(module, x).to(out.dtype)
+
+    def expert_delta(
+        self, module: str, proj: str, x: torch.Tensor, counts: torch.Tensor, first: int, out: torch.Tensor
+    ) -> torch.Tensor:
+        """``out`` plus the routed experts' adapters on the rows of ``x`` [n, in], grouped by local expert
+        (``counts`` int64 [E_local], experts ``first ...``), for the fused tensor ``proj`` of the ``Experts``
+        module ``module``: ``gate_up_proj`` (``out`` [n, 2I]: gate rows then up rows) or ``down_proj``
+        (``out`` [n, hidden]). Per expert e: ``scale · B_e(A(x))`` (gate/up) or ``scale · B(A_e(x))`` (down)."""
+        from ringtune.models.layers.moe import grouped_linear
+
+        parts = []
+        for t in self.by_module[module]:
+            if EXPERT_PROJ[t.name.rsplit(".", 1)[1]] != proj:
+                continue
+            a, b = (m.to(x.dtype) for m in self.pair(t.name))
+            local = counts.shape[0]
+            if t.per_expert == "B":
+                parts.append(grouped_linear(F.linear(x, a), b[first : first + local], counts) * self.scale)
+            else:
+                parts.append(F.linear(grouped_linear(x, a[first : first + local], counts), b) * self.scale)
+        delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return out + delta.to(out.dtype)
+
+    def expert_weight_delta(self, t: Target) -> torch.Tensor:
+        """``scale · B_e @ A_e`` of expert adapter ``t`` for every expert: [E, out, in] in float64 (merging)."""
+        a, b = (m.detach().double() for m in self.pair(t.name))
+        return (b @ a if t.per_expert == "B" else b[None] @ a) * self.scale
 
     @property
     def unembed(self) -> Target | None:
@@ -245,17 +328,29 @@ class LoraSlot:
         self._modules = dict(base.named_modules())
 
     def hook(self, module: str) -> None:
-        """Install the hook on base module ``module`` once."""
+        """Install the hook on base module ``module`` once: a forward hook on a linear; on a MoE layer's
+        ``Experts`` its ``adapter`` (called on each fused projection's grouped rows)."""
         if module in self.hooked:
             return
+        target = self._modules[module]
+        if isinstance(target, Experts):
 
-        def add(_mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-            active = self.active
-            if active is None or module not in active.by_module:
-                return out
-            return active.delta(module, args[0], out)
+            def adapt(proj: str, x: torch.Tensor, counts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+                active = self.active
+                if active is None or module not in active.by_module:
+                    return out
+                return active.expert_delta(module, proj, x, counts, target.first, out)
 
-        self._modules[module].register_forward_hook(add)
+            target.adapter = adapt
+        else:
+
+            def add(_mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+                active = self.active
+                if active is None or module not in active.by_module:
+                    return out
+                return active.delta(module, args[0], out)
+
+            target.register_forward_hook(add)
         self.hooked.add(module)
 
 

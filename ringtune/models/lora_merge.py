@@ -14,7 +14,7 @@ import dataclasses
 import torch
 
 from ringtune.models.decoder import CausalLM
-from ringtune.models.lora import UNEMBED, LoraModel
+from ringtune.models.lora import EXPERT_PROJ, UNEMBED, LoraModel
 from ringtune.models.precision import compute_like_trainer, layers_compute_dtype
 
 
@@ -36,6 +36,14 @@ def merged_weights(lora: LoraModel) -> dict[str, torch.Tensor]:
     base = lora.base.state_dict()
     merged: dict[str, torch.Tensor] = {}
     for target, a, b in lora.adapters.named_pairs():
+        if target.experts:  # [E, out, in] onto rows [start, start + out) of every expert's fused tensor
+            key = f"{target.module}.{EXPERT_PROJ[target.name.rsplit('.', 1)[1]]}"
+            if key not in merged:
+                merged[key] = base[key].clone()
+            rows = slice(target.start, target.start + target.out_features)
+            weight = merged[key]
+            weight[:, rows] = (weight[:, rows].double() + lora.adapters.expert_weight_delta(target)).to(weight.dtype)
+            continue
         delta = (b.double() @ a.double()) * lora.adapters.scale
         if target.module == UNEMBED:
             weight = lora.base.output_weight

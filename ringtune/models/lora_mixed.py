@@ -56,8 +56,11 @@ class MixedAdapters:
     """
 
     def __init__(self, runs: Sequence[LoraAdapters], index: torch.Tensor) -> None:
-        """``index`` int64 [T_local]: each local token's run (−1: none)."""
+        """``index`` int64 [T_local]: each local token's run (−1: none). Raises ValueError for a run that adapts
+        routed experts (their rows are grouped by expert, not by token: such a run passes alone)."""
         self.runs = list(runs)
+        if any(run.has_experts for run in self.runs):
+            raise ValueError("a run with adapters on routed experts does not share a pass or a decode step")
         groups = [(index == r).nonzero().squeeze(1) for r in range(len(self.runs))]
         rest = (index < 0).nonzero().squeeze(1)
         self.counts = [int(g.numel()) for g in groups]

@@ -70,8 +70,11 @@ class DecodeOwner(Protocol):
 
 
 def decode_base(model: nn.Module) -> nn.Module:
-    """The model whose layers decode ``model``'s rows: a LoRA snapshot's base, else ``model`` itself."""
-    return model.base if isinstance(model, LoraSnapshot) else model
+    """The model whose layers decode ``model``'s rows: a LoRA snapshot's base, else ``model`` itself (also a
+    snapshot with adapters on routed experts: those rows decode in a batch of their own)."""
+    if isinstance(model, LoraSnapshot) and not model.adapters.has_experts:
+        return model.base
+    return model
 
 
 @dataclass

@@ -18,8 +18,18 @@ FAMILIES = ("qwen3_5", "llama", "qwen3", "qwen3_moe", "qwen3_5_moe")
 LENGTHS = (1, 2, 17, 5, 40, 3, 1, 9)
 
 
-def hf_config(family: str):
-    """A transformers config of ``family`` (one of :data:`FAMILIES`), 4 layers, vocab 96."""
+def hf_config(family: str, **overrides):
+    """A transformers config of ``family`` (one of :data:`FAMILIES`), 4 layers, vocab 96; ``overrides``
+    replace its fields (e.g. ``mlp_only_layers=[]``: a Qwen3-MoE with no dense layer)."""
+    config = _hf_config(family)
+    for key, value in overrides.items():
+        if not hasattr(config, key):
+            raise ValueError(f"hf_config({family!r}): no field {key!r}")
+        setattr(config, key, value)
+    return config
+
+
+def _hf_config(family: str):
     import transformers
 
     common = {
@@ -61,13 +71,14 @@ def hf_config(family: str):
     raise ValueError(f"family must be one of {FAMILIES}; got {family!r}")
 
 
-def hf_model(family: str, *, seed: int):
-    """A random transformers causal LM of ``family``, with every norm weight randomised (not all ones/zeros)
-    and MoE routers drawn at std 0.5 (routing that differs per token)."""
+def hf_model(family: str, *, seed: int, **overrides):
+    """A random transformers causal LM of ``family`` (config :func:`hf_config` with ``overrides``), with every
+    norm weight randomised (not all ones/zeros) and MoE routers drawn at std 0.5 (routing that differs per
+    token)."""
     import transformers
 
     torch.manual_seed(seed)
-    config = hf_config(family)
+    config = hf_config(family, **overrides)
     config._attn_implementation = "eager"
     cls = {
         "qwen3_5": transformers.Qwen3_5ForCausalLM,

@@ -111,6 +111,9 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         for p in (self.gate_up_proj, self.down_proj):
             nn.init.normal_(p, std=0.02)  # as transformers' _init_weights (initializer_range 0.02)
+        # LoRA on the routed experts (models/lora.py LoraSlot): (proj, x, counts, out) -> out + the adapters'
+        # delta, called on each fused projection's rows; None: no adapters
+        self.adapter: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @property
     def num_local(self) -> int:
@@ -118,8 +121,15 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [n, hidden] grouped by local expert (``counts`` int64 [E_local]) -> [n, hidden]."""
-        gate, up = grouped_linear(x, self.gate_up_proj, counts).chunk(2, dim=-1)
-        return grouped_linear(F.silu(gate) * up, self.down_proj, counts)
+        gate_up = grouped_linear(x, self.gate_up_proj, counts)
+        if self.adapter is not None:
+            gate_up = self.adapter("gate_up_proj", x, counts, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = F.silu(gate) * up
+        out = grouped_linear(hidden, self.down_proj, counts)
+        if self.adapter is not None:
+            out = self.adapter("down_proj", hidden, counts, out)
+        return out
 
 
 def routed_experts_local(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
