@@ -119,7 +119,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=SHARDINGS[0],
         choices=SHARDINGS,
         help="FSDP2 sharding of parameters, gradients and AdamW state: none (replicated), dp (over DP, replicated "
-        "over CP) or dp_cp (over all DP x CP ranks, least memory)",
+        "over CP) or dp_cp (over all DP x CP ranks, least memory; with --ep the experts over their replicas)",
     )
     p.add_argument(
         "--mesh-prompt-tokens",

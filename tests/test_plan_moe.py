@@ -32,5 +32,12 @@ def test_moe_parameters_and_expert_sharding(family: str) -> None:
     del model
     with pytest.raises(UserInputError, match="ep=3 must divide the model's num_experts=8"):
         estimate(cfg, Layout(cp=1, dp=3, shard="none", recompute="none", precision="float32", ep=3), 64)
-    eps = {p.estimate.layout.ep for p in plan_layouts(cfg, context=512, gpus=4, memory=2**30, precisions=("float32",))}
-    assert eps == {1, 2, 4}
+    planned = plan_layouts(cfg, context=512, gpus=4, memory=2**30, precisions=("float32",))
+    assert {p.estimate.layout.ep for p in planned} == {1, 2, 4}
+    # FSDP under EP (dp_cp): each rank 1/(DP·CP) of the experts, as without EP; HSDP (dp) refused under EP
+    assert {(p.estimate.layout.shard, p.estimate.layout.ep) for p in planned} >= {("dp_cp", 2), ("dp_cp", 4)}
+    for ep in (1, 2, 4):
+        fsdp = estimate(cfg, Layout(cp=2, dp=2, shard="dp_cp", recompute="none", precision="float32", ep=ep), 256)
+        assert fsdp.detail["expert_parameters_here"] == experts / 4
+    with pytest.raises(UserInputError, match="only shard='dp_cp'"):
+        estimate(cfg, Layout(cp=2, dp=2, shard="dp", recompute="none", precision="float32", ep=2), 64)

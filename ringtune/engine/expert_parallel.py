@@ -3,8 +3,8 @@
 With ``mesh.ep_size > 1`` (``ringtune serve --ep N``) every rank keeps 1/N of each MoE layer's experts
 (:func:`ringtune.models.layers.moe.set_expert_parallel`); the non-expert gradients SUM over DP×CP and the
 expert gradients over the expert replica group (:class:`ringtune.engine.gradients.GradientInvariant` checks
-both); the global gradient norm adds the expert norms of the whole EP group. Not yet supported under EP (refused
-by name): FSDP sharding (``shard_params``). HF exports and sampler snapshots
+both); the global gradient norm adds the expert norms of the whole EP group. FSDP under EP: ``shard_params='dp_cp'``
+only (:mod:`ringtune.engine.expert_sharding`; ``dp`` is refused by name). HF exports and sampler snapshots
 (:func:`ringtune.sample.pool.snapshot_of`) gather the experts first; DCP training-state checkpoints save each EP
 shard as a chunk of a global tensor (:mod:`ringtune.engine.expert_checkpoint`). See docs/moe.md.
 """
@@ -35,10 +35,10 @@ def setup(model: CausalLM, mesh: ParallelMesh | None, shard_params: str) -> None
     if not isinstance(model, CausalLM):  # e.g. a LoRA wrapper: its merged sampler snapshot assumes whole experts
         raise ParallelConfigError(f"ep={size}: only full fine-tuning runs are supported under EP yet (not LoRA)")
     model.config.check_expert_parallel(size)
-    if shard_params != "none":
+    if shard_params not in ("none", "dp_cp"):
         raise ParallelConfigError(
-            f"shard_params={shard_params!r} with ep={size}: FSDP of expert parameters is not "
-            "supported yet; use shard_params='none'"
+            f"shard_params={shard_params!r} with ep={size}: under expert parallelism use shard_params='dp_cp' "
+            "(the experts are sharded over their expert replica group, everything else over DP x CP) or 'none'"
         )
     set_expert_parallel(model, mesh.ep_group)
 

@@ -12,6 +12,9 @@ The sharding is picked by name from :data:`SHARDINGS` (the one place; ``Trainer(
   gradient is a SUM over DP×CP anyway, so nothing ties a shard to a DP coordinate). Backward reduce-scatters
   over DP×CP in one collective. Per rank: 1/(DP·CP) of the parameters, gradients and moments.
 
+Under expert parallelism only ``dp_cp`` applies: the experts are first sharded over their expert replica group
+(:mod:`ringtune.engine.expert_sharding`), then the rest as above.
+
 ``shard_params(model, mesh, sharding=...)`` applies ``torch.distributed.fsdp.fully_shard`` to every decoder layer
 and then to the root (embeddings, final norm, ``lm_head``) over that DeviceMesh, built with
 ``DeviceMesh.from_group`` on the mesh's existing groups (no new process group); AdamW built on the DTensor
@@ -32,6 +35,7 @@ invariant keeps checking the loss path (no microbatch scaling) and the microbatc
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,9 +46,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
+from ringtune.engine import expert_sharding
 from ringtune.engine.gradients import GradientInvariantError
 from ringtune.errors import UserInputError
 from ringtune.models.decoder import CausalLM
+from ringtune.models.layers.moe import is_expert_parameter
 from ringtune.models.logprob_head import IGNORE_INDEX, label_logprobs
 from ringtune.models.shard import shard_of
 from ringtune.parallel.mesh import ParallelMesh
@@ -153,13 +159,21 @@ def shard_params(
     """
     if sharding not in DEVICE_MESHES:
         raise ValueError(f"sharding={sharding!r}: shard_params takes one of {', '.join(DEVICE_MESHES)}")
+    expert_sharding.check(model, mesh, sharding)
     shards = shard_group(mesh, sharding)
+    experts = _expert_shards(mesh)  # EP: the expert tensors are chunked over their replica group
     probe = _probe_gradients(model, attention, gated_delta)
-    local = {name: _dim0_chunk(g, shards.size, shards.index) for name, g in probe.items()}
+    local = {}
+    for name, g in probe.items():
+        split = experts if experts is not None and is_expert_parameter(name) else shards
+        local[name] = _dim0_chunk(g, split.size, split.index)
     del probe
     device_mesh = DEVICE_MESHES[sharding](mesh)
     policy = layer_policy(compute_dtype)
-    units: list[FSDPModule] = []
+    units: list[FSDPModule] = expert_sharding.shard_experts(model, mesh, policy)  # first: the layers skip them
+    # a unit's reduced gradient over the probe's local one: DP·CP (a SUM); EP experts already summed the EP
+    # group's copies of the probe row in the all-to-all backward, so their replica group adds (DP·CP)/EP
+    expected = [float(experts.size) for _ in units] if experts is not None else []
     for layer in model.model.layers:
         units.append(fully_shard(layer, mesh=device_mesh, reshard_after_forward=True, mp_policy=policy))
     root = fully_shard(model, mesh=device_mesh, reshard_after_forward=False)
@@ -171,8 +185,17 @@ def shard_params(
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
     reduced = _probe_gradients(model, attention, gated_delta)
-    _check_sum(model, units, local, reduced, mesh, shards)
+    expected += [float(mesh.dp_size * mesh.cp_size)] * (len(units) - len(expected))
+    _check_sum(model, units, local, reduced, expected, shards)
     return units
+
+
+def _expert_shards(mesh: ParallelMesh) -> ShardGroup | None:
+    """The expert replica group the EP experts are sharded over (:mod:`expert_sharding`); None without EP."""
+    if mesh.ep_size == 1:
+        return None
+    group = mesh.expert_replica_group
+    return ShardGroup(group, expert_sharding.replicas(mesh), dist.get_rank(group))
 
 
 def reshard_all(units: list[FSDPModule]) -> None:
@@ -187,14 +210,21 @@ def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def full_state_dict(model: nn.Module, *, keep: bool = True, device: torch.device | str = "cpu") -> dict[str, Any]:
+def full_state_dict(
+    model: nn.Module,
+    *,
+    keep: bool = True,
+    device: torch.device | str = "cpu",
+    keep_also: Callable[[str], bool] | None = None,
+) -> dict[str, Any]:
     """``model.state_dict()`` with every DTensor gathered whole onto ``device``; a replicated model's as it is.
 
     Sharded: first reshards every unit (the root stays unsharded after a forward, and its registered tensors
     would then be the unsharded ones), then gathers tensor by tensor (``full_tensor``: collective over the
     tensor's mesh, so every rank of the sharded model calls this together, in the same order). ``keep=False``:
     this rank takes part in the gathers but keeps nothing (returns {}); a writer on one rank then holds the
-    full state once and the others one tensor at a time. Plain tensors are returned as they are (not copied).
+    full state once and the others one tensor at a time. ``keep_also(name)``: entries kept even then (e.g. the
+    EP experts, gathered next over the EP group). Plain tensors are returned as they are (not copied).
     """
     units = fsdp_modules(model)
     if not units:
@@ -204,7 +234,7 @@ def full_state_dict(model: nn.Module, *, keep: bool = True, device: torch.device
     for name, value in model.state_dict().items():
         if isinstance(value, DTensor):
             value = value.full_tensor().to(device)
-        if keep:
+        if keep or (keep_also is not None and keep_also(name)):
             out[name] = value
     return out
 
@@ -257,16 +287,24 @@ def _dim0_chunk(t: torch.Tensor, parts: int, index: int) -> torch.Tensor:
 
 
 def _check_sum(
-    model: CausalLM, units: list[FSDPModule], local: dict, reduced: dict, mesh: ParallelMesh, shards: ShardGroup
+    model: CausalLM,
+    units: list[FSDPModule],
+    local: dict,
+    reduced: dict,
+    expected: list[float],
+    shards: ShardGroup,
 ) -> None:
-    """Per unit, over its shards: reduced = DP·CP × local (ratio <reduced, local> / <local, local>, and the
-    relative residual |reduced − DP·CP·local| / |DP·CP·local|); a mean gives ratio 1, a wrong shard a residual."""
-    expected = float(mesh.dp_size * mesh.cp_size)
+    """Per unit, over its shards: reduced = ``expected[unit]`` × local (ratio <reduced, local> / <local, local>,
+    and the relative residual |reduced − W·local| / |W·local|); a mean gives ratio 1, a wrong shard a residual.
+    Units in order: EP expert units, the layers, the root."""
     # float64: sums of DP·CP equal terms are exact or one rounding off; lower precisions round at every add.
     rtol = 1e-9 if next(model.parameters()).dtype == torch.float64 else 1e-2
-    labels = [f"model.layers.{i}" for i in range(len(units) - 1)] + ["root"]
+    layers = len(model.model.layers)
+    experts = len(units) - layers - 1
+    labels = [f"experts of MoE layer {i}" for i in range(experts)] + [f"model.layers.{i}" for i in range(layers)]
+    labels.append("root")
     owner: dict[int, int] = {}
-    for i, unit in enumerate(units):  # layers first: the root's parameters() include theirs
+    for i, unit in enumerate(units):  # experts, then layers: the root's (and a layer's) parameters() include theirs
         for p in unit.parameters():
             owner.setdefault(id(p), i)
     sums = torch.zeros(len(units), 4, dtype=torch.float64)  # <got, want>, <want, want>, |got - W·want|², |W·want|²
@@ -280,17 +318,17 @@ def _check_sum(
                 f"(the dim-0 chunk {shards.index} of {shards.size}); the sharding layout is not the one checked"
             )
         want, got = want.double().reshape(-1), got.double().reshape(-1)
-        scaled = expected * want
+        scaled = expected[owner[id(p)]] * want
         terms = [(got * want).sum(), (want * want).sum(), (got - scaled).pow(2).sum(), scaled.pow(2).sum()]
         sums[owner[id(p)]] += torch.stack(terms)
     dist.all_reduce(sums, group=shards.group)
-    for label, (cross, norm2, residual2, scale2) in zip(labels, sums.tolist(), strict=True):
+    for label, want, (cross, norm2, residual2, scale2) in zip(labels, expected, sums.tolist(), strict=True):
         if norm2 == 0:
             raise GradientInvariantError(f"FSDP probe: unit {label} got no gradient from the probe row")
         ratio, residual = cross / norm2, math.sqrt(residual2 / scale2)
-        if not math.isclose(ratio, expected, rel_tol=rtol) or residual > rtol:
+        if not math.isclose(ratio, want, rel_tol=rtol) or residual > rtol:
             raise GradientInvariantError(
                 f"gradient invariant violated: FSDP unit {label} reduced its gradients to {ratio:.6g} x the local "
-                f"one (relative residual {residual:.3g}), expected {expected:g} x (= DP·CP ranks, a SUM); FSDP "
-                "averages by default: every unit needs set_gradient_divide_factor(1.0)"
+                f"one (relative residual {residual:.3g}), expected {want:g} x (the ranks it sums over, a SUM); "
+                "FSDP averages by default: every unit needs set_gradient_divide_factor(1.0)"
             )

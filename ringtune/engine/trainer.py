@@ -51,7 +51,7 @@ from ringtune.layout.zigzag import zigzag_slice
 from ringtune.losses import PER_TARGET_KEYS, fixed_logprob_gradient, local_token_losses
 from ringtune.models.decoder import CausalLM
 from ringtune.models.layers import moe_router_stats as router_stats
-from ringtune.models.layers.moe import moe_blocks, moe_shape, set_expert_parallel
+from ringtune.models.layers.moe import is_expert_parameter, moe_blocks, moe_shape, set_expert_parallel
 from ringtune.models.logprob_head import IGNORE_INDEX
 from ringtune.models.precision import check_compute_dtype, export_dtype, set_compute_dtype
 from ringtune.models.recompute import DEFAULT_RECOMPUTE, check_recompute_mode, set_recompute
@@ -374,11 +374,14 @@ class Trainer:
         return out, bad_loss, bad_grad
 
     def _gradients_finite(self) -> bool:
-        """Whether every gradient accumulated so far in this request is finite (one device sync)."""
-        grads = [p.grad for p in self.params if p.grad is not None]
-        if not grads:
-            return True
-        return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+        """Whether every gradient accumulated so far in this request is finite (one device sync; with FSDP one
+        verdict per DeviceMesh, agreed over its ranks: the DP×CP shards, under EP also the expert replicas)."""
+        by_mesh: dict[int, list[torch.Tensor]] = {}
+        for p in self.params:
+            if p.grad is not None:
+                by_mesh.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p.grad)
+        verdicts = [bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) for grads in by_mesh.values()]
+        return all(verdicts)
 
     def _collect(self, mine: dict, batch: Batch) -> ForwardBackwardResult:
         """Per-datum outputs of every DP group onto the result rank (one gather over the control group)."""
@@ -531,7 +534,9 @@ class Trainer:
         self._check_usable()
         state = None
         if self.fsdp_units:  # gathered whole on every rank in turn, kept only by the writer (control rank 0)
-            state = sharding.full_state_dict(self.model, keep=self.is_result_rank)
+            ep = expert_parallel.ep_size(self.mesh) > 1  # and the EP experts everywhere: gathered next over EP
+            keep_also = is_expert_parameter if ep else None
+            state = sharding.full_state_dict(self.model, keep=self.is_result_rank, keep_also=keep_also)
         if expert_parallel.ep_size(self.mesh) > 1:  # every expert, gathered over each EP group
             state = gather_expert_state(self.model, state)
         export_hf_weights(self.model, path, group=self.control_group, dtype=self.export_dtype, state=state)

@@ -46,7 +46,8 @@ class Layout:
 
     ``shard``: a name of :data:`ringtune.engine.sharding.SHARDINGS` (``ringtune serve --shard-params``):
     ``none`` (replicated), ``dp`` (FSDP2 over DP, replicated over CP), ``dp_cp`` (FSDP2 over all DP·CP ranks).
-    ``ep``: expert parallelism of a MoE model (``--ep``; routed experts ÷ EP; only with ``shard="none"``).
+    ``ep``: expert parallelism of a MoE model (``--ep``; routed experts ÷ EP; with ``shard="none"`` or
+    ``"dp_cp"``, which shards each EP rank's experts again over its (DP·CP)/EP expert replicas).
     """
 
     cp: int
@@ -153,20 +154,29 @@ def estimate(cfg: DecoderConfig, layout: Layout, tokens: int) -> Estimate:
     per_layer = [layer_parameters(cfg, t, i) for i, t in enumerate(types)]
     root = root_parameters(cfg)
     total = sum(per_layer) + root
-    experts = sum(moe.expert_parameters(cfg, i) for i in range(len(types)))  # routed experts: ÷ EP, never FSDP
+    layer_experts = [moe.expert_parameters(cfg, i) / layout.ep for i in range(len(types))]  # this rank's, unsharded
+    experts = sum(moe.expert_parameters(cfg, i) for i in range(len(types)))
     if layout.ep < 1 or (experts and cfg.num_experts % layout.ep) or (not experts and layout.ep > 1):
         raise UserInputError(f"ep={layout.ep} must divide the model's num_experts={cfg.num_experts} (1 without MoE)")
-    if layout.ep > 1 and layout.shard != "none":
-        raise UserInputError(f"ep={layout.ep} with shard={layout.shard!r}: FSDP of experts is not supported")
-    local_experts = experts / layout.ep
-    mixed = layout.precision == "bf16-mixed"
-    detail: dict[str, float] = {"parameter_count": float(total + experts), "expert_parameters_here": local_experts}
+    if layout.ep > 1 and layout.shard not in ("none", "dp_cp"):
+        raise UserInputError(f"ep={layout.ep} with shard={layout.shard!r}: under EP only shard='dp_cp' (or none)")
     if layout.shard not in SHARD_NAMES:
         raise UserInputError(f"shard={layout.shard!r}: choose one of {', '.join(SHARD_NAMES)}")
     ways = layout.shard_ways
+    if layout.ep > 1 and ways > 1 and (cfg.num_experts // layout.ep) % (ways // layout.ep):
+        raise UserInputError(
+            f"ep={layout.ep} with shard='dp_cp': each rank's {cfg.num_experts // layout.ep} experts must split "
+            f"evenly over its {ways // layout.ep} expert replicas"
+        )
+    # routed experts: ÷ EP; FSDP (dp_cp) shards each EP rank's experts again over its (DP·CP)/EP replicas, so
+    # either way a sharded rank holds 1/ways of every expert (engine/expert_sharding.py)
+    local_experts = experts / ways if ways > 1 else experts / layout.ep
+    mixed = layout.precision == "bf16-mixed"
+    detail: dict[str, float] = {"parameter_count": float(total + experts), "expert_parameters_here": local_experts}
     if ways > 1:
-        shard = total / ways
-        biggest = max(per_layer, default=0)
+        shard = total / ways + local_experts
+        # the unsharded copy of one layer: its own parameters and this rank's E/EP experts
+        biggest = max((n + x for n, x in zip(per_layer, layer_experts, strict=True)), default=0)
         # FSDP2 (over DP or over DP·CP alike): own shards (fp32 masters under bf16-mixed) plus unsharded
         # compute-dtype copies of the root (kept after forward) and of two layers (the current one's all-gather
         # buffer and the prefetched next).
@@ -179,9 +189,9 @@ def estimate(cfg: DecoderConfig, layout: Layout, tokens: int) -> Estimate:
         parameters = total * pb + (total * e if mixed else 0)  # bf16-mixed: the bf16 compute copy
         gradients = total * gb + (total * e if mixed else 0)  # its bf16 gradients before the fp32 cast
         moments = total * mb
-    parameters += local_experts * (pb + (e if mixed else 0))
-    gradients += local_experts * (gb + (e if mixed else 0))
-    moments += local_experts * mb
+        parameters += local_experts * (pb + (e if mixed else 0))
+        gradients += local_experts * (gb + (e if mixed else 0))
+        moments += local_experts * mb
     static_grads = gradients
     kept = [act.layer_kept(cfg, t, layout.recompute, w) * tokens for t in types]
     head = act.head_kept(cfg, w) * tokens
@@ -199,7 +209,7 @@ def estimate(cfg: DecoderConfig, layout: Layout, tokens: int) -> Estimate:
         if moe.is_moe(cfg, i):
             comm += moe.dispatch_per_token(cfg, layout.ep, e) * tokens
         phases[f"layer {i}"] = (sum(kept[: i + 1]) + rebuilt + bookkeeping, transient, comm)
-    optimizer_transient = (total / ways + local_experts) * pb
+    optimizer_transient = (total / ways + local_experts) * pb  # local_experts: already ÷ ways when sharded
     phases["optimizer"] = (0.0, optimizer_transient, 0.0)
     phase = max(phases, key=lambda k: sum(phases[k]))
     activations, constants, communication = phases[phase]

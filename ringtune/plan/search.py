@@ -73,6 +73,17 @@ def shardings(cp: int, dp: int) -> tuple[str, ...]:
     return ("none",) + (("dp",) if dp > 1 else ()) + (("dp_cp",) if cp > 1 else ())
 
 
+def expert_layouts(cfg: DecoderConfig, ranks: int) -> list[tuple[str, int]]:
+    """(sharding, EP) of the expert-parallel layouts of ``ranks`` DP·CP ranks: each EP size replicated, and with
+    ``dp_cp`` FSDP where each EP rank's experts split evenly over its ranks/EP expert replicas."""
+    out = []
+    for ep in ep_sizes(cfg, ranks)[1:]:
+        out.append(("none", ep))
+        if (cfg.num_experts // ep) % (ranks // ep) == 0:
+            out.append(("dp_cp", ep))
+    return out
+
+
 def plan_layouts(
     cfg: DecoderConfig,
     *,
@@ -96,7 +107,7 @@ def plan_layouts(
     for cp in cp_sizes(cfg, gpus, context):
         dp = gpus // cp
         tokens = rank_token_budget(context, cp, pad_multiplier=PAD_MULTIPLIER)
-        for shard, ep in [(s, 1) for s in shardings(cp, dp)] + [("none", n) for n in ep_sizes(cfg, cp * dp)[1:]]:
+        for shard, ep in [(s, 1) for s in shardings(cp, dp)] + expert_layouts(cfg, cp * dp):
             for rc in recompute:
                 for precision in precisions:
                     layout = Layout(cp=cp, dp=dp, shard=shard, recompute=rc, precision=precision, ep=ep)

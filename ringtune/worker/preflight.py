@@ -123,8 +123,11 @@ def preflight(s: ServeSettings) -> Preflight:
             raise UserInputError(f"--{name}={getattr(s, name)} must be >= 1")
     if (s.dp * s.cp) % s.ep:
         raise UserInputError(f"--ep={s.ep} must divide --dp x --cp = {s.dp * s.cp} (EP is carved out of those ranks)")
-    if s.ep > 1 and s.shard_params != "none":
-        raise UserInputError(f"--shard-params={s.shard_params} with --ep={s.ep}: not supported yet (docs/moe.md)")
+    if s.ep > 1 and s.shard_params not in ("none", "dp_cp"):
+        raise UserInputError(
+            f"--shard-params={s.shard_params} with --ep={s.ep}: under expert parallelism use --shard-params dp_cp "
+            "(experts sharded over their expert replica group, docs/moe.md) or none"
+        )
     check_precision(s.dtype, field="--dtype")
     check_recompute_mode(s.recompute, field="--recompute")
     check_sharding(s.shard_params, field="--shard-params")
