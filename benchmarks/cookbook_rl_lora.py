@@ -1,7 +1,7 @@
 """The cookbook's RL recipe with its default ``lora_rank=32`` against ``ringtune serve --cp 2``: it runs, resumes
 after a crash, and its reward rises.
 
-Run ``python benchmarks/cookbook_rl_lora.py [--steps 12] [--lr 1e-2] [--moe]``.
+Run ``python benchmarks/cookbook_rl_lora.py [--steps 12] [--lr 1e-2] [--moe [--ep 2]]``.
 
 The unmodified ``tinker_cookbook.rl.train.main`` (``train.Config`` with ``lora_rank`` left at its default 32,
 ``importance_sampling``) with the single-turn environment of ``tests/test_cookbook_rl.py`` rewarded here by the
@@ -130,12 +130,13 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--moe", action="store_true", help="a tiny Qwen3.5-MoE (LoRA on its experts)")
+    parser.add_argument("--ep", type=int, default=1, help="with --moe: expert parallelism (--ep of serve)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         model = str(tiny_smollm_moe_dir(root / "tiny-moe") if args.moe else tiny_smollm_dir(root / "tiny"))
         os.environ.update(HF_HUB_OFFLINE="1", TINKER_API_KEY=API_KEY)
-        extra = ["--cp", "2", "--context-length", "512"]
+        extra = ["--cp", "2", "--ep", str(args.ep), "--context-length", "512"]
         server = ServeProcess(
             model, checkpoint_root=root / "ckpt", log_path=root / "serve.log", api_key=API_KEY, extra_args=extra
         )
@@ -152,7 +153,9 @@ def main() -> int:
             run_id = checkpoints[-1]["state_path"].removeprefix("tinker://").split("/")[0]
             run = tinker.RestClient(base_url=server.url, api_key=API_KEY).get_training_run(run_id).result()
     kind = "tiny Qwen3.5-MoE" if args.moe else "tiny Llama (SmolLM2 tokenizer)"
-    print(f"\ncookbook rl.train, upper-case reward, default lora_rank, {kind}, serve --cp 2, lr {args.lr}")
+    print(
+        f"\ncookbook rl.train, upper-case reward, default lora_rank, {kind}, serve --cp 2 --ep {args.ep}, lr {args.lr}"
+    )
     print(f"run {run_id}: is_lora={run.is_lora} lora_rank={run.lora_rank}")
     for r in rows:
         print(

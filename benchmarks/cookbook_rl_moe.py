@@ -2,13 +2,13 @@
 
 Run ``python benchmarks/cookbook_rl_moe.py [--steps 3] [--dtype bfloat16]``.
 
-The unmodified ``tinker_cookbook.rl.train.main`` (``importance_sampling``, ``lora_rank=0``: LoRA under expert
-parallelism is not built) with the single-turn "letters" environment of ``tests/test_cookbook_rl.py`` (reward = the
-fraction of ASCII letters in the reply; batch 2 prompts x group 4) against a tiny random Qwen3.5-MoE with SmolLM2's
-tokenizer (``tests/smollm_fixtures.tiny_smollm_moe_dir``), served twice on 127.0.0.1: ``ringtune serve --cp 2 --ep 2
---dtype <dtype>`` without and with ``--routing-replay``. Printed per arm and step: the cookbook's own on-policy
-figures ``optim/kl_sample_train_v1`` / ``_v2`` (sampler log-probs against the trainer's on the sampled tokens) and
-the reward.
+The unmodified ``tinker_cookbook.rl.train.main`` (``importance_sampling``, ``lora_rank=0``, full fine-tuning: the
+recipes' LoRA default under EP is ``cookbook_rl_lora.py --moe --ep 2``) with the single-turn "letters" environment
+of ``tests/test_cookbook_rl.py`` (reward = the fraction of ASCII letters in the reply; batch 2 prompts x group 4)
+against a tiny random Qwen3.5-MoE with SmolLM2's tokenizer (``tests/smollm_fixtures.tiny_smollm_moe_dir``), served
+twice on 127.0.0.1: ``ringtune serve --cp 2 --ep 2 --dtype <dtype>`` without and with ``--routing-replay``. Printed
+per arm and step: the cookbook's own on-policy figures ``optim/kl_sample_train_v1`` / ``_v2`` (sampler log-probs
+against the trainer's on the sampled tokens) and the reward.
 """
 
 from __future__ import annotations

@@ -1,11 +1,12 @@
 """The cookbook's supervised recipe with its default ``lora_rank=32`` against ``ringtune serve --cp 2``.
 
-Run ``python benchmarks/cookbook_sl_lora.py [--model DIR|smollm2-135m] [--steps 8] [--lr 1e-3] [--moe [--ep 2]]``.
+Run ``python benchmarks/cookbook_sl_lora.py [--model DIR|smollm2-135m] [--steps 8] [--lr 1e-3] [--moe [--ep 2]]
+[--lora-rank N]``.
 
 ``--moe``: a tiny random Qwen3.5-MoE (GatedDeltaNet + attention hybrid, 8 experts top-2, shared expert) with
-SmolLM2's tokenizer instead, with the recipe's default LoRA (adapters on the routed experts too, docs/lora.md).
-``--moe --ep 2``: served with ``--cp 2 --ep 2`` (experts split over the two CP ranks) and trained with
-``lora_rank=0`` (full fine-tuning: LoRA under expert parallelism is not built).
+SmolLM2's tokenizer instead, with the recipe's default LoRA (adapters on the routed experts too, docs/lora.md);
+``--ep 2`` serves it with ``--cp 2 --ep 2`` (experts split over the two CP ranks). ``--lora-rank 0``: full
+fine-tuning instead of the recipe's default.
 
 The unmodified ``tinker_cookbook.supervised.train.main`` (``train.Config`` with ``lora_rank`` left at its default
 32) on the cookbook's ``example_data/conversations.jsonl`` (``role_colon`` renderer, batch 16, max length 256,
@@ -74,7 +75,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--moe", action="store_true", help="a tiny Qwen3.5-MoE")
-    parser.add_argument("--ep", type=int, default=1, help="with --moe: expert parallelism (then lora_rank=0)")
+    parser.add_argument("--ep", type=int, default=1, help="with --moe: expert parallelism")
+    parser.add_argument("--lora-rank", type=int, default=None, help="default: the recipe's own (32); 0 = full")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -83,7 +85,7 @@ def main() -> int:
         else:
             model = args.model or str(tiny_smollm_dir(root / "tiny-smollm"))
         extra = ["--cp", "2", "--context-length", "512"] + (["--ep", str(args.ep)] if args.ep > 1 else [])
-        rank = 0 if args.ep > 1 else None
+        rank = args.lora_rank
         os.environ.update(HF_HUB_OFFLINE="1", TINKER_API_KEY=API_KEY)
         server = ServeProcess(
             model,

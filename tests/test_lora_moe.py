@@ -26,6 +26,7 @@ from ringtune.engine.optimizer import AdamParams
 from ringtune.engine.trainer import TrainDatum
 from ringtune.layout import zigzag_slice
 from ringtune.models.checkpoints.hf import load_hf
+from ringtune.models.logprob_head import label_logprobs
 from ringtune.models.lora import LoraModel, LoraSpec, lora_params_per_rank
 from ringtune.models.lora_merge import merged_model
 from ringtune.models.lora_peft import PREFIX, peft_tensors, write_peft_adapter
@@ -47,6 +48,7 @@ LAYOUTS = (
     (2, 2, "full", "headwise"),
     (1, 4, "selective", "chunkwise"),
 )
+EP_LAYOUTS = ((1, 2, 2), (2, 2, 4), (1, 4, 2))
 ADAM = AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01)
 
 
@@ -181,7 +183,7 @@ def make_data(vocab: int, lens: tuple[int, ...], seed: int) -> list[TrainDatum]:
     return data
 
 
-def float64_case(ctx, *, root: str):
+def float64_case(ctx, *, root: str, export: str):
     base = load_hf(pathlib.Path(root) / "qwen3_5_moe", dtype=torch.float64)
     vocab = base.config.vocab_size
     data = make_data(vocab, (5, 17, 1, 40, 9), seed=3)
@@ -199,6 +201,38 @@ def float64_case(ctx, *, root: str):
         if trainer.is_result_rank:
             weights = {n: p.detach().clone() for n, p in model.named_parameters()}
             out[dp, cp] = (result.metrics["loss:sum"], result.outputs, grads, weights)
+    # expert parallelism: the shared base's experts sharded over EP (a base per layout: sharding is in place),
+    # the adapters whole; the sampler snapshot and the merged export run on a copy with every expert
+    for dp, cp, ep in EP_LAYOUTS:
+        mesh = ctx.mesh(dp=dp, cp=cp, ep=ep)
+        model = LoraModel(load_hf(pathlib.Path(root) / "qwen3_5_moe", dtype=torch.float64), LoraSpec(rank=RANK, seed=5))
+        randomize_adapters(model, seed=9)
+        trainer = LoraTrainer(model, mesh, max_tokens_per_rank=48, gated_delta="chunkwise")
+        assert model.base.model.layers[0].mlp.experts.num_local == 8 // ep
+        result = trainer.forward_backward(data, "importance_sampling")
+        grads = {n: torch.zeros_like(p) if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+        for g in grads.values():
+            dist.all_reduce(g, group=trainer.dp_cp_group)
+        trainer.optim_step(ADAM)
+        after = trainer.forward(data, "importance_sampling")
+        snapshot = trainer.sampler_snapshot()  # collective the first time (gathers the experts)
+        trainer.export_hf(f"{export}-{dp}{cp}{ep}")
+        if trainer.is_result_rank:
+            weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+            out[dp, cp, ep] = (result.metrics["loss:sum"], result.outputs, grads, weights)
+            lens = [len(d.tokens) for d in data]
+            ids, labels = torch.cat([d.tokens for d in data]), torch.cat([d.inputs["target_tokens"] for d in data])
+            want = torch.cat([o["logprobs"] for o in after.outputs])
+            exported = load_hf(f"{export}-{dp}{cp}{ep}", dtype=torch.float64)
+            with torch.no_grad():
+                shard = shard_of(lens)
+                args = (zigzag_slice(ids, shard.plan), zigzag_slice(labels, shard.plan, pad_value=-100))
+                hidden = snapshot.hidden_states(args[0], shard)
+                lp = label_logprobs(hidden, snapshot.output_weight, args[1])
+                lp_export = exported.label_logprobs(*args, shard)
+            real = shard.plan.is_real
+            out[f"EP{ep} snapshot"] = float((lp[real] - want[shard.plan.row_index[real]]).abs().max())
+            out[f"EP{ep} export"] = float((lp_export[real] - want[shard.plan.row_index[real]]).abs().max())
     # the merged model (a full checkpoint of the run) computes the run's log-probs
     model = LoraModel(base, LoraSpec(rank=RANK, seed=5))
     randomize_adapters(model, seed=9)
@@ -242,10 +276,15 @@ def _max(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-def test_float64_layouts_merge_and_passes(pool4, roots):
-    parts = pool4.run(float64_case, root=roots)
+def test_float64_layouts_merge_and_passes(pool4, roots, tmp_path):
+    parts = pool4.run(float64_case, root=roots, export=str(tmp_path / "export"))
     runs = {k: v for part in parts for k, v in part.items() if isinstance(k, tuple)}
-    assert set(runs) == {(dp, cp) for dp, cp, _, _ in LAYOUTS}
+    assert set(runs) == {(dp, cp) for dp, cp, _, _ in LAYOUTS} | set(EP_LAYOUTS)
+    for ep in {ep for _, _, ep in EP_LAYOUTS}:
+        for what in ("snapshot", "export"):  # the sampler's / the merged export's log-probs = the run's forward
+            worst = max(part[f"EP{ep} {what}"] for part in parts if f"EP{ep} {what}" in part)
+            print(f"\nLoRA under EP{ep}: {what} vs the run's forward: {worst:.1e}")
+            assert worst <= 1e-10, (ep, what, worst)
     ref_loss, ref_out, ref_grads, ref_weights = runs[1, 1]
     expert_grads = [g for n, g in ref_grads.items() if "mlp-experts" in n]
     assert len(expert_grads) == 2 * 3 * 4 and all(float(g.abs().max()) > 0 for g in expert_grads)
@@ -262,11 +301,13 @@ def test_float64_layouts_merge_and_passes(pool4, roots):
     assert parts[0]["many_runs"] == [1.0, 1.0]  # neither shared a pass
 
 
-def test_lora_on_moe_through_the_sdk(tmp_path):
-    """``ringtune serve --cp 2`` (float64) on a tiny Qwen3.5-MoE: a LoRA run with the default targets (routed
-    experts, shared expert, attention, unembedding) steps as a single-process trainer does while a run without
-    expert adapters steps beside it (the two never share a pass); its sampler's greedy tokens and log-probs
-    are the run's forward; its PEFT export gives the server's log-probs in transformers + peft."""
+@pytest.mark.parametrize("ep", [1, 2])
+def test_lora_on_moe_through_the_sdk(tmp_path, ep):
+    """``ringtune serve --cp 2 [--ep 2]`` (float64) on a tiny Qwen3.5-MoE: a LoRA run with the default targets
+    (routed experts, shared expert, attention, unembedding) steps as a single-process trainer does while a run
+    without expert adapters steps beside it (the two never share a pass); its sampler's greedy tokens and
+    log-probs are the run's forward; its PEFT export gives the server's log-probs in transformers + peft. Under
+    EP the shared base's experts are split over the two ranks, the adapters whole."""
     import tinker
     from gateway_fixtures import tiny_model_dir
     from test_gateway_workers import ADAM, engine_datums, sdk_datums
@@ -276,7 +317,7 @@ def test_lora_on_moe_through_the_sdk(tmp_path):
 
     model_dir = tiny_model_dir(tmp_path / "model")  # the 96-word tokenizer ...
     hf_model("qwen3_5_moe", seed=3).save_pretrained(model_dir)  # ... with a Qwen3.5-MoE in place of the model
-    args = ["--cp", "2", "--dtype", "float64", "--max-tokens-per-rank", "64", "--lora-pass-runs", "8"]
+    args = ["--cp", "2", "--ep", str(ep), "--dtype", "float64", "--max-tokens-per-rank", "64", "--lora-pass-runs", "8"]
     proc = ServeProcess(
         str(model_dir),
         checkpoint_root=tmp_path / "ckpt",
@@ -320,5 +361,5 @@ def test_lora_on_moe_through_the_sdk(tmp_path):
         tc.save_weights_for_sampler("moe-export").result()
         export = tmp_path / "ckpt" / tc.model_id / "sampler_weights" / "moe-export"
         peft_lp = peft_logprobs(model_dir, export, full)
-        print(f"\nMoE LoRA: PEFT export vs server log-probs: {float((peft_lp - lp.float()).abs().max()):.1e}")
+        print(f"\nMoE LoRA, EP {ep}: PEFT export vs server log-probs: {float((peft_lp - lp.float()).abs().max()):.1e}")
         assert float((peft_lp - lp.float()).abs().max()) <= 1e-4

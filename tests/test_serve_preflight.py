@@ -53,6 +53,7 @@ def test_default_modes_are_chosen_to_fit_and_noted(two_key_heads):
         ({"dtype": "float16"}, "--dtype='float16': choose one of"),
         ({"recompute": "some"}, "--recompute='some': choose one of"),
         ({"shard_params": "dp"}, "--shard-params=dp needs more than one rank"),
+        ({"cp": 2, "ep": 2, "shard_params": "dp"}, "--shard-params=dp with --ep=2: under expert parallelism use"),
         ({"cp": 0}, "--cp=0 must be >= 1"),
         ({"max_tokens_per_rank": 7}, "--max-tokens-per-rank=7 holds no datum at CP=1; use >= 8"),
         ({"mesh_prompt_tokens": -1}, "--mesh-prompt-tokens=-1 must be >= 0"),

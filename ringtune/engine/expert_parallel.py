@@ -19,6 +19,7 @@ import torch.distributed as dist
 from ringtune.errors import ParallelConfigError
 from ringtune.models.decoder import CausalLM
 from ringtune.models.layers.moe import is_expert_parameter, set_expert_parallel
+from ringtune.models.lora import LoraModel
 from ringtune.parallel.mesh import ParallelMesh
 
 
@@ -27,13 +28,17 @@ def ep_size(mesh: ParallelMesh | None) -> int:
     return 1 if mesh is None else mesh.ep_size
 
 
-def setup(model: CausalLM, mesh: ParallelMesh | None, shard_params: str) -> None:
-    """Shard ``model``'s experts over ``mesh.ep_group`` when EP > 1; ParallelConfigError for what EP cannot do yet."""
+def setup(model: CausalLM | LoraModel, mesh: ParallelMesh | None, shard_params: str) -> None:
+    """Shard ``model``'s experts over ``mesh.ep_group`` when EP > 1 (a LoRA run's: those of the frozen base every
+    LoRA run shares, once; its expert adapters stay whole, :mod:`ringtune.engine.lora_trainer`);
+    ParallelConfigError for what EP cannot do."""
     size = ep_size(mesh)
     if size == 1:
         return
-    if not isinstance(model, CausalLM):  # e.g. a LoRA wrapper: its merged sampler snapshot assumes whole experts
-        raise ParallelConfigError(f"ep={size}: only full fine-tuning runs are supported under EP yet (not LoRA)")
+    if isinstance(model, LoraModel):
+        model = model.base
+    if not isinstance(model, CausalLM):
+        raise ParallelConfigError(f"ep={size}: cannot shard the experts of a {type(model).__name__}")
     model.config.check_expert_parallel(size)
     if shard_params not in ("none", "dp_cp"):
         raise ParallelConfigError(

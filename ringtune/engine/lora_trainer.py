@@ -10,6 +10,12 @@ another spec (shapes or targets) or of a full fine-tuning run is refused by the 
 What differs: the HF export for sampling writes the merged weights (:mod:`ringtune.models.lora_merge`), and
 :meth:`LoraTrainer.sampler_snapshot` gives the sampler a copy of the adapters on the shared base. FSDP
 sharding is refused: the adapters are small, and the base is frozen and shared, not a run's state.
+
+Under expert parallelism the shared base's experts are sharded over the EP group (once, by the first LoRA run)
+while every run's adapters stay whole: an expert adapter's per-expert half is [E, ...] on every rank, and a
+rank's forward uses (and its backward fills) the rows of its own experts only, so the plain SUM of the adapter
+gradients over DP×CP is each expert's sum over its replicas, exactly as without EP. The sampler and the merged
+export run on :func:`whole_base`, a copy of the base with every expert.
 """
 
 from __future__ import annotations
@@ -17,17 +23,21 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ringtune.engine import sharding
 from ringtune.engine.checkpoint import export_hf_weights
 from ringtune.engine.trainer import Trainer
 from ringtune.errors import ParallelConfigError
 from ringtune.models.decoder import CausalLM
+from ringtune.models.layers.moe import moe_blocks
 from ringtune.models.lora import LoraModel
 from ringtune.models.lora_merge import merged_config, merged_state
 from ringtune.models.lora_peft import write_peft_adapter
 from ringtune.models.lora_snapshot import LoraSnapshot
+from ringtune.models.precision import compute_like_trainer, layers_compute_dtype
 from ringtune.parallel.control import run_on_source
+from ringtune.parallel.expert_dispatch import gather_expert_state
 from ringtune.parallel.mesh import ParallelMesh
 
 
@@ -60,11 +70,30 @@ class LoraTrainer(Trainer):
         self._check_usable()
         with torch.device("meta"):
             shell = CausalLM(merged_config(self.lora))  # only its config is read by the writer
-        state = merged_state(self.lora) if self.is_result_rank else None
+        base = whole_base(self.lora.base)  # EP: every expert (collective, the copy is made once)
+        state = merged_state(self.lora, base) if self.is_result_rank else None
         export_hf_weights(shell, path, group=self.control_group, dtype=self.export_dtype, state=state)
         run_on_source(lambda: write_peft_adapter(self.lora, path), self.control_group)
 
     def sampler_snapshot(self) -> LoraSnapshot:
-        """The sampler's copy of this run now: its adapters on the shared base (models/lora_snapshot.py)."""
+        """The sampler's copy of this run now: its adapters on the shared base (models/lora_snapshot.py); under
+        expert parallelism on :func:`whole_base` (the sampler decodes a request on one rank)."""
         self._check_usable()
-        return LoraSnapshot(self.lora)
+        return LoraSnapshot(self.lora, whole_base(self.lora.base))
+
+
+def whole_base(base: CausalLM) -> CausalLM:
+    """``base`` itself, or, when its experts are sharded over an EP group, a frozen copy with every expert, made
+    once and kept on ``base`` (the base is frozen, so the copy stays right; one more model per rank, shared by
+    every LoRA run's sampler and export). Collective over the EP group the first time (every rank calls it)."""
+    if not any(b.ep_group is not None and dist.get_world_size(b.ep_group) > 1 for b in moe_blocks(base)):
+        return base
+    whole = getattr(base, "_whole_copy", None)
+    if whole is None:
+        like = base.output_weight
+        whole = CausalLM(base.config).to(dtype=like.dtype, device=like.device)
+        whole.load_state_dict(gather_expert_state(base))
+        whole.requires_grad_(False)
+        whole = compute_like_trainer(whole.eval(), layers_compute_dtype(base))
+        object.__setattr__(base, "_whole_copy", whole)
+    return whole

@@ -31,9 +31,11 @@ def merged_config(lora: LoraModel):
 
 
 @torch.no_grad()
-def merged_weights(lora: LoraModel) -> dict[str, torch.Tensor]:
-    """The adapted weights merged, as new tensors under their keys of :func:`merged_state`."""
-    base = lora.base.state_dict()
+def merged_weights(lora: LoraModel, base_model: CausalLM | None = None) -> dict[str, torch.Tensor]:
+    """The adapted weights merged, as new tensors under their keys of :func:`merged_state`. ``base_model``: the
+    weights to merge into (default the run's base; under expert parallelism a copy with every expert)."""
+    base_model = lora.base if base_model is None else base_model
+    base = base_model.state_dict()
     merged: dict[str, torch.Tensor] = {}
     for target, a, b in lora.adapters.named_pairs():
         if target.experts:  # [E, out, in] onto rows [start, start + out) of every expert's fused tensor
@@ -46,7 +48,7 @@ def merged_weights(lora: LoraModel) -> dict[str, torch.Tensor]:
             continue
         delta = (b.double() @ a.double()) * lora.adapters.scale
         if target.module == UNEMBED:
-            weight = lora.base.output_weight
+            weight = base_model.output_weight
             merged["lm_head.weight"] = (weight.double() + delta).to(weight.dtype)
             continue
         key = f"{target.module}.weight"
@@ -61,10 +63,11 @@ def merged_weights(lora: LoraModel) -> dict[str, torch.Tensor]:
     return merged
 
 
-def merged_state(lora: LoraModel) -> dict[str, torch.Tensor]:
+def merged_state(lora: LoraModel, base_model: CausalLM | None = None) -> dict[str, torch.Tensor]:
     """The merged model's state dict (keys of :class:`CausalLM` under :func:`merged_config`), new tensors for
     the adapted weights (:func:`merged_weights`), the base's own tensors (not copied) for the rest."""
-    return {**lora.base.state_dict(), **merged_weights(lora)}
+    base_model = lora.base if base_model is None else base_model
+    return {**base_model.state_dict(), **merged_weights(lora, base_model)}
 
 
 def merged_model(lora: LoraModel) -> CausalLM:

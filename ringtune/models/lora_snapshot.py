@@ -17,7 +17,8 @@ import copy
 import torch
 from torch import nn
 
-from ringtune.models.lora import LoraModel, LoraSpec
+from ringtune.models.decoder import CausalLM
+from ringtune.models.lora import LoraModel, LoraSpec, lora_slot
 from ringtune.models.shard import PackedShard
 
 
@@ -25,12 +26,16 @@ class LoraSnapshot(nn.Module):
     """A sampling copy of ``lora``'s adapters on its base (``base`` is a submodule: MoE routing capture and
     device queries see its layers; the snapshot's own tensors are the adapters' copies, no gradient)."""
 
-    def __init__(self, lora: LoraModel) -> None:
+    def __init__(self, lora: LoraModel, base: CausalLM | None = None) -> None:
+        """``base``: the model the adapters run on (default the run's own base; under expert parallelism a copy
+        of it with every expert, since the sampler decodes on one rank)."""
         super().__init__()
-        self.base = lora.base
-        self.config = lora.base.config
-        object.__setattr__(self, "slot", lora.slot)
+        self.base = lora.base if base is None else base
+        self.config = self.base.config
+        object.__setattr__(self, "slot", lora_slot(self.base))
         self.adapters = copy.deepcopy(lora.adapters).requires_grad_(False)
+        for module in self.adapters.by_module:
+            self.slot.hook(module)
 
     @property
     def spec(self) -> LoraSpec:

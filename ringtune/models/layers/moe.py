@@ -211,8 +211,11 @@ class SparseMoE(nn.Module):
 
 
 def moe_blocks(model: nn.Module) -> list[SparseMoE]:
-    """Every :class:`SparseMoE` of ``model``, in module order."""
-    return [m for m in model.modules() if isinstance(m, SparseMoE)]
+    """Every :class:`SparseMoE` of ``model``, in module order (of its ``base`` for a LoRA model, whose frozen base
+    is not a submodule)."""
+    base = getattr(model, "base", None)
+    root = base if isinstance(base, nn.Module) else model
+    return [m for m in root.modules() if isinstance(m, SparseMoE)]
 
 
 @contextmanager
