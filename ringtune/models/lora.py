@@ -51,6 +51,7 @@ from ringtune.models.layers.gated_deltanet import GatedDeltaNet
 from ringtune.models.layers.mlp import SwiGLU
 from ringtune.models.layers.moe import Experts, SparseMoE
 from ringtune.models.logprob_head import label_logprobs
+from ringtune.models.lora_experts import expert_delta
 from ringtune.models.shard import PackedShard
 
 LORA_ALPHA = 32.0
@@ -66,8 +67,6 @@ ATTN_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj")
 GDN_LINEARS = ("in_proj_z", "out_proj")
 GDN_SPLIT_QKV = ("in_proj_q", "in_proj_k", "in_proj_v")
 MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")
-EXPERT_PROJ = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
-"""Each routed-expert adapter and the fused expert tensor it adapts (gate and up are row blocks of gate_up)."""
 
 
 @dataclass(frozen=True)
@@ -277,33 +276,6 @@ class LoraAdapters(nn.Module):
         """``out + scale · B(A(x))`` (:meth:`delta_only`) in ``out``'s dtype."""
         return out + self.delta_only(module, x).to(out.dtype)
 
-    def expert_delta(
-        self, module: str, proj: str, x: torch.Tensor, counts: torch.Tensor, first: int, out: torch.Tensor
-    ) -> torch.Tensor:
-        """``out`` plus the routed experts' adapters on the rows of ``x`` [n, in], grouped by local expert
-        (``counts`` int64 [E_local], experts ``first ...``), for the fused tensor ``proj`` of the ``Experts``
-        module ``module``: ``gate_up_proj`` (``out`` [n, 2I]: gate rows then up rows) or ``down_proj``
-        (``out`` [n, hidden]). Per expert e: ``scale · B_e(A(x))`` (gate/up) or ``scale · B(A_e(x))`` (down)."""
-        from ringtune.models.layers.moe import grouped_linear
-
-        parts = []
-        for t in self.by_module[module]:
-            if EXPERT_PROJ[t.name.rsplit(".", 1)[1]] != proj:
-                continue
-            a, b = (m.to(x.dtype) for m in self.pair(t.name))
-            local = counts.shape[0]
-            if t.per_expert == "B":
-                parts.append(grouped_linear(F.linear(x, a), b[first : first + local], counts) * self.scale)
-            else:
-                parts.append(F.linear(grouped_linear(x, a[first : first + local], counts), b) * self.scale)
-        delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        return out + delta.to(out.dtype)
-
-    def expert_weight_delta(self, t: Target) -> torch.Tensor:
-        """``scale · B_e @ A_e`` of expert adapter ``t`` for every expert: [E, out, in] in float64 (merging)."""
-        a, b = (m.detach().double() for m in self.pair(t.name))
-        return (b @ a if t.per_expert == "B" else b[None] @ a) * self.scale
-
     @property
     def unembed(self) -> Target | None:
         """The unembedding's adapter (``train_unembed``), or None."""
@@ -339,7 +311,7 @@ class LoraSlot:
                 active = self.active
                 if active is None or module not in active.by_module:
                     return out
-                return active.expert_delta(module, proj, x, counts, target.first, out)
+                return expert_delta(active, module, proj, x, counts, target.first, out)
 
             target.adapter = adapt
         else:

@@ -14,7 +14,8 @@ import dataclasses
 import torch
 
 from ringtune.models.decoder import CausalLM
-from ringtune.models.lora import EXPERT_PROJ, UNEMBED, LoraModel
+from ringtune.models.lora import UNEMBED, LoraModel
+from ringtune.models.lora_experts import EXPERT_PROJ, expert_weight_delta
 from ringtune.models.precision import compute_like_trainer, layers_compute_dtype
 
 
@@ -44,7 +45,7 @@ def merged_weights(lora: LoraModel, base_model: CausalLM | None = None) -> dict[
                 merged[key] = base[key].clone()
             rows = slice(target.start, target.start + target.out_features)
             weight = merged[key]
-            weight[:, rows] = (weight[:, rows].double() + lora.adapters.expert_weight_delta(target)).to(weight.dtype)
+            weight[:, rows] = (weight[:, rows].double() + expert_weight_delta(lora.adapters, target)).to(weight.dtype)
             continue
         delta = (b.double() @ a.double()) * lora.adapters.scale
         if target.module == UNEMBED:
