@@ -490,3 +490,67 @@ def test_fsdp_under_ep_equals_one_process(pool4, checkpoints, tmp_path):
             assert worst < (1e-12 if "vs one process" in key else 0.5), (key, worst)
     exported = load_hf(tmp_path / "hf", dtype=torch.float64)
     assert exported.model.layers[0].mlp.experts.num_local == 8
+
+
+def test_load_reads_only_this_ranks_experts(checkpoints, tmp_path):
+    """``load_hf(..., ep=(rank, size))`` reads a rank's experts only: a checkpoint without experts 4-7 loads at
+    EP rank 0 of 2 (and equals the whole model's experts 0-3 and every other tensor), while the whole load and
+    EP rank 1 name the missing tensors; a fused-layout checkpoint is read as the rank's slice."""
+    from safetensors.torch import load_file, save_file
+
+    from ringtune.errors import ParallelConfigError, UserInputError
+
+    src = checkpoints / "qwen3_5_moe"
+    whole = load_hf(src, dtype=torch.float64)
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "config.json").write_text((src / "config.json").read_text())
+    tensors = load_file(src / "model.safetensors")
+    kept = {k: v for k, v in tensors.items() if not any(f".experts.{e}." in k for e in range(4, 8))}
+    assert len(kept) < len(tensors)
+    save_file(kept, partial / "model.safetensors")
+    half = load_hf(partial, dtype=torch.float64, ep=(0, 2))
+    assert half.model.layers[0].mlp.experts.num_local == 4 and half.model.layers[0].mlp.experts.first == 0
+    for name, t in half.state_dict().items():
+        want = whole.state_dict()[name]
+        assert torch.equal(t, want[:4] if is_expert_parameter(name) else want), name
+    with pytest.raises(UserInputError, match=r"missing tensors \['model.layers.0.mlp.experts.4.gate_proj"):
+        load_hf(partial, dtype=torch.float64)
+    with pytest.raises(UserInputError, match=r"missing tensors \['model.layers.0.mlp.experts.down_proj"):
+        load_hf(partial, dtype=torch.float64, ep=(1, 2))  # none of its experts there: the fused tensors are missing
+    with pytest.raises(ParallelConfigError, match="ep=3 must divide num_experts=8"):
+        load_hf(src, ep=(0, 3))
+    fused = tmp_path / "fused"  # our in-memory layout written as is: transformers' fused expert tensors
+    fused.mkdir()
+    (fused / "config.json").write_text((src / "config.json").read_text())
+    save_file({k: v.contiguous() for k, v in whole.state_dict().items()}, fused / "model.safetensors")
+    upper = load_hf(fused, dtype=torch.float64, ep=(1, 2))
+    for name, t in upper.state_dict().items():
+        want = whole.state_dict()[name]
+        assert torch.equal(t, want[4:] if is_expert_parameter(name) else want), name
+
+
+def cut_load_case(ctx, *, root: str) -> dict[str, float]:
+    """A Trainer on a model loaded with this rank's experts only equals one on the whole model, cut at setup."""
+    from ringtune.engine.optimizer import AdamParams
+    from ringtune.engine.trainer import Trainer
+
+    adam = AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01)
+    path = pathlib.Path(root) / "qwen3_5_moe"
+    mesh = ctx.mesh(dp=1, cp=4, ep=2)
+    figures = []
+    for model in (load_hf(path, dtype=torch.float64), load_hf(path, dtype=torch.float64, ep=(mesh.ep_rank, 2))):
+        trainer = Trainer(model, mesh, max_tokens_per_rank=64, gated_delta="chunkwise")
+        loss = trainer.forward_backward(_datums(96), "cross_entropy").metrics.get("loss:sum", 0.0)
+        figures.append((loss, trainer.optim_step(adam)["grad_norm:mean"], model.state_dict()))
+    (l1, n1, w1), (l2, n2, w2) = figures
+    return {
+        "loss": abs(l1 - l2),
+        "grad norm": abs(n1 - n2),
+        "weights": max(float((w1[k] - w2[k]).abs().max()) for k in w1),
+    }
+
+
+def test_trainer_on_a_cut_load_equals_the_whole_load(pool4, checkpoints):
+    for result in pool4.run(cut_load_case, root=str(checkpoints)):
+        assert result == {"loss": 0.0, "grad norm": 0.0, "weights": 0.0}, result

@@ -196,10 +196,14 @@ class RankExecutor:
 
     def _take_model(self) -> CausalLM:
         """A model of its own for a full fine-tuning run, or the frozen base of LoRA runs: the spare copy rank 0
-        loaded to describe the model when no run took it yet, else loaded (collective)."""
+        loaded to describe the model when no run took it yet, else loaded (collective); under expert
+        parallelism with this rank's experts only (the trainer keeps just those)."""
         spare, self._spare = self._spare, None
+        ep = (self.mesh.ep_rank, self.mesh.ep_size) if self.mesh is not None and self.mesh.ep_size > 1 else None
         return agreed_call(
-            lambda: spare if spare is not None else load_model(self.spec.source, dtype=self.precision.param_dtype),
+            lambda: (
+                spare if spare is not None else load_model(self.spec.source, dtype=self.precision.param_dtype, ep=ep)
+            ),
             self.mesh.control_group if self.mesh else None,
         )
 

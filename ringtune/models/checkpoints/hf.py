@@ -5,7 +5,9 @@ onto the text decoder, skips the parts a text decoder has no use for (vision tow
 refuses missing or unknown tensors by name. MoE experts: transformers 5 saves each expert apart
 (``mlp.experts.{e}.{gate,up,down}_proj.weight``, the original Qwen layout) and holds them fused in memory
 (``mlp.experts.gate_up_proj`` [E, 2·I, hidden] = gate rows then up rows, ``mlp.experts.down_proj``
-[E, hidden, I]); loading accepts either, saving writes the per-expert layout transformers writes.
+[E, hidden, I]); loading accepts either, saving writes the per-expert layout transformers writes. An
+expert-parallel rank loads its own experts only (``load_hf(..., ep=(rank, size))``): other experts' tensors are
+never read (fused ones are read as a slice), so a rank's peak is its share, not the whole model.
 Saving writes into a temporary directory beside the target and renames it into place, so a crash
 mid-save never leaves a half-written checkpoint at ``path``.
 """
@@ -20,11 +22,13 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from ringtune.errors import UserInputError
 from ringtune.models.config import DecoderConfig
 from ringtune.models.decoder import CausalLM
+from ringtune.models.layers.moe import moe_blocks
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -45,11 +49,15 @@ def _hf_name(name: str) -> str | None:
 _EXPERT_KEY = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
-def fuse_experts(state: dict[str, torch.Tensor], num_experts: int, where: str) -> dict[str, torch.Tensor]:
-    """Per-expert tensors (``….mlp.experts.{e}.gate_proj.weight`` …) -> the fused ``gate_up_proj`` / ``down_proj``.
+def fuse_experts(
+    state: dict[str, torch.Tensor], num_experts: int, where: str, experts: range | None = None
+) -> dict[str, torch.Tensor]:
+    """Per-expert tensors (``….mlp.experts.{e}.gate_proj.weight`` …) -> the fused ``gate_up_proj`` / ``down_proj``
+    of ``experts`` (default all ``num_experts``).
 
     Other tensors pass through. Raises UserInputError naming the first missing or out-of-range expert tensor.
     """
+    wanted = range(num_experts) if experts is None else experts
     out: dict[str, torch.Tensor] = {}
     parts: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
     for name, tensor in state.items():
@@ -63,13 +71,13 @@ def fuse_experts(state: dict[str, torch.Tensor], num_experts: int, where: str) -
         parts.setdefault(match["prefix"], {})[(match["proj"], e)] = tensor
     for prefix, got in parts.items():
         for proj in ("gate_proj", "up_proj", "down_proj"):
-            for e in range(num_experts):
+            for e in wanted:
                 if (proj, e) not in got:
                     raise UserInputError(f"checkpoint {where}: missing tensors ['{prefix}.{e}.{proj}.weight']")
         out[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([got["gate_proj", e], got["up_proj", e]]) for e in range(num_experts)]
+            [torch.cat([got["gate_proj", e], got["up_proj", e]]) for e in wanted]
         )
-        out[f"{prefix}.down_proj"] = torch.stack([got["down_proj", e] for e in range(num_experts)])
+        out[f"{prefix}.down_proj"] = torch.stack([got["down_proj", e] for e in wanted])
     return out
 
 
@@ -91,8 +99,10 @@ def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the safetensors checkpoint in directory ``path`` (single file or sharded index)."""
+def read_state_dict(path: str | Path, *, experts: range | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors checkpoint in directory ``path`` (single file or sharded index);
+    ``experts``: of the routed experts only these (other experts' per-expert tensors are not read, fused
+    expert tensors are read as that slice)."""
     path = Path(path)
     index = path / INDEX_NAME
     if index.exists():
@@ -103,34 +113,56 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
         raise UserInputError(f"checkpoint {path}: neither {SINGLE_NAME} nor {INDEX_NAME} exists")
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
-        tensors.update(load_file(path / name))
+        with safe_open(path / name, framework="pt") as f:
+            for key in f.keys():
+                ours = _hf_name(key) if experts is not None else None
+                if ours is not None and (match := _EXPERT_KEY.match(ours)) is not None:
+                    if int(match["e"]) in experts:  # type: ignore[operator]
+                        tensors[key] = f.get_tensor(key)
+                elif ours is not None and ours.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")):
+                    tensors[key] = f.get_slice(key)[experts.start : experts.stop]  # type: ignore[union-attr]
+                else:
+                    tensors[key] = f.get_tensor(key)
     return tensors
 
 
-def load_hf(path: str | Path, *, dtype: torch.dtype | None = None) -> CausalLM:
+def load_hf(path: str | Path, *, dtype: torch.dtype | None = None, ep: tuple[int, int] | None = None) -> CausalLM:
     """Build a :class:`CausalLM` from an HF directory (``config.json`` + safetensors).
 
     Args:
         path: the checkpoint directory.
         dtype: parameter dtype; default the checkpoint's own (float32 if it mixes dtypes).
+        ep: ``(rank, size)`` of an expert-parallel group: a MoE model keeps experts ``[rank·E/size,
+            (rank+1)·E/size)`` of every MoE layer, and only those are read (the model is then ready for
+            :func:`~ringtune.models.layers.moe.set_expert_parallel` on that group); ignored without MoE.
     Raises:
-        UserInputError: unsupported config, or tensors missing / unknown / of the wrong shape (named).
+        UserInputError: unsupported config, or tensors missing / unknown / of the wrong shape (named);
+            ParallelConfigError when ``size`` does not divide the number of experts.
     """
     path = Path(path)
     config_file = path / "config.json"
     if not config_file.exists():
         raise UserInputError(f"checkpoint {path}: config.json not found")
     config = DecoderConfig.from_hf(json.loads(config_file.read_text()))
-    raw = read_state_dict(path)
+    experts = None
+    if ep is not None and ep[1] > 1 and config.has_moe:
+        rank, size = ep
+        config.check_expert_parallel(size)
+        local = config.num_experts // size
+        experts = range(rank * local, (rank + 1) * local)
+    raw = read_state_dict(path, experts=experts)
     state = {ours: t for name, t in raw.items() if (ours := _hf_name(name)) is not None}
     if config.has_moe:
-        state = fuse_experts(state, config.num_experts, str(path))
+        state = fuse_experts(state, config.num_experts, str(path), experts)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     dtypes = {t.dtype for t in state.values()}
     dtype = dtype or (dtypes.pop() if len(dtypes) == 1 else torch.float32)
     with torch.device("meta"):
         model = CausalLM(config)
+        if experts is not None:
+            for block in moe_blocks(model):
+                block.experts.keep(experts.start, len(experts))
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unknown = sorted(set(state) - set(expected))

@@ -29,13 +29,14 @@ def load_gguf(path: str | Path, *, dtype: torch.dtype = torch.float32) -> Causal
     return model
 
 
-def load_model(source: str | Path, *, dtype: torch.dtype | None = None) -> CausalLM:
-    """``source``: an HF checkpoint directory, a ``.gguf`` file, or :data:`EMBEDDED_DEFAULT`."""
+def load_model(source: str | Path, *, dtype: torch.dtype | None = None, ep: tuple[int, int] | None = None) -> CausalLM:
+    """``source``: an HF checkpoint directory, a ``.gguf`` file, or :data:`EMBEDDED_DEFAULT`; ``ep``: (rank,
+    size) of an expert-parallel group: a MoE checkpoint is read for that rank's experts only (:func:`load_hf`)."""
     if str(source) == EMBEDDED_DEFAULT:
         return load_gguf(smollm2_gguf_path(), dtype=dtype or torch.float32)
     path = Path(source)
     if path.is_file() and path.suffix == ".gguf":
         return load_gguf(path, dtype=dtype or torch.float32)
     if path.is_dir():
-        return load_hf(path, dtype=dtype)
+        return load_hf(path, dtype=dtype, ep=ep)
     raise UserInputError(f"model {source!r}: not an HF checkpoint directory, a .gguf file or {EMBEDDED_DEFAULT!r}")

@@ -115,6 +115,15 @@ class Experts(nn.Module):
         # delta, called on each fused projection's rows; None: no adapters
         self.adapter: Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
+    def keep(self, first: int, count: int) -> None:
+        """Keep only experts ``[first, first + count)`` (a copy of that slice: the others' memory is freed; on the
+        meta device, the shapes only)."""
+        self.first = first
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(self, name)
+            piece = full.detach()[first : first + count].clone()
+            setattr(self, name, nn.Parameter(piece, requires_grad=full.requires_grad))
+
     @property
     def num_local(self) -> int:
         return self.gate_up_proj.shape[0]
@@ -251,7 +260,8 @@ def set_expert_parallel(model: nn.Module, group: dist.ProcessGroup | None) -> No
     """Keep only this rank's experts in every MoE layer and route tokens over ``group`` (the EP group).
 
     Rank r of an EP group of size N keeps experts ``[r·E/N, (r+1)·E/N)`` (a copy of that slice: the other
-    experts' memory is freed). None or size 1: nothing changes. Call it on the full model before training;
+    experts' memory is freed). None or size 1: nothing changes. Call it on the full model before training, or
+    on one loaded with this rank's experts only (:func:`ringtune.models.checkpoints.hf.load_hf` ``ep=``);
     calling it again on a model already sharded over an equal-sized group only swaps the group (after
     :func:`ringtune.parallel.mesh.rebuild_mesh`). Raises ParallelConfigError when N does not divide num_experts.
     """
@@ -264,8 +274,8 @@ def set_expert_parallel(model: nn.Module, group: dist.ProcessGroup | None) -> No
     rank = dist.get_rank(group)
     for block in blocks:
         experts = block.experts
-        if block.ep_group is not None and experts.num_local * size == experts.num_experts:
-            block.ep_group = group  # already sharded this way: a rebuilt group
+        if experts.num_local * size == experts.num_experts and experts.first == rank * experts.num_local:
+            block.ep_group = group  # already this rank's experts: loaded so, or a rebuilt group
             continue
         if experts.num_local != experts.num_experts:
             raise ParallelConfigError(
@@ -274,9 +284,5 @@ def set_expert_parallel(model: nn.Module, group: dist.ProcessGroup | None) -> No
         if experts.num_experts % size:
             raise ParallelConfigError(f"ep={size} must divide num_experts={experts.num_experts}")
         local = experts.num_experts // size
-        experts.first = rank * local
-        for name in ("gate_up_proj", "down_proj"):
-            full = getattr(experts, name)
-            piece = full.detach()[experts.first : experts.first + local].clone()
-            setattr(experts, name, nn.Parameter(piece, requires_grad=full.requires_grad))
+        experts.keep(rank * local, local)
         block.ep_group = group
