@@ -31,9 +31,9 @@ from pathlib import Path
 
 import chz
 import tinker
-from tinker_cookbook.renderers import get_renderer, get_text_content
+from tinker_cookbook.renderers import get_renderer
 from tinker_cookbook.rl import train
-from tinker_cookbook.rl.types import Action, ActionExtra, Env, EnvGroupBuilder, RLDataset, RLDatasetBuilder, StepResult
+from tinker_cookbook.rl.types import Env, EnvGroupBuilder, RLDataset, RLDatasetBuilder
 from tinker_cookbook.tokenizer_utils import get_tokenizer
 
 from ringtune.gateway.serve_process import ServeProcess
@@ -57,16 +57,8 @@ def upper_fraction(text: str) -> float:
 class UpperEnv(LettersEnv):
     """The test's one-turn environment, rewarded by :func:`upper_fraction`."""
 
-    async def step(self, action: Action, *, extra: ActionExtra | None = None) -> StepResult:
-        message, _ = self.renderer.parse_response(action)
-        reward = upper_fraction(get_text_content(message))
-        return StepResult(
-            reward=reward,
-            episode_done=True,
-            next_observation=tinker.ModelInput.empty(),
-            next_stop_condition=self.stop_condition,
-            metrics={"upper_fraction": reward},
-        )
+    score = staticmethod(upper_fraction)
+    metric = "upper_fraction"
 
 
 @dataclass(frozen=True)

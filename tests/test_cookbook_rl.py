@@ -48,7 +48,11 @@ def letter_fraction(text: str) -> float:
 
 
 class LettersEnv(Env):
-    """One user turn, one sampled reply, reward :func:`letter_fraction` of the parsed reply."""
+    """One user turn, one sampled reply, reward :func:`letter_fraction` of the parsed reply (a subclass swaps
+    ``score`` and ``metric`` for another rule)."""
+
+    score = staticmethod(letter_fraction)
+    metric = "letter_fraction"
 
     def __init__(self, prompt: str, renderer: Renderer) -> None:
         self.prompt, self.renderer = prompt, renderer
@@ -62,13 +66,13 @@ class LettersEnv(Env):
 
     async def step(self, action: Action, *, extra: ActionExtra | None = None) -> StepResult:
         message, _ = self.renderer.parse_response(action)
-        reward = letter_fraction(get_text_content(message))
+        reward = self.score(get_text_content(message))
         return StepResult(
             reward=reward,
             episode_done=True,
             next_observation=tinker.ModelInput.empty(),
             next_stop_condition=self.stop_condition,
-            metrics={"letter_fraction": reward},
+            metrics={self.metric: reward},
         )
 
 

@@ -28,7 +28,7 @@ from ringtune.models.lora_merge import merged_model
 from ringtune.models.lora_peft import write_peft_adapter
 from ringtune.models.shard import shard_of
 from ringtune.testing.lora import randomize_adapters
-from ringtune.testing.tiny_models import hf_model, next_token_labels, packed_tokens
+from ringtune.testing.tiny_models import hf_model, hf_row_logprobs, next_token_labels, packed_tokens
 
 PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 LENS = (5, 17, 3, 40, 9)
@@ -64,13 +64,7 @@ def peft_case(ctx, *, root: str, family: str):
     ids = packed_tokens(LENS, ours.config.vocab_size, seed=3)
     labels = next_token_labels(ids, LENS)
     weights = torch.randn(len(ids), generator=torch.Generator().manual_seed(4))
-    ref, start = [], 0
-    for n in LENS:  # one sequence at a time through transformers + peft
-        logp = hf(input_ids=ids[start : start + n][None]).logits[0].float().log_softmax(-1)
-        lab = labels[start : start + n]
-        ref.append(torch.where(lab >= 0, logp.gather(-1, lab.clamp(min=0)[:, None])[:, 0], 0.0))
-        start += n
-    ref_lp = torch.cat(ref)
+    ref_lp = hf_row_logprobs(hf, ids, labels, LENS)  # one sequence at a time through transformers + peft
     (ref_lp * weights).sum().backward()
     out = {}
     for cp in (1, 2, 4):
@@ -249,14 +243,9 @@ def test_peft_export_loads_in_peft(roots, tmp_path, family):
     shard = shard_of(LENS)
     with torch.no_grad():
         lp = row_logprobs(ours, ids, labels, shard)
-        ref, start = [], 0
-        for n in LENS:
-            logp = model(input_ids=ids[start : start + n][None]).logits[0].log_softmax(-1)
-            lab = labels[start : start + n]
-            ref.append(torch.where(lab >= 0, logp.gather(-1, lab.clamp(min=0)[:, None])[:, 0], 0.0))
-            start += n
+        ref = hf_row_logprobs(model, ids, labels, LENS)
     real = shard.plan.is_real
-    assert float((lp[real] - torch.cat(ref)[shard.plan.row_index[real]]).abs().max()) <= 1e-5  # measured 1e-6
+    assert float((lp[real] - ref[shard.plan.row_index[real]]).abs().max()) <= 1e-5  # measured 1e-6
 
 
 def test_spec_checks():

@@ -19,11 +19,11 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+from test_lora_batch import make_data  # importance-sampling datums (tests/ is on the path, as for the fixtures)
 
 from ringtune.engine.lora_batch import forward_backward_many
 from ringtune.engine.lora_trainer import LoraTrainer
 from ringtune.engine.optimizer import AdamParams
-from ringtune.engine.trainer import TrainDatum
 from ringtune.layout import zigzag_slice
 from ringtune.models.checkpoints.hf import load_hf
 from ringtune.models.logprob_head import label_logprobs
@@ -34,7 +34,7 @@ from ringtune.models.lora_snapshot import LoraSnapshot
 from ringtune.models.shard import shard_of
 from ringtune.sample.shared_decode import decode_base
 from ringtune.testing.lora import randomize_adapters
-from ringtune.testing.tiny_models import hf_model, next_token_labels, packed_tokens
+from ringtune.testing.tiny_models import hf_model, hf_row_logprobs, next_token_labels, packed_tokens
 
 RANK = 4
 LENS = (5, 17, 3, 40, 9)
@@ -123,13 +123,7 @@ def peft_case(ctx, *, root: str, family: str):
     ids = packed_tokens(LENS, ours.config.vocab_size, seed=3)
     labels = next_token_labels(ids, LENS)
     weights = torch.randn(len(ids), generator=torch.Generator().manual_seed(4))
-    ref, start = [], 0
-    for n in LENS:  # one sequence at a time through transformers + peft
-        logp = hf(input_ids=ids[start : start + n][None]).logits[0].float().log_softmax(-1)
-        lab = labels[start : start + n]
-        ref.append(torch.where(lab >= 0, logp.gather(-1, lab.clamp(min=0)[:, None])[:, 0], 0.0))
-        start += n
-    ref_lp = torch.cat(ref)
+    ref_lp = hf_row_logprobs(hf, ids, labels, LENS)  # one sequence at a time through transformers + peft
     (ref_lp * weights).sum().backward()
     pairs = list(ours.adapters.named_pairs())
     # peft's gradients onto our adapters: the adjoint of the export map (repeat -> sum over experts, ...)
@@ -168,19 +162,6 @@ def test_float32_matches_peft_at_cp_1_2_4(pool4, roots, family):
             # measure 1e-6 / 6e-6 (test_lora.py), limits 10-20x that.
             assert lp_err <= 2e-5, (family, cp, lp_err)
             assert grad_err <= 1e-4, (family, cp, grad_err)
-
-
-def make_data(vocab: int, lens: tuple[int, ...], seed: int) -> list[TrainDatum]:
-    gen = torch.Generator().manual_seed(seed)
-    data = []
-    for n in lens:
-        inputs = {
-            "target_tokens": torch.randint(0, vocab, (n,), generator=gen),
-            "logprobs": -torch.rand(n, generator=gen, dtype=torch.float64) * 5,
-            "advantages": torch.randn(n, generator=gen, dtype=torch.float64),
-        }
-        data.append(TrainDatum(tokens=torch.randint(0, vocab, (n,), generator=gen), inputs=inputs))
-    return data
 
 
 def float64_case(ctx, *, root: str, export: str):

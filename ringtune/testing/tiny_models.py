@@ -105,6 +105,19 @@ def packed_tokens(lens: tuple[int, ...], vocab: int, *, seed: int) -> torch.Tens
     return torch.randint(0, vocab, (sum(lens),), generator=gen)
 
 
+def hf_row_logprobs(model, ids: torch.Tensor, labels: torch.Tensor, lens: tuple[int, ...]) -> torch.Tensor:
+    """float32 [T]: the log-probs of ``labels`` along the packed row ``ids`` by a transformers ``model`` run one
+    sequence at a time (the plain reference of the packed, CP-sharded forward); 0 where a label is ignored.
+    Differentiable (the caller decides on ``no_grad``)."""
+    ref, start = [], 0
+    for n in lens:
+        logp = model(input_ids=ids[start : start + n][None]).logits[0].float().log_softmax(-1)
+        lab = labels[start : start + n]
+        ref.append(torch.where(lab >= 0, logp.gather(-1, lab.clamp(min=0)[:, None])[:, 0], 0.0))
+        start += n
+    return torch.cat(ref)
+
+
 def next_token_labels(ids: torch.Tensor, lens: tuple[int, ...]) -> torch.Tensor:
     """int64 [T]: the next token inside each sequence of the packed row, IGNORE_INDEX at each one's last token."""
     labels = torch.full_like(ids, IGNORE_INDEX)
