@@ -35,10 +35,9 @@ from ringtune.models.lora import LoraModel
 from ringtune.models.lora_merge import merged_config, merged_state
 from ringtune.models.lora_peft import write_peft_adapter
 from ringtune.models.lora_snapshot import LoraSnapshot
-from ringtune.models.precision import compute_like_trainer, layers_compute_dtype
 from ringtune.parallel.control import run_on_source
-from ringtune.parallel.expert_dispatch import gather_expert_state
 from ringtune.parallel.mesh import ParallelMesh
+from ringtune.sample.pool import snapshot_of
 
 
 class LoraTrainer(Trainer):
@@ -90,10 +89,6 @@ def whole_base(base: CausalLM) -> CausalLM:
         return base
     whole = getattr(base, "_whole_copy", None)
     if whole is None:
-        like = base.output_weight
-        whole = CausalLM(base.config).to(dtype=like.dtype, device=like.device)
-        whole.load_state_dict(gather_expert_state(base))
-        whole.requires_grad_(False)
-        whole = compute_like_trainer(whole.eval(), layers_compute_dtype(base))
+        whole = snapshot_of(base)  # the sampler's whole inference copy (experts gathered over EP)
         object.__setattr__(base, "_whole_copy", whole)
     return whole
