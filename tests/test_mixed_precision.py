@@ -188,7 +188,7 @@ def test_dcp_checkpoint_keeps_float32_masters_and_moments_and_resumes(checkpoint
 
 
 def test_precision_names_are_checked(checkpoint):
-    assert list(PRECISIONS) == ["float32", "bfloat16", "float64", "bf16-mixed"]
+    assert list(PRECISIONS) == ["float32", "bfloat16", "float64", "bf16-mixed", "bf16-exact"]
     assert DTYPES["bf16-mixed"] == torch.float32
     for bad in ("bf16", "float16", None, 32):
         with pytest.raises(UserInputError, match=r"dtype=.*choose one of float32, bfloat16, float64, bf16-mixed"):

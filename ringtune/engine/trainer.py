@@ -103,6 +103,8 @@ class Trainer:
             dtype (bfloat16) while the float32 parameters, gradients and AdamW moments stay float32 masters;
             None (default) computes in the parameters' dtype. HF exports are then written in the checkpoint's
             original dtype.
+        exact_arithmetic: with ``compute_dtype``, the layers compute in float64 between roundings to it
+            (``bf16-exact``: batch-, layout- and CP-invariant bits, :mod:`ringtune.models.precision`).
 
     Attributes:
         microbatch_hook: a test/debug seam, ``hook(microbatch_index)`` called on this rank before each
@@ -124,11 +126,14 @@ class Trainer:
         debug_fault: str | None = None,
         recompute: str = DEFAULT_RECOMPUTE,
         compute_dtype: torch.dtype | None = None,
+        exact_arithmetic: bool = False,
         router_aux_loss_coef: float = 0.0,
     ) -> None:
         set_recompute(model, check_recompute_mode(recompute))
         self.compute_dtype = check_compute_dtype(model, compute_dtype)
-        set_compute_dtype(model, self.compute_dtype)  # before sharding: FSDP's start-up probe compares like with like
+        self.exact_arithmetic = exact_arithmetic and self.compute_dtype is not None
+        # before sharding: FSDP's start-up probe compares like with like
+        set_compute_dtype(model, self.compute_dtype, exact=self.exact_arithmetic)
         self.export_dtype = export_dtype(model, self.compute_dtype)
         self.recompute = recompute
         self.model = model
@@ -152,7 +157,10 @@ class Trainer:
                     f"shard_params={self.shard_params!r} needs a mesh (it shards over it); got None"
                 )
             modes = {"attention": attention, "gated_delta": gated_delta, "sharding": self.shard_params}
-            self.fsdp_units = sharding.shard_params(model, mesh, **modes, fault=fault, compute_dtype=self.compute_dtype)
+            # Exact arithmetic keeps float32 unsharded parameters: its layers round them themselves, and a bf16
+            # unsharded gradient would round each rank's share (the replicated engine does not).
+            fsdp_dtype = None if self.exact_arithmetic else self.compute_dtype
+            self.fsdp_units = sharding.shard_params(model, mesh, **modes, fault=fault, compute_dtype=fsdp_dtype)
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=0.0)

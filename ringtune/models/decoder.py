@@ -21,7 +21,7 @@ from ringtune.models.layers.moe import SparseMoE
 from ringtune.models.layers.norms import RMSNorm
 from ringtune.models.layers.rotary import RotaryEmbedding
 from ringtune.models.logprob_head import label_logprobs
-from ringtune.models.precision import compute_params
+from ringtune.models.precision import layer_input, layer_output, layer_params, layer_round
 from ringtune.models.recompute import DEFAULT_RECOMPUTE, run_decoder_layer
 from ringtune.models.shard import PackedShard
 
@@ -71,17 +71,19 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centered=zero)
         self.recompute = DEFAULT_RECOMPUTE  # activation recomputation mode (ringtune.models.recompute)
         self.compute_dtype: torch.dtype | None = None  # mixed precision (ringtune.models.precision); None: params'
+        self.exact_arithmetic = False  # float64 between compute_dtype roundings (bf16-exact)
 
     def forward(self, x: torch.Tensor, shard: PackedShard, cache: LayerCapture | None = None) -> torch.Tensor:
         """:meth:`layer_forward` under this layer's recomputation mode ``self.recompute`` (plain with a ``cache``).
 
-        With ``compute_dtype`` set (mixed precision) x is cast to it first, and so is the output.
+        With ``compute_dtype`` set (mixed precision) x is cast to it first, and so is the output; with exact
+        arithmetic (``bf16-exact``) the layer computes in float64 between roundings to it
+        (:mod:`ringtune.models.precision`) and returns ``compute_dtype``.
         """
-        if self.compute_dtype is not None:
-            x = x.to(self.compute_dtype)
+        x = layer_input(self, x)
         if cache is not None:
-            return self.layer_forward(x, shard, cache)
-        return run_decoder_layer(self, x, shard, self.recompute)
+            return layer_output(self, self.layer_forward(x, shard, cache))
+        return layer_output(self, run_decoder_layer(self, x, shard, self.recompute))
 
     def layer_forward(self, x: torch.Tensor, shard: PackedShard, cache: LayerCapture | None = None) -> torch.Tensor:
         """x [T_local, hidden] -> [T_local, hidden]; the mixer talks over the shard's CP group.
@@ -90,9 +92,9 @@ class DecoderLayer(nn.Module):
         read in ``compute_dtype`` (differentiable casts of the masters) when it is set.
         """
         mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
-        with compute_params(self, self.compute_dtype):
-            x = x + mixer(self.input_layernorm(x), shard, cache)
-            return x + self.mlp_out(self.post_attention_layernorm(x), shard)
+        with layer_params(self):
+            x = layer_round(self, x + mixer(self.input_layernorm(x), shard, cache))
+            return layer_round(self, x + self.mlp_out(self.post_attention_layernorm(x), shard))
 
     def mlp_out(self, h: torch.Tensor, shard: PackedShard) -> torch.Tensor:
         """The MLP on normed h [T_local, hidden]; a MoE layer replays ``shard.replay_experts[i]`` when given."""
@@ -106,17 +108,16 @@ class DecoderLayer(nn.Module):
 
         With ``compute_dtype`` set it computes as :meth:`forward` does: x cast first, parameters read in it.
         """
-        if self.compute_dtype is not None:
-            x = x.to(self.compute_dtype)
-        with compute_params(self, self.compute_dtype):
+        x = layer_input(self, x)
+        with layer_params(self):
             h = self.input_layernorm(x)
             if self.layer_type == "linear_attention":
                 assert isinstance(rows, GatedDeltaRows)
-                x = x + self.linear_attn.decode(h, rows)
+                x = layer_round(self, x + self.linear_attn.decode(h, rows))
             else:
                 assert isinstance(rows, KVRows)
-                x = x + self.self_attn.decode(h, positions, rows)
-            return x + self.mlp(self.post_attention_layernorm(x))
+                x = layer_round(self, x + self.self_attn.decode(h, positions, rows))
+            return layer_output(self, layer_round(self, x + self.mlp(self.post_attention_layernorm(x))))
 
 
 class _Body(nn.Module):

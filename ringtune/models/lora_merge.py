@@ -16,7 +16,7 @@ import torch
 from ringtune.models.decoder import CausalLM
 from ringtune.models.lora import UNEMBED, LoraModel
 from ringtune.models.lora_experts import EXPERT_PROJ, expert_weight_delta
-from ringtune.models.precision import compute_like_trainer, layers_compute_dtype
+from ringtune.models.precision import compute_like_trainer, layers_compute_dtype, layers_exact
 
 
 def merged_config(lora: LoraModel):
@@ -82,4 +82,4 @@ def merged_model(lora: LoraModel) -> CausalLM:
     model.load_state_dict({**rest, **merged}, assign=True)
     model.to(device=like.device)
     model.requires_grad_(False)
-    return compute_like_trainer(model.eval(), layers_compute_dtype(lora.base))
+    return compute_like_trainer(model.eval(), layers_compute_dtype(lora.base), exact=layers_exact(lora.base))

@@ -7,6 +7,7 @@ one entry of :data:`PRECISIONS`:
 |---|---|---|---|
 | ``float32`` / ``bfloat16`` / ``float64`` | that dtype | that dtype | that dtype |
 | ``bf16-mixed`` | float32 (master weights) | bfloat16 | the checkpoint's original dtype |
+| ``bf16-exact`` | float32 (master weights) | bfloat16 values, float64 arithmetic | the checkpoint's original dtype |
 
 In ``bf16-mixed`` the decoder layers (norms, mixers, MLPs) run their forward and backward in bfloat16 on a
 bfloat16 copy of their weights, cast from the float32 masters at each use, and gradients come back to the
@@ -17,6 +18,17 @@ GatedDeltaNet output norm normalise in float32, the gates ``g`` are float32, the
 its recurrent state run in float32 (see ``ringtune.ops.gated_delta``), attention accumulates its softmax in
 float32. The embeddings, the final norm and the log-prob head stay in float32 end to end (the head's tiles
 compute logits and log-sum-exps in float32 from the float32 weight), and so do the losses.
+
+``bf16-exact`` (exact arithmetic) keeps the bf16 values and computes between them in float64: a layer reads
+its weights rounded to bfloat16 (held as float64), rounds its input, every linear projection's input and output,
+every norm's output and the residual stream to bfloat16, and computes everything else (matmul sums, attention
+and its CP merge, the GatedDeltaNet scan and its CP state hand-off, softmax, SiLU, rotary) in float64; its output
+leaves in bfloat16, as under ``bf16-mixed``. Each rounded value is then the correctly rounded bfloat16 of a
+float64 result whose error (~1e-16 relative) is far below half a bfloat16 ulp (2^-9), so it does not depend on
+the batch size, the packing, the CP layout or the kernel: the sampler's one-token decode and the trainer's packed
+forward give the same bits (KL(sampler ‖ trainer) ~0 in bf16, docs/parity.md), at the price of float64 matmuls
+(about 4x bf16's time on a CPU with bf16 units; far more on a GPU, where batch-invariant bf16 kernels would be
+the way, not built). See :func:`layer_params` and :func:`install_exact_rounding`.
 
 Two mechanisms give the same numbers:
 
@@ -37,6 +49,7 @@ import torch
 from torch import nn
 
 from ringtune.errors import UserInputError
+from ringtune.models.layers.norms import RMSNorm
 
 
 @dataclass(frozen=True)
@@ -47,6 +60,8 @@ class Precision:
     name: str
     param_dtype: torch.dtype
     compute_dtype: torch.dtype
+    exact: bool = False
+    """The layers' arithmetic is float64 on ``compute_dtype`` values (module docstring); only when mixed."""
 
     @property
     def mixed(self) -> bool:
@@ -61,6 +76,7 @@ PRECISIONS: dict[str, Precision] = {
         Precision("bfloat16", torch.bfloat16, torch.bfloat16),
         Precision("float64", torch.float64, torch.float64),
         Precision("bf16-mixed", torch.float32, torch.bfloat16),
+        Precision("bf16-exact", torch.float32, torch.bfloat16, exact=True),
     )
 }
 """Every precision by name; the first is the default."""
@@ -94,10 +110,80 @@ def check_compute_dtype(model: nn.Module, compute_dtype: torch.dtype | None) -> 
     return compute_dtype
 
 
-def set_compute_dtype(model: nn.Module, dtype: torch.dtype | None) -> None:
-    """Make every decoder layer of ``model`` (a ``CausalLM``) compute in ``dtype`` (None: its parameters' dtype)."""
+ARITHMETIC_DTYPE = torch.float64
+"""The arithmetic of exact layers (``Precision.exact``)."""
+
+
+def set_compute_dtype(model: nn.Module, dtype: torch.dtype | None, *, exact: bool = False) -> None:
+    """Make every decoder layer of ``model`` (a ``CausalLM``) compute in ``dtype`` (None: its parameters' dtype);
+    ``exact``: on ``dtype`` values in float64 arithmetic (needs ``dtype``; installs :func:`install_exact_rounding`
+    on each layer, removing what an earlier call installed)."""
+    if exact and dtype is None:
+        raise ValueError("exact arithmetic needs a compute dtype (the dtype its values are rounded to)")
     for layer in model.model.layers:
         layer.compute_dtype = dtype
+        layer.exact_arithmetic = exact
+        for handle in getattr(layer, "_exact_rounding", ()):
+            handle.remove()
+        layer._exact_rounding = install_exact_rounding(layer, dtype) if exact else []
+
+
+def round_values(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` with its values rounded to ``dtype``, kept in ``x``'s dtype (differentiable: the gradient is rounded
+    the same way on its way back). Unchanged if ``x`` is not floating or already in ``dtype``."""
+    if not x.is_floating_point() or x.dtype == dtype:
+        return x
+    return x.to(dtype).to(x.dtype)
+
+
+def install_exact_rounding(layer: nn.Module, dtype: torch.dtype) -> list:
+    """Round, inside ``layer``, every ``nn.Linear``'s input and output and every norm's output to ``dtype``
+    (forward hooks; the residual stream is rounded by the layer itself, :func:`layer_round`). Returns the hook
+    handles. These are the points where a ``dtype`` layer stores values; between them exact layers compute in
+    float64."""
+
+    def round_input(module: nn.Module, args: tuple) -> tuple:
+        return (round_values(args[0], dtype), *args[1:])
+
+    def round_output(module: nn.Module, args: tuple, out: object) -> object:
+        return round_values(out, dtype) if isinstance(out, torch.Tensor) else out
+
+    handles = []
+    for sub in layer.modules():
+        if isinstance(sub, nn.Linear):
+            handles.append(sub.register_forward_pre_hook(round_input))
+        if isinstance(sub, nn.Linear | RMSNorm):
+            handles.append(sub.register_forward_hook(round_output))
+    return handles
+
+
+def layer_input(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A decoder layer's input as it computes on it: cast to its compute dtype (mixed), rounded to it and held in
+    float64 (exact), else unchanged."""
+    if layer.compute_dtype is None:
+        return x
+    if getattr(layer, "exact_arithmetic", False):
+        return x.to(layer.compute_dtype).to(ARITHMETIC_DTYPE)
+    return x.to(layer.compute_dtype)
+
+
+def layer_round(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The residual stream of a decoder layer after an add: rounded to its compute dtype when exact (a
+    ``compute_dtype`` add rounds by itself), else unchanged."""
+    return round_values(x, layer.compute_dtype) if getattr(layer, "exact_arithmetic", False) else x
+
+
+def layer_output(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A decoder layer's output: in its compute dtype when exact (what a mixed layer returns), else unchanged."""
+    return x.to(layer.compute_dtype) if getattr(layer, "exact_arithmetic", False) else x
+
+
+def layer_params(layer: nn.Module):
+    """The context a decoder layer computes in: its parameters read as its compute dtype (mixed), or as float64
+    holding their ``compute_dtype`` rounding (exact); nothing when unmixed (:func:`compute_params`)."""
+    if getattr(layer, "exact_arithmetic", False):
+        return compute_params(layer, ARITHMETIC_DTYPE, via=layer.compute_dtype)
+    return compute_params(layer, layer.compute_dtype)
 
 
 def export_dtype(model: nn.Module, compute_dtype: torch.dtype | None) -> torch.dtype | None:
@@ -114,9 +200,12 @@ def export_dtype(model: nn.Module, compute_dtype: torch.dtype | None) -> torch.d
 
 
 @contextmanager
-def compute_params(module: nn.Module, dtype: torch.dtype | None) -> Iterator[None]:
+def compute_params(module: nn.Module, dtype: torch.dtype | None, via: torch.dtype | None = None) -> Iterator[None]:
     """Within: every floating parameter of ``module`` (and its submodules) not already in ``dtype`` reads as a
     differentiable cast of itself to ``dtype``; the parameters are put back on exit (also on an exception).
+    ``via`` (exact arithmetic): the values are rounded to ``via`` first, but the gradient passes the rounding
+    unrounded (straight through, in ``dtype``), so each rank's share of a parameter's gradient reaches the
+    master without a ``via`` rounding and the DP×CP sum does not depend on the layout.
 
     The casts are ordinary autograd ops: gradients reach the original parameters in their own dtype (float32
     masters get the float32 upcast of the bfloat16 gradient). Nothing changes when ``dtype`` is None or the
@@ -132,11 +221,17 @@ def compute_params(module: nn.Module, dtype: torch.dtype | None) -> Iterator[Non
                 if p is not None and p.is_floating_point() and p.dtype != dtype:
                     swapped.append((sub._parameters, name, p))
         for table, name, p in swapped:
-            table[name] = p.to(dtype)
+            table[name] = p.to(dtype) if via is None else _rounded_straight_through(p, via, dtype)
         yield
     finally:
         for table, name, p in swapped:
             table[name] = p
+
+
+def _rounded_straight_through(p: torch.Tensor, via: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """``p``'s values rounded to ``via``, held in ``dtype``; the gradient flows to ``p`` as if unrounded."""
+    wide = p.to(dtype)
+    return wide + (p.detach().to(via).to(dtype) - wide.detach())
 
 
 def layers_compute_dtype(model: nn.Module) -> torch.dtype | None:
@@ -145,7 +240,13 @@ def layers_compute_dtype(model: nn.Module) -> torch.dtype | None:
     return layers[0].compute_dtype if len(layers) else None
 
 
-def compute_like_trainer(model: nn.Module, dtype: torch.dtype | None) -> nn.Module:
+def layers_exact(model: nn.Module) -> bool:
+    """Whether the decoder layers of ``model`` (a ``CausalLM``) compute with exact arithmetic."""
+    layers = model.model.layers
+    return bool(len(layers) and getattr(layers[0], "exact_arithmetic", False))
+
+
+def compute_like_trainer(model: nn.Module, dtype: torch.dtype | None, *, exact: bool = False) -> nn.Module:
     """Make an inference copy ``model`` (a ``CausalLM`` without gradients) compute as a mixed trainer does; returns it.
 
     Why: a sampler that decodes in float32 while the trainer's layers compute in bfloat16 uses other weights (the
@@ -158,10 +259,12 @@ def compute_like_trainer(model: nn.Module, dtype: torch.dtype | None) -> nn.Modu
     parameters are stored rounded to ``dtype`` (the very values :func:`compute_params` hands the trainer's forward
     at each use, kept once instead of cast per token) and the layer's ``compute_dtype`` is set, so prefill and
     decode cast their input to it. The embeddings, final norm and head stay in the parameter dtype, as the
-    trainer keeps them. ``dtype`` None (an unmixed precision): nothing changes. In place, not differentiable.
+    trainer keeps them. ``exact`` (``bf16-exact``): the same stored weights, with the trainer's exact arithmetic
+    (float64 between ``dtype`` roundings), so decode and the packed forward agree to the bit. ``dtype`` None (an
+    unmixed precision): nothing changes. In place, not differentiable.
     """
     if dtype is None:
         return model
     model.model.layers.to(dtype=dtype)
-    set_compute_dtype(model, dtype)
+    set_compute_dtype(model, dtype, exact=exact)
     return model

@@ -38,7 +38,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ringtune.errors import UserInputError
-from ringtune.models.precision import compute_params
+from ringtune.models.precision import layer_params, layer_round
 from ringtune.ops.attention import cp_attention_fn
 
 if TYPE_CHECKING:
@@ -95,14 +95,14 @@ def _selective_attention_layer(layer: nn.Module, x: torch.Tensor, shard: PackedS
     attn = layer.self_attn
 
     def project(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        with compute_params(layer, layer.compute_dtype):
+        with layer_params(layer):
             q, k, v, gate = attn._project(layer.input_layernorm(x), shard.positions)
         return q.contiguous(), k.contiguous(), v, gate
 
     def finish(x: torch.Tensor, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        with compute_params(layer, layer.compute_dtype):
-            x = x + attn._output(out, gate)
-            return x + layer.mlp_out(layer.post_attention_layernorm(x), shard)
+        with layer_params(layer):
+            x = layer_round(layer, x + attn._output(out, gate))
+            return layer_round(layer, x + layer.mlp_out(layer.post_attention_layernorm(x), shard))
 
     q, k, v, gate = checkpoint(project, x, use_reentrant=False, early_stop=False)
     mode = shard.attention if shard.cp_size > 1 else "ring"  # as Attention.forward: the ring at size 1 is local

@@ -23,7 +23,7 @@ from ringtune.engine.sharding import full_state_dict
 from ringtune.errors import UserInputError
 from ringtune.models.decoder import CausalLM
 from ringtune.models.lora_snapshot import LoraSnapshot
-from ringtune.models.precision import compute_like_trainer, layers_compute_dtype
+from ringtune.models.precision import compute_like_trainer, layers_compute_dtype, layers_exact
 from ringtune.parallel.expert_dispatch import gather_expert_state
 from ringtune.sample.mesh_prompts import PromptForward
 from ringtune.sample.params import SamplingParams
@@ -89,7 +89,7 @@ def snapshot_of(model: CausalLM) -> CausalLM:
     copy = CausalLM(model.config).to(dtype=model.output_weight.dtype, device=device)
     copy.load_state_dict(gather_expert_state(model, full_state_dict(model, device=device)))
     copy.requires_grad_(False)
-    return compute_like_trainer(copy.eval(), layers_compute_dtype(model))
+    return compute_like_trainer(copy.eval(), layers_compute_dtype(model), exact=layers_exact(model))
 
 
 class SamplerPool:
@@ -103,6 +103,7 @@ class SamplerPool:
             adapters on the shared base, a few MiB each; they do not count against ``max_snapshots``).
         compute_dtype: the trainers' layer compute dtype under mixed precision (None: unmixed); loaded models
             compute in it as run snapshots do (:func:`~ringtune.models.precision.compute_like_trainer`).
+        exact: the trainers' layers use exact arithmetic (``bf16-exact``); loaded models do too.
         record_routing: sequences sampled from a MoE snapshot carry their routing (routing replay).
         shared_decode: the rows of every generation on one base model decode in one batch
             (:mod:`ringtune.sample.shared_decode`: across requests, sessions and LoRA adapters); False: each
@@ -117,6 +118,7 @@ class SamplerPool:
         max_snapshots: int = DEFAULT_MAX_SNAPSHOTS,
         max_adapter_snapshots: int = DEFAULT_MAX_ADAPTER_SNAPSHOTS,
         compute_dtype: torch.dtype | None = None,
+        exact: bool = False,
         record_routing: bool = False,
         shared_decode: bool = True,
     ) -> None:
@@ -125,7 +127,7 @@ class SamplerPool:
         self.decode, self.max_snapshots, self.record_routing = decode, max_snapshots, record_routing
         self.max_adapter_snapshots = max_adapter_snapshots
         self.decodes = SharedDecodes(enabled=shared_decode)
-        self.load = lambda path: compute_like_trainer(load(path), compute_dtype)
+        self.load = lambda path: compute_like_trainer(load(path), compute_dtype, exact=exact)
         self.snapshots: OrderedDict[tuple, CausalLM] = OrderedDict()  # key -> model, least recently used first
         self.sessions: dict[str, tuple[tuple, SamplerSource]] = {}
 

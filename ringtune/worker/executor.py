@@ -113,8 +113,11 @@ class DecodeJob:
 
 
 def trainer_dtype_options(precision: Precision) -> dict[str, Any]:
-    """The :class:`Trainer` keyword arguments a precision adds (``compute_dtype`` when mixed)."""
-    return {"compute_dtype": precision.compute_dtype} if precision.mixed else {}
+    """The :class:`Trainer` keyword arguments a precision adds (``compute_dtype`` when mixed, and
+    ``exact_arithmetic`` when exact)."""
+    if not precision.mixed:
+        return {}
+    return {"compute_dtype": precision.compute_dtype} | ({"exact_arithmetic": True} if precision.exact else {})
 
 
 class RankExecutor:
@@ -139,6 +142,7 @@ class RankExecutor:
             lambda path: load_model(path or spec.source, dtype=self.precision.param_dtype),
             decode=tokenizer_decoder(spec.tokenizer_dir),
             compute_dtype=self.precision.compute_dtype if self.precision.mixed else None,
+            exact=self.precision.exact,
             record_routing=spec.record_routing,
             shared_decode=spec.shared_decode,
         )
