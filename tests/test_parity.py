@@ -26,6 +26,7 @@ from ringtune.layout.contiguous import contiguous_part
 from ringtune.layout.zigzag import chunk_len, zigzag_plan, zigzag_slice
 from ringtune.parity.compare import ComparisonRefusedError, compare_dumps
 from ringtune.parity.datums import build_datum_set, text_token_stream
+from ringtune.parity.limits import LIMITS
 from ringtune.parity.matrix import FAULT_LAYOUTS, MatrixConfig, run_matrix
 from ringtune.parity.sampler_kl import PROMPT_CAP, SAMPLE_TOKENS, kl_estimates, sampler_prompts
 from ringtune.parity.servers import ServeSpec
@@ -104,6 +105,21 @@ def test_datum_set_is_fixed_and_sized_to_the_context():
                     last.add(rank)
         assert last == set(range(cp)), (cp, last)
     assert build_datum_set(seed=1, vocab_size=96, context_length=1024, stream=stream).digest() != a.digest()
+
+
+def test_limits_follow_the_precisions_compared():
+    """bf16-exact against itself is held to float32's limits (its CP layouts agree to float32 head rounding,
+    docs/parity.md); against another precision it differs by bf16 rounding, so bf16 limits apply."""
+    from ringtune.parity.compare import _dtype
+
+    def dump(dtype: str) -> dict:
+        return {"layout": {"dtype": dtype}}
+
+    assert LIMITS["bf16-exact"] is LIMITS["float32"]
+    assert _dtype(dump("bf16-exact"), dump("bf16-exact")) == "bf16-exact"
+    assert _dtype(dump("float32"), dump("bf16-exact")) == "bf16-mixed"
+    assert _dtype(dump("bf16-exact"), dump("bfloat16")) == "bfloat16"
+    assert _dtype(dump("float64"), dump("float32")) == "float32"
 
 
 def test_kl_estimates_and_prompts():

@@ -140,7 +140,12 @@ def check_comparable(a: Mapping[str, Any], b: Mapping[str, Any]) -> None:
 
 
 def _dtype(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
-    return max(a["layout"]["dtype"], b["layout"]["dtype"], key=COARSENESS.index)
+    """The precision whose limits apply: the coarser of the two; bf16-exact against another precision differs by
+    bf16 rounding, so at least bf16-mixed's (bf16-exact against itself is held to float32's)."""
+    da, db = a["layout"]["dtype"], b["layout"]["dtype"]
+    if da != db and "bf16-exact" in (da, db):
+        return max(da, db, "bf16-mixed", key=COARSENESS.index)
+    return max(da, db, key=COARSENESS.index)
 
 
 def _deltas(ra: Mapping[str, Any], rb: Mapping[str, Any]) -> list[np.ndarray]:
