@@ -202,6 +202,27 @@ def test_clean_layouts_pass_and_faults_fail(matrix):
     assert all(f"`{name}`" in text for name in EXPECTED)
 
 
+def test_bf16_exact_layouts_pass_the_float32_limits(tmp_path):
+    """Through the SDK: a bf16-exact server at CP=2 (chunkwise GDN, ring attention) against its CP=1 reference
+    passes every float32 limit (docs/parity.md, "bf16-exact: held to float32's limits"); its sampler and trainer
+    agree to float32 rounding."""
+    config = MatrixConfig(
+        workdir=tmp_path / "work",
+        doc=tmp_path / "validation.md",
+        png_dir=tmp_path / "validation",
+        cps=(1, 2),
+        modes=("chunkwise",),
+        dtypes=("bf16-exact",),
+        row_tokens=ROW_TOKENS,
+    )
+    report = run_matrix(config)
+    [row] = report.rows
+    assert row.spec.name == "cp2-chunkwise-dp1-bf16-exact" and row.result.dtype == "bf16-exact"
+    assert not row.result.failures, [(f.name, f.value, f.limit) for f in row.result.failures]
+    assert row.result.figure("lp.mean").limit == LIMITS["float32"].lp_mean
+    assert row.result.figure("sampler_kl.k3").value <= 1e-10
+
+
 def _dump(config: MatrixConfig, name: str) -> Path:
     return config.workdir / f"tiny-qwen3.5-{name}.json"
 
