@@ -94,7 +94,7 @@ def test_ctrl_c_stops_the_server(model_dir, tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=os.environ | {"PYTHONUNBUFFERED": "1"},
+        env=os.environ | {"PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"},
     )
     lines: list[str] = []
     pid = None
@@ -112,7 +112,12 @@ def test_ctrl_c_stops_the_server(model_dir, tmp_path):
         # the server drains first (the step running completes, results wait DRAIN_GRACE_S, a long poll may
         # hold its connection up to poll_timeout_s) and ServeProcess.stop escalates to SIGTERM after 60 s: on a
         # loaded machine that has taken over 90 s, so the bound is the stop's own worst case plus slack
-        rest, _ = proc.communicate(timeout=240)
+        try:
+            rest, _ = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)  # PYTHONFAULTHANDLER prints every thread's stack: where it hangs
+            rest, _ = proc.communicate(timeout=30)
+            pytest.fail("the demo did not exit within 240 s of its Ctrl-C; its threads:\n" + rest[-20000:])
     finally:
         if proc.poll() is None:
             proc.kill()

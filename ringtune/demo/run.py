@@ -18,7 +18,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -72,6 +73,29 @@ def _batches(n_examples: int, batch_size: int, steps: int, seed: int) -> list[li
     return batches
 
 
+SESSION_CLOSE_TIMEOUT_S = 30.0
+"""How long the demo waits for the server to confirm its session's close before it stops the server anyway."""
+
+
+@contextmanager
+def bounded_session(base_url: str, api_key: str, log: Callable[[str], None]) -> Iterator[tinker.ServiceClient]:
+    """A ``tinker.ServiceClient`` closed on exit with the status ``with ServiceClient(...)`` gives it (success,
+    errored, interrupted), but waiting at most :data:`SESSION_CLOSE_TIMEOUT_S` for the close: the SDK's own exit
+    waits without a bound, and a Ctrl-C must stop the demo (and then its server) whatever the close does."""
+    service = tinker.ServiceClient(base_url=base_url, api_key=api_key)
+    status = "success"
+    try:
+        yield service
+    except BaseException as exc:
+        status = "errored" if isinstance(exc, Exception) else "interrupted"
+        raise
+    finally:
+        try:
+            service.close(status).result(timeout=SESSION_CLOSE_TIMEOUT_S)
+        except Exception as exc:  # a timeout or a refused close: the server is stopped next either way
+            log(f"the SDK session's close did not complete ({type(exc).__name__}: {exc}); going on")
+
+
 def train_demo(
     base_url: str,
     api_key: str,
@@ -92,7 +116,7 @@ def train_demo(
     adam = tinker.AdamParams(
         learning_rate=config.learning_rate, beta1=0.9, beta2=0.95, eps=1e-8, grad_clip_norm=config.grad_clip_norm
     )
-    with tinker.ServiceClient(base_url=base_url, api_key=api_key) as service:
+    with bounded_session(base_url, api_key, log) as service:
         client = service.create_lora_training_client(base_model, rank=config.lora_rank).result()
         tokenizer = client.get_tokenizer()
         train = [render_chatml(c, tokenizer).datum() for c in train_conv]
