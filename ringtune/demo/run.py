@@ -269,9 +269,13 @@ def main_demo(config: DemoConfig) -> int:
     """The ``ringtune demo`` command: 0 when the held-out NLL fell, 1 when it did not, 2 on a setup error."""
     from ringtune.gateway.serve_process import ServerStartError
 
-    previous = None
+    previous: dict[int, object] = {}
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM unwinds like Ctrl-C: the server is stopped
+        # SIGTERM unwinds like Ctrl-C: the server is stopped. SIGINT is set too: a process started as a background
+        # job of a non-interactive shell inherits SIGINT *ignored*, and Python keeps that, so Ctrl-C / kill -INT
+        # would never reach the demo (measured: a CI run under `bash -c '... &'` waited past 240 s).
+        previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, _interrupt)
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         result = run_demo(config)
     except (UserInputError, ServerStartError) as exc:
@@ -281,8 +285,8 @@ def main_demo(config: DemoConfig) -> int:
         print("\ninterrupted: the server was stopped", file=sys.stderr)
         return 130
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     if not result.finite():
         print("error: a loss was not finite", file=sys.stderr)
         return 1
