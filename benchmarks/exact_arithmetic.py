@@ -36,6 +36,7 @@ from ringtune.models.precision import check_precision
 from ringtune.sample.params import SamplingParams
 from ringtune.sample.pool import snapshot_of
 from ringtune.sample.sampler import generate
+from ringtune.worker.executor import trainer_dtype_options
 
 PRECISIONS = ("float32", "bf16-mixed", "bf16-exact")
 TOKENIZER_DIR = Path("/tmp/ringtune-bench-tokenizer")
@@ -44,7 +45,7 @@ TOKENIZER_DIR = Path("/tmp/ringtune-bench-tokenizer")
 def _run(precision: str, steps: int, prompt_len: int, tokens: int, out: Any) -> None:
     torch.manual_seed(0)
     p = check_precision(precision)
-    options = {"compute_dtype": p.compute_dtype, "exact_arithmetic": p.exact} if p.mixed else {}
+    options = trainer_dtype_options(p)
     trainer = Trainer(load_model(EMBEDDED_DEFAULT, dtype=p.param_dtype), None, max_tokens_per_rank=2048, **options)
     data = _datums(load_conversations())
     batches = [[data[i] for i in idx] for idx in _batches(len(data), 8, steps + 1, seed=0)]
@@ -116,5 +117,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
     sys.exit(main())

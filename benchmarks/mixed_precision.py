@@ -40,6 +40,7 @@ from ringtune.models.checkpoints.tokenizers import smollm2_tokenizer_dir
 from ringtune.models.precision import check_precision, compute_params
 from ringtune.models.shard import shard_of
 from ringtune.probes.layer_probe import ProbeSizes, build_layers, cosine, probe_inputs, probe_row
+from ringtune.worker.executor import trainer_dtype_options
 
 BF16 = torch.bfloat16
 ADAM = AdamParams(learning_rate=4e-5, beta1=0.9, beta2=0.95, eps=1e-8, grad_clip_norm=1.0)  # the demo's
@@ -125,7 +126,7 @@ def _trainer(precision: str, *, rounded: bool = False) -> Trainer:
         with torch.no_grad():
             for param in model.parameters():
                 param.copy_(param.to(BF16))
-    compute = {"compute_dtype": p.compute_dtype} if p.mixed else {}
+    compute = trainer_dtype_options(p)
     return Trainer(model, None, max_tokens_per_rank=2048, **compute)
 
 

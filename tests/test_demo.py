@@ -110,8 +110,9 @@ def test_ctrl_c_stops_the_server(model_dir, tmp_path):
         time.sleep(1.0)  # inside the training loop now
         proc.send_signal(signal.SIGINT)
         # the server drains first (the step running completes, results wait DRAIN_GRACE_S, a long poll may
-        # hold its connection up to poll_timeout_s) and ServeProcess.stop escalates to SIGTERM after 60 s: on a
-        # loaded machine that has taken over 90 s, so the bound is the stop's own worst case plus slack
+        # hold its connection up to poll_timeout_s) and ServeProcess.stop escalates to SIGTERM after 60 s, so the
+        # bound is the stop's own worst case plus slack (the earlier timeouts were a demo started with SIGINT
+        # ignored, as background jobs of non-interactive shells are: main_demo now installs the handler)
         try:
             rest, _ = proc.communicate(timeout=240)
         except subprocess.TimeoutExpired:

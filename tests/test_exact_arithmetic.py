@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from test_engine import ADAM, make_data
-from torch.distributed.tensor import DTensor
+from test_mixed_precision import _full
 
 from ringtune.engine.batch import TrainDatum
 from ringtune.engine.trainer import Trainer
@@ -26,6 +26,7 @@ from ringtune.sample.params import SamplingParams
 from ringtune.sample.pool import snapshot_of
 from ringtune.sample.sampler import generate
 from ringtune.testing.tiny_models import hf_model
+from ringtune.worker.executor import trainer_dtype_options
 
 HEAD_ATOL = 1e-5  # float32 head rounding only (module docstring)
 BF16_MIN = 1e-4  # bf16-mixed moves at least this much on the same comparison (measured 3e-4 to 4e-3)
@@ -46,7 +47,7 @@ def checkpoints(tmp_path_factory):
 
 def _trainer(root: str, precision: str, mesh=None, budget: int = BUDGET, **kwargs) -> Trainer:
     p = check_precision(precision)
-    options = {"compute_dtype": p.compute_dtype, "exact_arithmetic": p.exact} if p.mixed else {}
+    options = trainer_dtype_options(p)
     return Trainer(load_hf(root, dtype=p.param_dtype), mesh, max_tokens_per_rank=budget, **options, **kwargs)
 
 
@@ -115,10 +116,6 @@ LAYOUTS = (  # (DP, CP, shard_params, attention, gated_delta); (1, 1) is the ref
     (2, 2, "dp_cp", "allgather", "chunkwise"),
     (1, 4, "none", "ring", "chunkwise"),
 )
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
 def exact_layouts_case(ctx, *, root: str):

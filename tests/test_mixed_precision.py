@@ -25,7 +25,7 @@ from ringtune.models.precision import PRECISIONS, check_compute_dtype, check_pre
 from ringtune.models.shard import shard_of
 from ringtune.sample.pool import snapshot_of
 from ringtune.testing.tiny_models import hf_model
-from ringtune.worker.executor import DTYPES, ModelSpec, RankExecutor
+from ringtune.worker.executor import DTYPES, ModelSpec, RankExecutor, trainer_dtype_options
 
 LENS = (2, 17, 5, 40, 3, 9, 2, 13)
 BUDGET = 48  # per-rank tokens: several microbatches per call
@@ -57,7 +57,7 @@ def checkpoint_bf16(tmp_path_factory):
 
 def _trainer(root: str, precision: str, **kwargs) -> Trainer:
     p = check_precision(precision)
-    compute = {"compute_dtype": p.compute_dtype} if p.mixed else {}
+    compute = trainer_dtype_options(p)
     return Trainer(load_hf(root, dtype=p.param_dtype), None, max_tokens_per_rank=BUDGET, **compute, **kwargs)
 
 
@@ -215,7 +215,7 @@ def mixed_layouts_case(ctx, *, root: str):
     results = {}
     for dp, cp, shard, precision in ((1, 1, False, "float32"), *((*lay, "bf16-mixed") for lay in LAYOUTS)):
         p = check_precision(precision)
-        compute = {"compute_dtype": p.compute_dtype} if p.mixed else {}
+        compute = trainer_dtype_options(p)
         mesh = ctx.mesh(dp=dp, cp=cp)
         model = load_hf(root, dtype=p.param_dtype)
         trainer = Trainer(model, mesh, max_tokens_per_rank=BUDGET, shard_params=shard, **compute)

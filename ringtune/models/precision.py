@@ -162,7 +162,7 @@ def layer_input(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     float64 (exact), else unchanged."""
     if layer.compute_dtype is None:
         return x
-    if getattr(layer, "exact_arithmetic", False):
+    if layer.exact_arithmetic:
         return x.to(layer.compute_dtype).to(ARITHMETIC_DTYPE)
     return x.to(layer.compute_dtype)
 
@@ -170,18 +170,18 @@ def layer_input(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def layer_round(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The residual stream of a decoder layer after an add: rounded to its compute dtype when exact (a
     ``compute_dtype`` add rounds by itself), else unchanged."""
-    return round_values(x, layer.compute_dtype) if getattr(layer, "exact_arithmetic", False) else x
+    return round_values(x, layer.compute_dtype) if layer.exact_arithmetic else x
 
 
 def layer_output(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A decoder layer's output: in its compute dtype when exact (what a mixed layer returns), else unchanged."""
-    return x.to(layer.compute_dtype) if getattr(layer, "exact_arithmetic", False) else x
+    return x.to(layer.compute_dtype) if layer.exact_arithmetic else x
 
 
 def layer_params(layer: nn.Module):
     """The context a decoder layer computes in: its parameters read as its compute dtype (mixed), or as float64
     holding their ``compute_dtype`` rounding (exact); nothing when unmixed (:func:`compute_params`)."""
-    if getattr(layer, "exact_arithmetic", False):
+    if layer.exact_arithmetic:
         return compute_params(layer, ARITHMETIC_DTYPE, via=layer.compute_dtype)
     return compute_params(layer, layer.compute_dtype)
 
@@ -245,7 +245,7 @@ def layers_compute_dtype(model: nn.Module) -> torch.dtype | None:
 def layers_exact(model: nn.Module) -> bool:
     """Whether the decoder layers of ``model`` (a ``CausalLM``) compute with exact arithmetic."""
     layers = model.model.layers
-    return bool(len(layers) and getattr(layers[0], "exact_arithmetic", False))
+    return bool(len(layers) and layers[0].exact_arithmetic)
 
 
 def compute_like_trainer(model: nn.Module, dtype: torch.dtype | None, *, exact: bool = False) -> nn.Module:
