@@ -29,15 +29,15 @@ from pathlib import Path
 import torch
 from gpu_cp2 import cp2_parity
 from gpu_parity import kernel_parity
-from gpu_step import H200_BF16_TFLOPS, SMOKE_MODEL, run_step
+from gpu_step import H200_BF16_TFLOPS, SMOKE_MODEL, peak_bf16_tflops, run_step
 
 HERE = Path(__file__).resolve().parent
 TIME_GOAL, MEMORY_GOAL = 0.8, 0.5
 
 
-def versions() -> dict[str, str | None]:
+def versions() -> dict[str, object]:
     """Versions of what the check depends on (None: not installed)."""
-    out: dict[str, str | None] = {"python": sys.version.split()[0], "torch": torch.__version__}
+    out: dict[str, object] = {"python": sys.version.split()[0], "torch": torch.__version__}
     for name in ("ringtune", "triton", "flash-linear-attention", "fla-core", "liger-kernel", "transformers"):
         try:
             out[name] = importlib.metadata.version(name)
@@ -45,6 +45,7 @@ def versions() -> dict[str, str | None]:
             out[name] = None
     out["cuda"] = torch.version.cuda
     out["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    out["peak_bf16_tflops"] = peak_bf16_tflops(out["device"]) if torch.cuda.is_available() else H200_BF16_TFLOPS
     try:
         out["commit"] = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True, check=False
@@ -115,7 +116,7 @@ def markdown(report: dict) -> str:
         f"GPU check ({'smoke, CPU fallbacks' if report['smoke'] else 'full'}): {report['date']}, {v['device']}, "
         f"torch {v['torch']} (CUDA {v['cuda']}), triton {v['triton']}, fla {v['flash-linear-attention']}, "
         f"liger {v['liger-kernel']}, transformers {v['transformers']}, ringtune {v['commit']}; "
-        f"{report['elapsed_s']:.0f} s",
+        f"{report['elapsed_s']:.0f} s; MFU against {v['peak_bf16_tflops']} TFLOP/s dense bf16",
         "",
         "| kernel parity vs float64 CPU | kernel | dtype | forward | limit | backward | limit | pass |",
         "|---|---|---|---:|---:|---:|---:|---|",

@@ -13,7 +13,7 @@ values: each initialises its own), one sequence of N tokens per row, bf16-mixed 
 Model FLOPs per step (the usual convention): ``6·P·T`` for the matmul parameters P (decoder layers and the head; the
 embedding lookup is free) plus ``6·T²·Hq·Dh`` per attention layer (QKᵀ and PV, causal half, forward + backward);
 recomputation is not counted, nor the GatedDeltaNet state math beyond its projections. Peak: ``--peak-tflops``
-(default 989.4, the H200's dense bf16 figure on NVIDIA's datasheet).
+(default: :func:`peak_bf16_tflops` of the device's name, e.g. 989.4 for an H200 or H100 SXM).
 """
 
 from __future__ import annotations
@@ -46,6 +46,25 @@ SMOKE_MODEL: dict[str, Any] = {
 
 MODELS = {"4b": KNOWN_MODELS["Qwen3.5-4B"], "smoke": SMOKE_MODEL}
 H200_BF16_TFLOPS = 989.4
+
+PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (
+    # (substring of torch.cuda.get_device_name, dense bf16 TFLOP/s from NVIDIA's datasheets), first match wins
+    ("H200", 989.4),
+    ("H100 PCIe", 756.5),
+    ("H100 NVL", 835.5),
+    ("H100", 989.4),  # SXM5
+    ("H800", 989.4),
+    ("A100", 312.0),
+)
+"""Dense (no sparsity) bf16 tensor-core peaks; a device not listed is measured against the H200's figure."""
+
+
+def peak_bf16_tflops(device_name: str) -> float:
+    """The dense bf16 peak of a device by its CUDA name (:data:`PEAK_BF16_TFLOPS`; the H200's if not listed)."""
+    for key, tflops in PEAK_BF16_TFLOPS:
+        if key in device_name:
+            return tflops
+    return H200_BF16_TFLOPS
 
 
 def model_flops(cfg: dict[str, Any], tokens: int, matmul_params: int) -> float:
@@ -159,9 +178,11 @@ def main() -> None:
     p.add_argument("--tokens", type=int, required=True)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--peak-tflops", type=float, default=H200_BF16_TFLOPS)
+    p.add_argument("--peak-tflops", type=float, default=None, help="default: by the device's name")
     a = p.parse_args()
     device = torch.device(a.device)
+    if a.peak_tflops is None:
+        a.peak_tflops = peak_bf16_tflops(torch.cuda.get_device_name(device) if device.type == "cuda" else "")
     try:
         result = run_step(a.impl, a.model, a.tokens, a.steps, device, a.peak_tflops)
     except torch.OutOfMemoryError as exc:

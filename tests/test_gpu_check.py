@@ -7,6 +7,7 @@ CP=2 against CP=1 over gloo. It keeps the script from rotting between GPU runs; 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -65,3 +66,13 @@ def test_gpu_kernels_are_chosen_by_device_and_refuse_cpu():
     assert select_head(cpu, labels).__name__ == "label_logprobs"
     with pytest.raises(ValueError, match="head kernel 'liger' needs CUDA tensors; got device cpu"):
         select_head(cpu, labels, name="liger")
+
+
+def test_mfu_peak_follows_the_device_name():
+    spec = importlib.util.spec_from_file_location("gpu_step", ROOT / "benchmarks" / "gpu_step.py")
+    gpu_step = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_step)
+    h200 = gpu_step.H200_BF16_TFLOPS
+    assert gpu_step.peak_bf16_tflops("NVIDIA H200") == gpu_step.peak_bf16_tflops("NVIDIA H100 80GB HBM3") == h200
+    assert gpu_step.peak_bf16_tflops("NVIDIA H100 PCIe") == 756.5
+    assert gpu_step.peak_bf16_tflops("an unknown card") == h200
