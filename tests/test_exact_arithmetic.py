@@ -19,12 +19,15 @@ from test_engine import ADAM, make_data
 from test_mixed_precision import _full
 
 from ringtune.engine.batch import TrainDatum
+from ringtune.engine.lora_trainer import LoraTrainer
 from ringtune.engine.trainer import Trainer
 from ringtune.models.checkpoints.hf import load_hf
-from ringtune.models.precision import PRECISIONS, check_precision, layers_exact
+from ringtune.models.lora import LoraModel, LoraSpec
+from ringtune.models.precision import PRECISIONS, check_precision, frozen_rounded, layers_exact
 from ringtune.sample.params import SamplingParams
 from ringtune.sample.pool import snapshot_of
 from ringtune.sample.sampler import generate
+from ringtune.testing.lora import randomize_adapters
 from ringtune.testing.tiny_models import hf_model
 from ringtune.worker.executor import trainer_dtype_options
 
@@ -57,6 +60,11 @@ def _sampled_vs_trainer(root: str, precision: str) -> tuple[float, int]:
     trainer = _trainer(root, precision, budget=64)  # rows of 64: the 17- to 51-token datums share them
     sampler = snapshot_of(trainer.model)
     assert layers_exact(sampler) == check_precision(precision).exact
+    return _compare(trainer, sampler)
+
+
+def _compare(trainer: Trainer, sampler) -> tuple[float, int]:
+    """:func:`_sampled_vs_trainer` for a given trainer and sampler model."""
     gen = torch.Generator().manual_seed(1)
     vocab = trainer.model.config.vocab_size
     prompts = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in PROMPT_LENS]
@@ -87,6 +95,30 @@ def test_decode_equals_the_packed_forward(checkpoints, family):
     print(f"\n{family}: max |sampled - trainer| over {n} tokens: bf16-exact {exact:.1e}, bf16-mixed {mixed:.1e}")
     assert exact <= HEAD_ATOL
     assert mixed >= BF16_MIN  # the comparison does see bf16 path differences
+
+
+def test_lora_decode_equals_the_packed_forward_on_a_frozen_rounded_base(checkpoints):
+    """A LoRA run under bf16-exact: its adapter snapshot decodes on the shared float32 base to the trainer's packed
+    forward within float32 head rounding; the base's layer weights are rounded once into a float64 copy that every
+    forward and decode step reuses (``precision.frozen_rounded``), the float32 base itself unchanged."""
+    p = check_precision("bf16-exact")
+    base = load_hf(checkpoints["qwen3_5"], dtype=p.param_dtype)
+    lora = LoraModel(base, LoraSpec(rank=4))
+    randomize_adapters(lora, seed=3)
+    trainer = LoraTrainer(lora, None, max_tokens_per_rank=64, **trainer_dtype_options(p))
+    worst, n = _compare(trainer, trainer.sampler_snapshot())
+    print(f"\nLoRA qwen3_5: max |sampled - trainer| over {n} tokens: bf16-exact {worst:.1e}")
+    assert worst <= HEAD_ATOL
+    weight = base.model.layers[3].self_attn.o_proj.weight
+    assert weight.dtype == torch.float32 and not weight.requires_grad
+    _, rounded = weight._ringtune_rounded
+    assert rounded.dtype == torch.float64 and torch.equal(rounded, weight.bfloat16().double())
+    data = make_data(LENS, "cross_entropy", base.config.vocab_size)
+    trainer.forward_backward(data, "cross_entropy")
+    assert weight._ringtune_rounded[1] is rounded  # reused, not made again
+    with torch.no_grad():
+        weight.mul_(2)  # an in-place write (as a load) makes a new rounding
+    assert frozen_rounded(weight, torch.bfloat16, torch.float64) is not rounded
 
 
 def test_exact_layers_store_bf16_values_and_train_float32_masters(checkpoints):

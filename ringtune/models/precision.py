@@ -221,11 +221,34 @@ def compute_params(module: nn.Module, dtype: torch.dtype | None, via: torch.dtyp
                 if p is not None and p.is_floating_point() and p.dtype != dtype:
                     swapped.append((sub._parameters, name, p))
         for table, name, p in swapped:
-            table[name] = p.to(dtype) if via is None else _rounded_straight_through(p, via, dtype)
+            if via is None:
+                table[name] = p.to(dtype)
+            elif p.requires_grad:
+                table[name] = _rounded_straight_through(p, via, dtype)
+            else:
+                table[name] = frozen_rounded(p, via, dtype)
         yield
     finally:
         for table, name, p in swapped:
             table[name] = p
+
+
+def frozen_rounded(p: torch.Tensor, via: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """A frozen parameter's values rounded to ``via``, held in ``dtype``: made once per value of ``p`` and kept on
+    it (keyed by its storage and version counter, so an in-place write such as a checkpoint load makes a new one).
+
+    Why: a LoRA run's shared base is frozen, and under exact arithmetic every forward and every decode step would
+    otherwise round and widen all of its layer weights again (measured: docs/memory.md "`bf16-exact`"). Cost: one
+    ``dtype`` copy of each frozen layer weight (float64: twice the float32 base), shared by every run on the base.
+    Not differentiable (``p`` takes no gradient); never an inference tensor."""
+    key = (via, dtype, p.data_ptr(), p._version)
+    cached = getattr(p, "_ringtune_rounded", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    with torch.inference_mode(False):  # made during a decode, it must still serve a training forward's autograd
+        value = p.detach().to(via).to(dtype)
+    p._ringtune_rounded = (key, value)
+    return value
 
 
 def _rounded_straight_through(p: torch.Tensor, via: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
