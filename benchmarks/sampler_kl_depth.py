@@ -1,14 +1,17 @@
 """KL(sampler ‖ trainer) by context depth, per precision, through the SDK against real ``ringtune serve`` processes.
 
 `python benchmarks/sampler_kl_depth.py [--model smollm2-135m] [--dtypes float32 bf16-mixed bf16-exact bfloat16]
-[--depths 1024 4096 12288] [--samples 1] [--tokens 192] [--out FILE.json]`
+[--depths 1024 4096 12288] [--samples 1] [--tokens 192] [--lora-rank 0] [--out FILE.json]`
 
 For each precision a server is started (``--dtype``), a full fine-tuning client made (``rank=0``), and its weights
-handed to a sampling client (``save_weights_and_get_sampling_client``). For each depth D the prompt is the first D
-tokens of natural text (the demo's chat conversations rendered as ChatML, then ringtune's parity passage, tokenized
-by the served tokenizer); the sampler draws ``--samples`` continuations of ``--tokens`` tokens at temperature 1; the
-trainer forwards each prompt + continuation (``forward``, cross_entropy) and scores the same tokens. Per sampled
-token ``d = lp_sampler - lp_trainer``:
+handed to a sampling client (``save_weights_and_get_sampling_client``). ``--lora-rank R`` makes a LoRA client of
+rank R instead (the cookbook's default is 32) and first takes one AdamW step (lr 1e-3, on the text's first 512
+tokens), so that the adapters are not zero and the sampler's adapter path is measured.
+
+For each depth D the prompt is the first D tokens of natural text (the demo's chat conversations rendered as
+ChatML, then ringtune's parity passage, tokenized by the served tokenizer); the sampler draws ``--samples``
+continuations of ``--tokens`` tokens at temperature 1; the trainer forwards each prompt + continuation
+(``forward``, cross_entropy) and scores the same tokens. Per sampled token ``d = lp_sampler - lp_trainer``:
 
 - ``kl_sample_train_v1 = mean(d)`` and ``kl_sample_train_v2 = mean(d²)/2``, exactly as
   ``tinker_cookbook.rl.metrics.compute_kl_sample_train`` computes them over action tokens;
@@ -63,16 +66,23 @@ def kl_stats(sampler_lp: np.ndarray, trainer_lp: np.ndarray) -> dict[str, float]
 
 
 def measure(
-    url: str, model: str, depths: list[int], samples: int, tokens: int, seed: int, report=None
+    url: str, model: str, depths: list[int], samples: int, tokens: int, seed: int, report=None, lora_rank: int = 0
 ) -> dict[int, dict[str, float]]:
     """Per depth (shallow first): sample, score the samples on the trainer, record the stats (``report(depth, stats)``
-    after each, so a run cut short keeps its shallower depths)."""
+    after each, so a run cut short keeps its shallower depths). ``lora_rank`` > 0: a LoRA run, stepped once first."""
     result: dict[int, dict[str, float]] = {}
     with tinker.ServiceClient(base_url=url, api_key=API_KEY) as sc:
-        tc = sc.create_lora_training_client(model, rank=0).result()
+        tc = sc.create_lora_training_client(model, rank=lora_rank).result()
         ids = tc.get_tokenizer().encode(natural_text(), add_special_tokens=False)
         if len(ids) < max(depths):
             raise ValueError(f"depth {max(depths)} exceeds the {len(ids)} tokens of text")
+        if lora_rank:  # fresh adapters add zero: one step makes them count
+            step = tinker.Datum(
+                model_input=tinker.ModelInput.from_ints(ids[:511]),
+                loss_fn_inputs={"target_tokens": ids[1:512], "weights": [1.0] * 511},
+            )
+            tc.forward_backward([step], "cross_entropy").result()
+            tc.optim_step(tinker.AdamParams(learning_rate=1e-3)).result()
         sampler = tc.save_weights_and_get_sampling_client().result()
         params = tinker.SamplingParams(max_tokens=tokens, temperature=1.0, seed=seed, stop=[])
         for depth in sorted(depths):  # one depth at a time: a decode batch holds its rows' KV caches at full length
@@ -105,6 +115,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=192)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning; R: a LoRA run of rank R")
     parser.add_argument("--label", default="", help="a name for this run in the table (e.g. before / after)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -136,10 +147,13 @@ def main() -> None:
                 save()
 
             with server:
-                measure(server.url, args.model, args.depths, args.samples, args.tokens, args.seed, record)
+                measure(
+                    server.url, args.model, args.depths, args.samples, args.tokens, args.seed, record, args.lora_rank
+                )
             print(f"# {dtype}: {time.time() - started:.0f} s", flush=True)
     print(
-        f"\n{args.label} model {args.model}, {args.samples} samples x {args.tokens} tokens per depth, seed {args.seed}"
+        f"\n{args.label} model {args.model}, {args.samples} samples x {args.tokens} tokens per depth, "
+        f"seed {args.seed}, " + (f"LoRA rank {args.lora_rank} after one step" if args.lora_rank else "full fine-tuning")
     )
     print("| precision | depth | kl_sample_train_v1 | ± se | kl_sample_train_v2 | max \\|d\\| |")
     print("|---|---:|---:|---:|---:|---:|")

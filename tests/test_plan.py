@@ -159,6 +159,7 @@ def test_ranking_fits_first_and_cheapest() -> None:
         (["--gpus", "0"], ["--gpus=0", "> 0"]),
         (["--context-length", "-5"], ["--context-length=-5", "> 0"]),
         (["--precision", "fp8"], ["--precision='fp8'", "bf16-mixed"]),
+        (["--precision", "bf16-exact"], ["--precision='bf16-exact'", "bf16-mixed", "a CPU precision"]),
         (["--recompute", "some"], ["--recompute='some'", "selective"]),
     ],
 )

@@ -31,6 +31,22 @@ PRECISIONS: dict[str, tuple[int, int, int, int]] = {
 }
 """Precision options: bf16-mixed = bf16 compute, fp32 master weights, fp32 gradients and moments."""
 
+NOT_PLANNED: dict[str, str] = {
+    "float64": "a checking precision (parity references), not one to size GPUs for",
+    "bf16-exact": "a CPU precision (bf16 values in float64 arithmetic, for RL numerics; docs/memory.md) whose float64 "
+    "layer activations and per-use weight copies the planner does not model",
+}
+"""Precisions ``ringtune serve --dtype`` takes that the planner does not plan, and why."""
+
+
+def check_precision_planned(precision: str, field: str = "precision") -> str:
+    """``precision`` if the planner plans it, else UserInputError naming the field, the value and the choices."""
+    if precision in PRECISIONS:
+        return precision
+    why = f" ({precision} is {NOT_PLANNED[precision]})" if precision in NOT_PLANNED else ""
+    raise UserInputError(f"{field}={precision!r}: choose one of {', '.join(PRECISIONS)}{why}")
+
+
 BACKWARD_WORK = 0.08
 """A layer's backward working set beyond its saved tensors, as a fraction of its ``none`` inventory:
 gradients of its intermediates alive at once (the [C, C] products' gradients in the GatedDeltaNet scan,
@@ -144,8 +160,7 @@ def comm_per_token(cfg: DecoderConfig, layer_type: str, cp: int, e: int, a: int)
 
 def estimate(cfg: DecoderConfig, layout: Layout, tokens: int) -> Estimate:
     """Predicted per-rank peak of one training step of ``tokens`` tokens per rank under ``layout``."""
-    if layout.precision not in PRECISIONS:
-        raise UserInputError(f"precision={layout.precision!r}: choose one of {', '.join(PRECISIONS)}")
+    check_precision_planned(layout.precision)
     act.check_mode(layout.recompute)
     e, pb, gb, mb = PRECISIONS[layout.precision]
     a = 8 if e == 8 else 4

@@ -17,7 +17,7 @@ from ringtune.errors import UserInputError
 from ringtune.layout.budget import rank_token_budget
 from ringtune.models.config import DecoderConfig
 from ringtune.models.recompute import RECOMPUTE_MODES
-from ringtune.plan.estimate import PRECISIONS, Estimate, Layout, estimate
+from ringtune.plan.estimate import PRECISIONS, Estimate, Layout, check_precision_planned, estimate
 from ringtune.plan.moe import ep_sizes
 
 MARGIN = 0.10
@@ -98,8 +98,7 @@ def plan_layouts(
     check_positive("--gpus", gpus)
     check_positive("--gpu-memory", memory)
     for p in precisions:
-        if p not in PRECISIONS:
-            raise UserInputError(f"--precision={p!r}: choose from {', '.join(PRECISIONS)}")
+        check_precision_planned(p, "--precision")
     for r in recompute:
         if r not in RECOMPUTE_MODES:
             raise UserInputError(f"--recompute={r!r}: choose from {', '.join(RECOMPUTE_MODES)}")
