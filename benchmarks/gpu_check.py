@@ -31,6 +31,12 @@ from gpu_cp2 import cp2_parity
 from gpu_parity import kernel_parity
 from gpu_step import H200_BF16_TFLOPS, SMOKE_MODEL, peak_bf16_tflops, run_step
 
+from ringtune.layout.budget import rank_token_budget
+from ringtune.models.config import DecoderConfig
+from ringtune.plan.estimate import Layout, estimate
+from ringtune.plan.models import KNOWN_MODELS
+from ringtune.plan.search import PAD_MULTIPLIER
+
 HERE = Path(__file__).resolve().parent
 TIME_GOAL, MEMORY_GOAL = 0.8, 0.5
 
@@ -83,6 +89,14 @@ def cp2_subprocess(timeout_s: float) -> dict:
     return json.loads(lines[-1])
 
 
+def planned_peak_gib(tokens: int) -> float:
+    """``ringtune plan``'s predicted peak of this step (Qwen3.5-4B, CP=1, replicated, selective recompute,
+    bf16-mixed, fused AdamW), GiB: set beside the measured peak, the planner's first check on a GPU."""
+    layout = Layout(cp=1, dp=1, shard="none", recompute="selective", precision="bf16-mixed")
+    local = rank_token_budget(tokens, 1, pad_multiplier=PAD_MULTIPLIER)
+    return estimate(DecoderConfig.from_hf(KNOWN_MODELS["Qwen3.5-4B"]), layout, local).peak / 2**30
+
+
 def training_steps(args: argparse.Namespace, started: float, save, rows: list[dict]) -> None:
     """Per token count: ringtune's and transformers' step (in-process at smoke size on CPU), appended to ``rows``;
     ``save()`` after each."""
@@ -97,7 +111,7 @@ def training_steps(args: argparse.Namespace, started: float, save, rows: list[di
                 pair[impl] = step_subprocess(impl, tokens, args.step_timeout_s)
         ours, theirs = pair["ringtune"], pair["transformers"]
         both = ours.get("status") == "ok" and theirs.get("status") == "ok"
-        row = {"tokens": tokens, "ringtune": ours, "transformers": theirs}
+        row = {"tokens": tokens, "ringtune": ours, "transformers": theirs, "planned_gib": planned_peak_gib(tokens)}
         if both:
             row["time_ratio"] = ours["step_s"] / theirs["step_s"]
             if ours.get("peak_mem_gib") and theirs.get("peak_mem_gib"):
@@ -131,9 +145,9 @@ def markdown(report: dict) -> str:
         )
     lines += [
         "",
-        "| tokens | ringtune tok/s | MFU | peak GiB | transformers tok/s | MFU | peak GiB | time ratio (≤ 0.8) "
-        "| memory ratio (≤ 0.5) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| tokens | ringtune tok/s | MFU | peak GiB | planned GiB (4B) | transformers tok/s | MFU | peak GiB "
+        "| time ratio (≤ 0.8) | memory ratio (≤ 0.5) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["training_step"]:
         o, t = r["ringtune"], r["transformers"]
@@ -143,7 +157,8 @@ def markdown(report: dict) -> str:
 
         lines.append(
             f"| {r['tokens']} | {cell(o, 'tokens_per_s', '.0f')} | {cell(o, 'mfu', '.3f')} | "
-            f"{_fmt(o.get('peak_mem_gib'), '.1f')} | {cell(t, 'tokens_per_s', '.0f')} | {cell(t, 'mfu', '.3f')} | "
+            f"{_fmt(o.get('peak_mem_gib'), '.1f')} | {_fmt(r.get('planned_gib'), '.1f')} | "
+            f"{cell(t, 'tokens_per_s', '.0f')} | {cell(t, 'mfu', '.3f')} | "
             f"{_fmt(t.get('peak_mem_gib'), '.1f')} | {_fmt(r.get('time_ratio'), '.2f')} | "
             f"{_fmt(r.get('memory_ratio'), '.2f')} |"
         )

@@ -135,7 +135,7 @@ def check(cp: int, recompute: str, tokens: int, shard: str = "none", ep: str = "
     local = max(r["local_len"] for r in results)
     cfg = DecoderConfig.from_hf(MOE_MODEL if moe else MODEL)
     layout = Layout(cp=cp, dp=1, shard=shard, recompute=recompute, precision="float32", ep=int(ep))
-    est = estimate(cfg, layout, local)
+    est = estimate(cfg, layout, local, adamw="torch_default")  # the CPU trainer's AdamW
     ratio = est.peak / measured
     ok = abs(ratio - 1) <= GOAL
     line = (

@@ -17,7 +17,7 @@ import torch
 
 from ringtune.engine.batch import MAX_TARGET_K
 from ringtune.engine.grad_stash import drop_gradients
-from ringtune.engine.optimizer import AdamParams
+from ringtune.engine.optimizer import ADAMW_KERNELS, AdamParams, default_adamw_kernel, new_adamw
 from ringtune.engine.trainer import TrainDatum, Trainer
 from ringtune.errors import NonFiniteError, UserInputError
 from ringtune.models.checkpoints.hf import load_hf
@@ -282,10 +282,11 @@ def differences(a: dict, b: dict) -> list[str]:
     return sorted(out)
 
 
-def primed(ctx, root: str, dp: int, cp: int) -> Trainer:
+def primed(ctx, root: str, dp: int, cp: int, adamw_kernel: str | None = None) -> Trainer:
     """A trainer that has stepped once (moments exist) and holds accumulated gradients."""
     mesh = ctx.mesh(dp=dp, cp=cp)  # (1, 1): four single-rank replicas of the pool
-    trainer = Trainer(load_hf(root, dtype=torch.float32), mesh, max_tokens_per_rank=BUDGET)
+    model = load_hf(root, dtype=torch.float32)
+    trainer = Trainer(model, mesh, max_tokens_per_rank=BUDGET, adamw_kernel=adamw_kernel)
     vocab = trainer.model.config.vocab_size
     trainer.forward_backward(datums("cross_entropy", vocab, seed=1), "cross_entropy")
     trainer.optim_step(ADAM)
@@ -491,10 +492,10 @@ def test_non_finite_gradient_and_weight_are_refused(pool, checkpoint):
         assert np.isfinite(out["after_restore"]), (rank, out)
 
 
-def overflow_case(ctx, *, root: str, dp: int, cp: int):
+def overflow_case(ctx, *, root: str, dp: int, cp: int, adamw_kernel: str | None = None):
     """A finite gradient element of 2.9e32 on one rank of the mesh (its square overflows float32's second moment),
     then a finite learning rate of 1e39 (the weights would overflow): both refused, nothing changed."""
-    trainer = primed(ctx, root, dp, cp)
+    trainer = primed(ctx, root, dp, cp, adamw_kernel)
     vocab = trainer.model.config.vocab_size
     out = {}
     for name, adam in (("huge_grad", ADAM), ("huge_lr", AdamParams(**{**ADAM.__dict__, "learning_rate": 1e39}))):
@@ -512,7 +513,7 @@ def overflow_case(ctx, *, root: str, dp: int, cp: int):
         out[f"{name}_changed"] = [k for k in changed if not k.startswith("g.") and k not in ("canary", "expected")]
         out[f"{name}_grads_dropped"] = all(p.grad is None for p in trainer.params)
     after = good_tail(trainer)
-    fresh = primed(ctx, root, dp, cp)
+    fresh = primed(ctx, root, dp, cp, adamw_kernel)
     drop_gradients(fresh.params, fresh.invariant)  # what the refusals dropped
     out["next_equals_fresh"] = all(torch.equal(after[n], w) for n, w in good_tail(fresh).items())
     out["moments_finite"] = all(
@@ -521,11 +522,46 @@ def overflow_case(ctx, *, root: str, dp: int, cp: int):
     return out
 
 
-@pytest.mark.parametrize(("dp", "cp"), [(1, 1), (2, 2)])
-def test_update_that_would_overflow_a_moment_or_weight_is_refused(pool, checkpoint, dp, cp):
-    for rank, out in enumerate(pool.run(overflow_case, root=checkpoint, dp=dp, cp=cp)):
+@pytest.mark.parametrize(("dp", "cp", "adamw_kernel"), [(1, 1, None), (2, 2, None), (2, 2, "fused")])
+def test_update_that_would_overflow_a_moment_or_weight_is_refused(pool, checkpoint, dp, cp, adamw_kernel):
+    """Also with the ``fused`` AdamW kernel (CUDA's default; torch runs it on CPU too): the trial update of
+    ``non_finite_update`` takes the kernel the optimizer runs."""
+    kw = {"adamw_kernel": adamw_kernel}
+    for rank, out in enumerate(pool.run(overflow_case, root=checkpoint, dp=dp, cp=cp, **kw)):
         assert "AdamW update of parameter(s) model.norm.weight would make" in out["huge_grad"], (rank, out)
         assert "AdamW update of parameter(s)" in out["huge_lr"], (rank, out)
         for name in ("huge_grad", "huge_lr"):
             assert out[f"{name}_changed"] == [] and out[f"{name}_grads_dropped"], (rank, name, out)
         assert out["next_equals_fresh"] and out["moments_finite"], (rank, out)
+
+
+def adamw_kernels_case(ctx, *, root: str):
+    """Three steps by each AdamW kernel from the same start: the start, the weights after, the kernels' flags."""
+    out = {}
+    for kernel in ADAMW_KERNELS:
+        trainer = Trainer(load_hf(root, dtype=torch.float32), None, max_tokens_per_rank=BUDGET, adamw_kernel=kernel)
+        out["start"] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        out["default"] = default_adamw_kernel(trainer.params)
+        vocab = trainer.model.config.vocab_size
+        for seed in range(3):
+            trainer.forward_backward(datums("cross_entropy", vocab, seed=seed), "cross_entropy")
+            trainer.optim_step(ADAM)
+        out[kernel] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        out[f"{kernel}.fused"] = bool(trainer.optimizer.param_groups[0]["fused"])
+    return out
+
+
+def test_adamw_kernels_take_the_same_steps(pool, checkpoint):
+    """``fused`` (CUDA's default) and torch's default AdamW give the same weights after three steps to float32
+    rounding: each element's update is the same few float32 operations in another order. Steps of lr 1e-2 move
+    the weights by ~3e-2, so 1e-6 is ~30 ulps of the update, far below what a changed formula would move (a missed
+    bias correction: ~1e-2)."""
+    out = pool.run(adamw_kernels_case, root=checkpoint)[0]
+    assert out["fused.fused"] and not out["torch_default.fused"] and out["default"] == "torch_default"  # CPU
+    fused, default, start = out["fused"], out["torch_default"], out["start"]
+    worst = max(float((fused[n] - w).abs().max()) for n, w in default.items())
+    moved = max(float((default[n] - w).abs().max()) for n, w in start.items())
+    print(f"\nafter 3 AdamW steps: max |fused - torch_default| {worst:.1e}, max |moved| {moved:.1e}")
+    assert worst <= 1e-6 and moved > 1e-2
+    with pytest.raises(ValueError, match="adamw kernel 'apex': choose one of fused, torch_default"):
+        new_adamw([torch.nn.Parameter(torch.zeros(2))], "apex")

@@ -73,6 +73,26 @@ def prepare_step(
         group["weight_decay"] = adam.weight_decay
 
 
+ADAMW_KERNELS = ("fused", "torch_default")
+"""How AdamW's update runs: ``fused`` (torch's one-kernel AdamW, ``fused=True``: no parameter-sized temporaries,
+fewer launches), ``torch_default`` (what ``torch.optim.AdamW`` picks: foreach on CUDA, a loop per tensor on
+CPU). The update is the same AdamW either way (equal to float32 rounding, tests/test_engine_requests.py)."""
+
+
+def default_adamw_kernel(params: list[torch.nn.Parameter]) -> str:
+    """``fused`` when every parameter is on CUDA, else ``torch_default`` (CPU: today's path, unchanged)."""
+    return "fused" if params and all(p.device.type == "cuda" for p in params) else "torch_default"
+
+
+def new_adamw(params: list[torch.nn.Parameter], kernel: str | None = None) -> torch.optim.AdamW:
+    """The trainer's AdamW over ``params`` (lr 0 until :func:`prepare_step` sets each call's hyper-parameters),
+    run by ``kernel`` of :data:`ADAMW_KERNELS` (None: :func:`default_adamw_kernel`). ValueError for another name."""
+    kernel = default_adamw_kernel(params) if kernel is None else kernel
+    if kernel not in ADAMW_KERNELS:
+        raise ValueError(f"adamw kernel {kernel!r}: choose one of {', '.join(ADAMW_KERNELS)}")
+    return torch.optim.AdamW(params, lr=0.0, fused=True if kernel == "fused" else None)
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (FSDP-sharded parameter, gradient or moment); ``t`` otherwise."""
     return t.to_local() if hasattr(t, "to_local") else t

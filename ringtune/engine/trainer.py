@@ -42,7 +42,14 @@ from ringtune.engine.gather import gather_row
 from ringtune.engine.grad_stash import GradientStash, drop_gradients
 from ringtune.engine.gradients import GradientInvariant
 from ringtune.engine.memory import peak_memory_bytes
-from ringtune.engine.optimizer import AdamParams, apply_step, global_grad_norm, non_finite_update, prepare_step
+from ringtune.engine.optimizer import (
+    AdamParams,
+    apply_step,
+    global_grad_norm,
+    new_adamw,
+    non_finite_update,
+    prepare_step,
+)
 from ringtune.engine.replica_check import ReplicaCheck
 from ringtune.engine.request_outcome import ForwardBackwardResult, non_finite_error
 from ringtune.engine.routing_replay import replay_shards
@@ -105,6 +112,8 @@ class Trainer:
             original dtype.
         exact_arithmetic: with ``compute_dtype``, the layers compute in float64 between roundings to it
             (``bf16-exact``: batch-, layout- and CP-invariant bits, :mod:`ringtune.models.precision`).
+        adamw_kernel: a name of :data:`ringtune.engine.optimizer.ADAMW_KERNELS`; None (default): ``fused`` on
+            CUDA, torch's default on CPU.
 
     Attributes:
         microbatch_hook: a test/debug seam, ``hook(microbatch_index)`` called on this rank before each
@@ -128,6 +137,7 @@ class Trainer:
         compute_dtype: torch.dtype | None = None,
         exact_arithmetic: bool = False,
         router_aux_loss_coef: float = 0.0,
+        adamw_kernel: str | None = None,
     ) -> None:
         set_recompute(model, check_recompute_mode(recompute))
         self.compute_dtype = check_compute_dtype(model, compute_dtype)
@@ -163,7 +173,8 @@ class Trainer:
             self.fsdp_units = sharding.shard_params(model, mesh, **modes, fault=fault, compute_dtype=fsdp_dtype)
         self.names = {id(p): n for n, p in model.named_parameters()}
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=0.0)
+        self.adamw_kernel = adamw_kernel
+        self.optimizer = new_adamw(self.params, adamw_kernel)
         expert_group = (lambda: self.mesh.expert_replica_group) if expert_parallel.ep_size(mesh) > 1 else None
         self.invariant = GradientInvariant(lambda: self.dp_cp_group, fault=fault, expert_group=expert_group)
         self.invariant.startup_check()
@@ -530,7 +541,7 @@ class Trainer:
             path, model=self.model, optimizer=self.optimizer if optimizer else None, group=self.control_group
         )
         if not optimizer:  # only after a successful load: a refused checkpoint changes nothing
-            self.optimizer = torch.optim.AdamW(self.params, lr=0.0)
+            self.optimizer = new_adamw(self.params, self.adamw_kernel)
         self.invariant.reset()
         self.step = step
         self.weights_version += 1

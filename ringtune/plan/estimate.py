@@ -124,6 +124,21 @@ def layer_parameters(cfg: DecoderConfig, layer_type: str, index: int | None = No
     return common + mixer
 
 
+def largest_parameter(cfg: DecoderConfig, layout: Layout) -> float:
+    """Elements of the largest parameter tensor this rank holds (its local shard under FSDP): the embedding or
+    untied head [V, d], a layer's widest projection, or a MoE layer's fused routed experts [E/EP, 2·I, d]."""
+    d = cfg.hidden_size
+    widest = max(
+        cfg.intermediate_size,
+        cfg.num_heads * cfg.head_dim * (2 if cfg.family == "qwen3_5" else 1),
+        2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim,
+    )
+    dense = max(cfg.vocab_size, widest) * d
+    experts = cfg.num_experts * 2 * cfg.moe_intermediate_size * d if cfg.has_moe else 0
+    ways = layout.shard_ways
+    return max(dense / ways, experts / ways) if ways > 1 else max(dense, experts / layout.ep)
+
+
 def root_parameters(cfg: DecoderConfig) -> int:
     """Embeddings, the untied ``lm_head`` and the final norm (FSDP2's root unit)."""
     return cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2) + cfg.hidden_size
@@ -158,8 +173,20 @@ def comm_per_token(cfg: DecoderConfig, layer_type: str, cp: int, e: int, a: int)
     return 2 * kv * e + 2 * 2 * kv * a + cfg.num_heads * cfg.head_dim * a + 2 * kv * a
 
 
-def estimate(cfg: DecoderConfig, layout: Layout, tokens: int) -> Estimate:
-    """Predicted per-rank peak of one training step of ``tokens`` tokens per rank under ``layout``."""
+ADAMW_TRANSIENT: dict[str, str] = {
+    "fused": "three copies of the largest local parameter (the finite guard's trial update, one parameter at a time)",
+    "torch_default": "one parameter-sized list (torch's foreach AdamW on CUDA)",
+}
+"""The optimizer phase's transient by the trainer's AdamW kernel (``ringtune.engine.optimizer.ADAMW_KERNELS``):
+``fused`` is its CUDA default, so the planner (for GPUs) counts that; ``torch_default`` is what
+``benchmarks/plan_check.py`` measures on CPU."""
+
+
+def estimate(cfg: DecoderConfig, layout: Layout, tokens: int, *, adamw: str = "fused") -> Estimate:
+    """Predicted per-rank peak of one training step of ``tokens`` tokens per rank under ``layout``, the trainer's
+    AdamW run by kernel ``adamw`` (:data:`ADAMW_TRANSIENT`)."""
+    if adamw not in ADAMW_TRANSIENT:
+        raise UserInputError(f"adamw={adamw!r}: choose one of {', '.join(ADAMW_TRANSIENT)}")
     check_precision_planned(layout.precision)
     act.check_mode(layout.recompute)
     e, pb, gb, mb = PRECISIONS[layout.precision]
@@ -224,7 +251,10 @@ def estimate(cfg: DecoderConfig, layout: Layout, tokens: int) -> Estimate:
         if moe.is_moe(cfg, i):
             comm += moe.dispatch_per_token(cfg, layout.ep, e) * tokens
         phases[f"layer {i}"] = (sum(kept[: i + 1]) + rebuilt + bookkeeping, transient, comm)
-    optimizer_transient = (total / ways + local_experts) * pb  # local_experts: already ÷ ways when sharded
+    if adamw == "fused":
+        optimizer_transient = 3 * largest_parameter(cfg, layout) * pb
+    else:
+        optimizer_transient = (total / ways + local_experts) * pb  # local_experts: already ÷ ways when sharded
     phases["optimizer"] = (0.0, optimizer_transient, 0.0)
     phase = max(phases, key=lambda k: sum(phases[k]))
     activations, constants, communication = phases[phase]
