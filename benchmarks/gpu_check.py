@@ -12,6 +12,9 @@ Writes ``DIR/gpu_check.json`` and ``DIR/gpu_check.md`` (the tables docs/gpu.md t
    and ringtune / transformers step-time and peak-memory ratios (issue 19 goals: ≤ 0.8 and ≤ 0.5). A
    configuration that would start after ``--budget-s`` is skipped and says so.
 3. **CP=2 on one device** (``gpu_cp2.py``): two processes against CP=1, within the bf16 parity limits.
+4. **Head kernels timed** (``gpu_head.py``, before the steps): ``tiled`` against Liger's fused linear
+   cross-entropy at the 4B head's size, forward + backward time and peak memory (the head's default changes only
+   if ``liger`` is faster at equal memory).
 
 Exit status 0 when every kernel-parity row and the CP=2 check pass (the step figures are reported, not gated).
 """
@@ -28,6 +31,7 @@ from pathlib import Path
 
 import torch
 from gpu_cp2 import cp2_parity
+from gpu_head import head_timing
 from gpu_parity import kernel_parity
 from gpu_step import H200_BF16_TFLOPS, SMOKE_MODEL, peak_bf16_tflops, run_step
 
@@ -162,6 +166,16 @@ def markdown(report: dict) -> str:
             f"{_fmt(t.get('peak_mem_gib'), '.1f')} | {_fmt(r.get('time_ratio'), '.2f')} | "
             f"{_fmt(r.get('memory_ratio'), '.2f')} |"
         )
+    lines += ["", "| head kernel (fwd + bwd) | tokens | V x D | ms | / tiled | peak above inputs GiB |"]
+    lines.append("|---|---:|---|---:|---:|---:|")
+    for h in report.get("head_timing", []):
+        if "error" in h:
+            lines.append(f"| {h['kernel']} | {h['tokens']} | {h['vocab']} x {h['dim']} | {h['error']} | | |")
+            continue
+        lines.append(
+            f"| {h['kernel']} | {h['tokens']} | {h['vocab']} x {h['dim']} | {h['ms']:.1f} | "
+            f"{_fmt(h.get('ratio'), '.2f')} | {_fmt(h.get('extra_gib'), '.2f')} |"
+        )
     c = report["cp2"]
     lines += ["", "| CP=2 vs CP=1 on one device | value | limit | pass |", "|---|---:|---:|---|"]
     for key, value in (c.get("figures") or {}).items():
@@ -189,6 +203,7 @@ def main() -> int:
     report: dict = {"smoke": args.smoke, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     report["versions"] = versions()
     report["kernel_parity"], report["cp2"], report["training_step"] = [], {"pass": False}, []
+    report["head_timing"] = []
     args.out.mkdir(parents=True, exist_ok=True)
 
     def save() -> str:  # after every part: a run stopped by its time limit still leaves what it measured
@@ -204,6 +219,9 @@ def main() -> int:
     report["cp2"] = cp2_parity(SMOKE_MODEL, device) if args.smoke else cp2_subprocess(args.cp2_timeout_s)
     save()
     print(f"CP=2: {time.time() - started:.0f} s", flush=True)
+    report["head_timing"] = head_timing(device, smoke=args.smoke)
+    save()
+    print(f"head timing: {time.time() - started:.0f} s", flush=True)
     training_steps(args, started, save, report["training_step"])
     print(save(), flush=True)
     ok = all(r["pass"] for r in report["kernel_parity"]) and report["cp2"]["pass"]

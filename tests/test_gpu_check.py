@@ -45,6 +45,8 @@ def test_gpu_check_smoke_runs_every_part_on_cpu(tmp_path):
     assert step["ringtune"]["status"] == step["transformers"]["status"] == "ok"
     assert step["ringtune"]["tokens_per_s"] > 0 and step["time_ratio"] > 0
     assert report["cp2"]["pass"] and report["cp2"]["backend"] == "gloo"
+    (head,) = report["head_timing"]  # CPU: the tiled head only
+    assert head["kernel"] == "tiled" and head["ms"] > 0 and head["ratio"] == 1.0
     assert "| kernel parity vs float64 CPU |" in (tmp_path / "gpu_check.md").read_text()
 
 
