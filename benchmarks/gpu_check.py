@@ -84,8 +84,12 @@ def cp2_subprocess(timeout_s: float) -> dict:
     cmd = [sys.executable, str(HERE / "gpu_cp2.py"), "--device", "cuda"]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
-    except subprocess.TimeoutExpired:
-        return {"backend": "nccl", "pass": False, "failed_backends": [f"nccl: timeout after {timeout_s:.0f} s"]}
+    except subprocess.TimeoutExpired as exc:  # keep what the backends tried before the hang reported
+        out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        result = json.loads(lines[-1]) if lines else {"backend": None, "pass": False, "failed_backends": []}
+        result["failed_backends"] = [*result.get("failed_backends", []), f"timeout after {timeout_s:.0f} s"]
+        return result
     lines = [ln for ln in done.stdout.splitlines() if ln.startswith("{")]
     if done.returncode or not lines:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]

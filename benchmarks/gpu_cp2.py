@@ -6,11 +6,13 @@ CP modes (ring attention, headwise GatedDeltaNet). Compared: the row's label log
 the global gradient norm (|gn₂/gn₁ − 1|) against the bf16 parity limits of docs/parity.md (``ringtune.parity.compare
 .LIMITS["bf16-mixed"]``: lp mean 1e-3, p99 5e-3, grad norm 5e-3).
 
-The data groups take ``backend``: ``gloo`` on CPU, ``nccl`` on CUDA. NCCL refuses two ranks on one GPU
-("Duplicate GPU detected", ncclInvalidUsage, in the NCCL versions users report it from); the check then reports that
-reason instead of a figure. Gloo is no fallback for CUDA tensors: its send/recv hand the tensor's data pointer to
-the host transport. ``python gpu_cp2.py --device cuda`` runs the check alone and prints its JSON (``gpu_check.py``
-runs it so, under a timeout, so that a hung collective cannot eat the whole run). NOT YET RUN ON A GPU.
+The data groups take ``backend``: ``gloo`` on CPU; on CUDA ``nccl`` first, then ``gloo``. NCCL refuses two ranks
+on one GPU ("Duplicate GPU detected", ncclInvalidUsage, in the NCCL versions users report it from); that reason is
+recorded and the check goes on with a gloo group, whose collectives and ring exchanges ringtune then stages through
+host memory (``ringtune.parallel.collectives.host_staged``: the same device arithmetic, slower transport; checked
+on CPU by ``tests/test_models_cp.py::test_host_staged_collectives_equal_cp1_float64``). ``python gpu_cp2.py
+--device cuda`` runs the check alone and prints its JSON (``gpu_check.py`` runs it so, under a timeout, so that a
+hung collective cannot eat the whole run). NOT YET RUN ON A GPU.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ringtune.models.decoder import CausalLM
 from ringtune.models.precision import set_compute_dtype
 from ringtune.models.shard import shard_of
 from ringtune.parallel import spawn
+from ringtune.parallel.collectives import all_reduce_
 from ringtune.parity.compare import LIMITS
 
 SEQ_LENS = (1, 37, 160, 5, 301)
@@ -62,15 +65,16 @@ def cp_worker(rank: int, cfg: dict[str, Any], device: str, backend: str, seq_len
     (-lp.sum()).backward()
     grads = torch.cat([p.grad.float().reshape(-1) for p in model.parameters() if p.grad is not None])
     if group is not None:
-        dist.all_reduce(grads, group=group)
+        all_reduce_(grads, group)
     full = gather_row(lp.detach().float(), shard.plan, group)
     return {"lp": full.double().cpu().tolist(), "grad_norm": float(grads.norm())}
 
 
-def cp2_parity(cfg: dict[str, Any], device: torch.device) -> dict:
-    """Run CP=1 and CP=2 (each in fresh processes) on ``device``; the figures and their limits."""
+def cp2_parity(cfg: dict[str, Any], device: torch.device, report=None) -> dict:
+    """Run CP=1 and CP=2 (each in fresh processes) on ``device``; the figures and their limits. ``report(result)``
+    after each backend that fails (so a later hang still leaves what was learnt)."""
     limits = LIMITS["bf16-mixed"]
-    backends = ["nccl"] if device.type == "cuda" else ["gloo"]
+    backends = ["nccl", "gloo"] if device.type == "cuda" else ["gloo"]
     ref = spawn(cp_worker, 1, cfg, str(device), "gloo", SEQ_LENS, threads=1)[0]
     attempts = []
     for backend in backends:
@@ -78,6 +82,8 @@ def cp2_parity(cfg: dict[str, Any], device: torch.device) -> dict:
             got = spawn(cp_worker, 2, cfg, str(device), backend, SEQ_LENS, threads=1)[0]
         except RuntimeError as exc:
             attempts.append(f"{backend}: {str(exc).strip().splitlines()[-1][:200]}")
+            if report is not None:
+                report({"backend": None, "pass": False, "failed_backends": list(attempts)})
             continue
         a, b = torch.tensor(ref["lp"]), torch.tensor(got["lp"])
         diff = (a - b).abs()
@@ -100,7 +106,8 @@ def main() -> None:
     from gpu_step import SMOKE_MODEL
 
     cfg = {**SMOKE_MODEL, "hidden_size": a.hidden, "head_dim": 64}
-    print(json.dumps(cp2_parity(cfg, torch.device(a.device))), flush=True)
+    progress = lambda r: print(json.dumps(r), flush=True)  # noqa: E731 - one JSON line per step
+    print(json.dumps(cp2_parity(cfg, torch.device(a.device), progress)), flush=True)
 
 
 if __name__ == "__main__":

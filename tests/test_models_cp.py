@@ -86,3 +86,37 @@ def test_decoder_cp_equals_cp1_float64(pool4, tmp_path_factory, family, cp, gate
     for rank, errors in enumerate(per_rank):
         for name, (row_err, grad_err) in errors.items():
             assert row_err < 1e-10 and grad_err < 1e-10, (rank, name, row_err, grad_err)
+
+
+def staged_decoder_case(ctx, **kwargs):
+    """:func:`decoder_case` with CPU tensors host-staged as a gloo group stages CUDA ones (a copy to host memory
+    and back around every collective and ring exchange): the path ``benchmarks/gpu_cp2.py`` runs on one GPU."""
+    from ringtune.parallel import collectives
+
+    real, staged = collectives.host_staged, []
+
+    def counting(x, group):
+        out = real(x, group)
+        staged.append(out)
+        return out
+
+    collectives.HOST_STAGED_DEVICES.add("cpu")
+    collectives.host_staged = counting
+    try:
+        return decoder_case(ctx, **kwargs), sum(staged)
+    finally:
+        collectives.HOST_STAGED_DEVICES.discard("cpu")
+        collectives.host_staged = real
+
+
+@pytest.mark.parametrize("gated_delta", ["headwise", "chunkwise"])
+def test_host_staged_collectives_equal_cp1_float64(pool4, tmp_path_factory, gated_delta):
+    root = tmp_path_factory.getbasetemp() / "decoders"
+    root.mkdir(exist_ok=True)
+    if not (root / "qwen3_5").exists():
+        hf_model("qwen3_5", seed=11).save_pretrained(root / "qwen3_5")
+    kwargs = {"family": "qwen3_5", "cp": 2, "gated_delta": gated_delta, "root": str(root)}
+    for rank, (errors, staged) in enumerate(pool4.run(staged_decoder_case, **kwargs)):
+        assert staged > 0, rank  # the staged path ran
+        for name, (row_err, grad_err) in errors.items():
+            assert row_err < 1e-10 and grad_err < 1e-10, (rank, name, row_err, grad_err)

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from ringtune.layout.zigzag import ZigzagPlan
+from ringtune.parallel.collectives import all_reduce_
 
 
 def gather_row(local: torch.Tensor, plan: ZigzagPlan, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -22,5 +23,5 @@ def gather_row(local: torch.Tensor, plan: ZigzagPlan, group: dist.ProcessGroup |
     real = plan.is_real
     full[plan.row_index[real]] = local[real]
     if group is not None and plan.cp_size > 1:
-        dist.all_reduce(full, group=group)
+        all_reduce_(full, group)
     return full

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ringtune.losses.config import FIXED_GRADIENT_LOSSES, TARGET_K_LOSSES, LossConfig, check_loss_fn
+from ringtune.parallel.collectives import all_reduce_
 
 
 def _get(inputs: Mapping[str, torch.Tensor], key: str, like: torch.Tensor, num_datums: int) -> torch.Tensor:
@@ -85,7 +86,7 @@ def datum_mean_log_ratio(
     sums[0].index_add_(0, slot, diff)
     sums[1].index_add_(0, slot, marked.double())
     if group is not None:
-        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+        all_reduce_(sums, group)
     mean = torch.where(sums[1] > 0, sums[0] / sums[1].clamp(min=1), 0.0)
     return torch.where(real, mean[slot], 0.0).to(lp.dtype)
 

@@ -4,6 +4,12 @@ Each forward has the matching backward: all-gather <-> reduce-scatter (SUM), all
 all-to-all with counts swapped, ring shift <-> the reverse ring shift. All operate on dim 0 of a
 contiguous tensor and report their bytes to :mod:`ringtune.parallel.meter`. With a group of size 1 every
 one is the identity (no communication).
+
+Host staging: a gloo group cannot move CUDA tensors through send/recv or its tensor collectives (it hands the
+data pointer to a host transport), and NCCL refuses two ranks on one GPU. So when a tensor's device type is in
+:data:`HOST_STAGED_DEVICES` and the group is gloo, each op here copies it to host memory, communicates there and
+copies the result back (:func:`host_staged`). That is what lets CP=2 run as two processes on one GPU
+(``benchmarks/gpu_cp2.py``): slow, but the same arithmetic on the device. NCCL groups never stage.
 """
 
 from __future__ import annotations
@@ -15,13 +21,44 @@ import torch.distributed as dist
 
 from ringtune.parallel.meter import record_sent
 
+HOST_STAGED_DEVICES: set[str] = {"cuda"}
+"""Device types whose tensors a gloo group moves through host memory (module docstring)."""
+
 
 def _size(group: dist.ProcessGroup) -> int:
     return dist.get_world_size(group)
 
 
+def host_staged(x: torch.Tensor, group: dist.ProcessGroup) -> bool:
+    """True when ``x`` goes through ``group`` by way of host memory (a gloo group, a device in
+    :data:`HOST_STAGED_DEVICES`)."""
+    return x.device.type in HOST_STAGED_DEVICES and dist.get_backend(group) == dist.Backend.GLOO
+
+
+def _staged(run, x: torch.Tensor, group: dist.ProcessGroup, *args, **kwargs) -> torch.Tensor:
+    """``run(x, group, ...)`` on a host copy of ``x`` and the result copied back to ``x``'s device when
+    :func:`host_staged`, else ``run`` itself."""
+    if not host_staged(x, group):
+        return run(x, group, *args, **kwargs)
+    return run(x.to("cpu", copy=True), group, *args, **kwargs).to(x.device, copy=True)
+
+
+def all_reduce_(x: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM):
+    """In-place all-reduce of ``x`` over ``group`` (``op``, SUM by default), host-staged where needed; returns ``x``."""
+    if not host_staged(x, group):
+        dist.all_reduce(x, op=op, group=group)
+        return x
+    host = x.to("cpu", copy=True)
+    dist.all_reduce(host, op=op, group=group)
+    return x.copy_(host)
+
+
 def all_gather_raw(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """[n, ...] on each rank -> [size·n, ...] (rank order). No autograd."""
+    return _staged(_all_gather, x, group)
+
+
+def _all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     size = _size(group)
     if size == 1:
         return x
@@ -34,6 +71,10 @@ def all_gather_raw(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
 
 def reduce_scatter_raw(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """[size·n, ...] on each rank -> [n, ...]: this rank's block of the SUM over ranks. No autograd."""
+    return _staged(_reduce_scatter, x, group)
+
+
+def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     size = _size(group)
     if size == 1:
         return x
@@ -60,6 +101,17 @@ def all_to_all_raw(
 
     ``op``: the name the bytes sent are recorded under (:func:`ringtune.parallel.meter.record_sent`).
     """
+    return _staged(_all_to_all, x, group, send_counts, recv_counts, op=op)
+
+
+def _all_to_all(
+    x: torch.Tensor,
+    group: dist.ProcessGroup,
+    send_counts: Sequence[int] | None,
+    recv_counts: Sequence[int] | None,
+    *,
+    op: str,
+) -> torch.Tensor:
     size = _size(group)
     if size == 1:
         return x
@@ -186,24 +238,27 @@ class RingExchange:
         Exchanges with different ``tag`` may be in flight together; every rank must post the same
         sequence of exchanges with tensors of the same shape and dtype.
         """
-        tensor = tensor.contiguous()
-        recv = torch.empty_like(tensor)
+        device = tensor.device
         record_sent("ring", tensor)
+        tensor = tensor.to("cpu", copy=True) if host_staged(tensor, self.group) else tensor.contiguous()
+        recv = torch.empty_like(tensor)
         ops = [
             dist.P2POp(dist.isend, tensor, self.send_peer, self.group, tag),
             dist.P2POp(dist.irecv, recv, self.recv_peer, self.group, tag),
         ]
         works = dist.batch_isend_irecv(ops)
-        return recv, [*works, tensor]  # keep the send buffer alive until the wait
+        return recv, [*works, tensor, device]  # keep the send buffer alive until the wait
 
     @staticmethod
     def finish(pending: tuple[torch.Tensor, list]) -> torch.Tensor:
-        """Wait for the exchange and return the tensor received from the previous rank."""
+        """Wait for the exchange and return the tensor received from the previous rank (on the sent tensor's
+        device: a host-staged exchange copies it back)."""
         recv, works = pending
         for work in works:
             if isinstance(work, dist.Work):
                 work.wait()
-        return recv
+        device = works[-1]
+        return recv if recv.device == device else recv.to(device, copy=True)
 
 
 def ring_shift_raw(x: torch.Tensor, group: dist.ProcessGroup, shift: int) -> torch.Tensor:
