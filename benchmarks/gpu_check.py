@@ -196,7 +196,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 65536])
     p.add_argument("--budget-s", type=float, default=420.0, help="start no training-step run after this many s")
     p.add_argument("--step-timeout-s", type=float, default=150.0)
-    p.add_argument("--cp2-timeout-s", type=float, default=90.0)
+    p.add_argument("--cp2-timeout-s", type=float, default=150.0)
     args = p.parse_args()
     if args.smoke:
         args.tokens = [96]
