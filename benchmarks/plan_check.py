@@ -39,10 +39,12 @@ from ringtune.layout.budget import rank_token_budget
 from ringtune.models.config import DecoderConfig
 from ringtune.models.decoder import CausalLM
 from ringtune.models.layers.moe import moe_blocks
+from ringtune.models.precision import check_precision
 from ringtune.parallel import spawn
 from ringtune.parallel.mesh import build_mesh
 from ringtune.plan.estimate import Layout, estimate
 from ringtune.testing.profiled_memory import allocation_events
+from ringtune.worker.executor import trainer_dtype_options
 
 GOAL = 0.10
 ADAM = AdamParams(learning_rate=1e-5)
@@ -94,7 +96,16 @@ def _live_bytes(trainer: Trainer) -> int:
     return sum(seen.values())
 
 
-def step_worker(rank: int, tokens: int, recompute: str, shard: str, ep: int = 1, moe: bool = False) -> dict[str, Any]:
+def step_worker(
+    rank: int,
+    tokens: int,
+    recompute: str,
+    shard: str,
+    ep: int = 1,
+    moe: bool = False,
+    precision: str = "float32",
+    adamw: str = "torch_default",
+) -> dict[str, Any]:
     """One measured training step on this rank (world = CP); see the module docstring."""
     fix_mmap_threshold()
     cp = dist.get_world_size()
@@ -102,7 +113,8 @@ def step_worker(rank: int, tokens: int, recompute: str, shard: str, ep: int = 1,
     budget = rank_token_budget(tokens, cp, pad_multiplier=8)
     heads = (MODEL["linear_num_key_heads"], MODEL["linear_num_value_heads"])
     gdn = "headwise" if all(h % cp == 0 for h in heads) else "chunkwise"  # as the planner assumes
-    modes = {"recompute": recompute, "gated_delta": gdn, "shard_params": shard}
+    modes = {"recompute": recompute, "gated_delta": gdn, "shard_params": shard, "adamw_kernel": adamw}
+    modes |= trainer_dtype_options(check_precision(precision))
     trainer = Trainer(build_moe_model() if moe else build_model(), mesh, max_tokens_per_rank=budget, **modes)
     trainer.forward_backward([_datum(256, 1)], "cross_entropy")
     trainer.optim_step(ADAM)
@@ -129,13 +141,22 @@ def step_worker(rank: int, tokens: int, recompute: str, shard: str, ep: int = 1,
     }
 
 
-def check(cp: int, recompute: str, tokens: int, shard: str = "none", ep: str = "1", moe: bool = False):
-    results = spawn(step_worker, cp, tokens, recompute, shard, int(ep), moe)
+def check(
+    cp: int,
+    recompute: str,
+    tokens: int,
+    shard: str = "none",
+    ep: str = "1",
+    moe: bool = False,
+    precision: str = "float32",
+    adamw: str = "torch_default",
+):
+    results = spawn(step_worker, cp, tokens, recompute, shard, int(ep), moe, precision, adamw)
     measured = max(r["step_peak"] + r["before"] for r in results)
     local = max(r["local_len"] for r in results)
     cfg = DecoderConfig.from_hf(MOE_MODEL if moe else MODEL)
-    layout = Layout(cp=cp, dp=1, shard=shard, recompute=recompute, precision="float32", ep=int(ep))
-    est = estimate(cfg, layout, local, adamw="torch_default")  # the CPU trainer's AdamW
+    layout = Layout(cp=cp, dp=1, shard=shard, recompute=recompute, precision=precision, ep=int(ep))
+    est = estimate(cfg, layout, local, adamw=adamw)
     ratio = est.peak / measured
     ok = abs(ratio - 1) <= GOAL
     line = (
@@ -149,6 +170,8 @@ def check(cp: int, recompute: str, tokens: int, shard: str = "none", ep: str = "
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", nargs="+", default=None, help="CP:recompute:tokens[:shard[:ep]]")
+    p.add_argument("--precision", default="float32", help="the step's precision (float32, bf16-mixed, bfloat16)")
+    p.add_argument("--adamw", default="torch_default", help="the trainer's AdamW kernel (torch_default, fused)")
     p.add_argument("--moe", action="store_true", help="the MoE twin of the model (EP from each config)")
     args = p.parse_args(argv)
     configs = args.configs or (MOE_CONFIGS if args.moe else DEFAULT_CONFIGS)
@@ -163,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     ok = []
     for spec in configs:
         cp, recompute, tokens, *rest = spec.split(":")
-        good, line = check(int(cp), recompute, int(tokens), *rest, moe=args.moe)
+        good, line = check(
+            int(cp), recompute, int(tokens), *rest, moe=args.moe, precision=args.precision, adamw=args.adamw
+        )
         ok.append(good)
         print(line, flush=True)
     print(f"\n{sum(ok)}/{len(ok)} checks PASS, {time.perf_counter() - start:.0f} s")
