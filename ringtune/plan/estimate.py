@@ -174,7 +174,8 @@ def comm_per_token(cfg: DecoderConfig, layer_type: str, cp: int, e: int, a: int)
 
 
 ADAMW_TRANSIENT: dict[str, str] = {
-    "fused": "three copies of the largest local parameter (the finite guard's trial update, one parameter at a time)",
+    "fused": "the larger of the finite guard's trial update (three copies of the largest local parameter) and the "
+    "global grad norm's float64 square of the largest gradient (two float64 copies), one parameter at a time",
     "torch_default": "one parameter-sized list (torch's foreach AdamW on CUDA)",
 }
 """The optimizer phase's transient by the trainer's AdamW kernel (``ringtune.engine.optimizer.ADAMW_KERNELS``):
@@ -228,18 +229,21 @@ def estimate(cfg: DecoderConfig, layout: Layout, tokens: int, *, adamw: str = "f
         gradients = shard * gb + (biggest + root) * (4 if mixed else e)
         moments = shard * mb
     else:
-        parameters = total * pb + (total * e if mixed else 0)  # bf16-mixed: the bf16 compute copy
-        gradients = total * gb + (total * e if mixed else 0)  # its bf16 gradients before the fp32 cast
+        # bf16-mixed: the decoder layers' bf16 compute copy and its bf16 gradients before the fp32 cast (the
+        # root, embeddings and head, computes in float32: no copy)
+        parameters = total * pb + ((total - root) * e if mixed else 0)
+        gradients = total * gb + ((total - root) * e if mixed else 0)
         moments = total * mb
         parameters += local_experts * (pb + (e if mixed else 0))
         gradients += local_experts * (gb + (e if mixed else 0))
         moments += local_experts * mb
     static_grads = gradients
     kept = [act.layer_kept(cfg, t, layout.recompute, w) * tokens for t in types]
-    head = act.head_kept(cfg, w) * tokens
+    # the final norm and the head compute in the parameters' dtype (float32 under bf16-mixed)
+    head_w = act.Widths(e=pb, a=a) if mixed else w
+    head = act.head_kept(cfg, head_w) * tokens
     phases: dict[str, tuple[float, float, float]] = {}  # name -> (activations, constants, communication)
-    weight_bytes = e if not mixed else 2
-    phases["head"] = (sum(kept) + head, head_transient(cfg, tokens, e, a, weight_bytes), 0.0)
+    phases["head"] = (sum(kept) + head, head_transient(cfg, tokens, head_w.e, a, head_w.e), 0.0)
     bookkeeping = act.HEAD_BOOKKEEPING * tokens
     for i in reversed(range(len(types))):
         t = types[i]
@@ -251,8 +255,8 @@ def estimate(cfg: DecoderConfig, layout: Layout, tokens: int, *, adamw: str = "f
         if moe.is_moe(cfg, i):
             comm += moe.dispatch_per_token(cfg, layout.ep, e) * tokens
         phases[f"layer {i}"] = (sum(kept[: i + 1]) + rebuilt + bookkeeping, transient, comm)
-    if adamw == "fused":
-        optimizer_transient = 3 * largest_parameter(cfg, layout) * pb
+    if adamw == "fused":  # ADAMW_TRANSIENT: max(trial copies, the norm's float64 .double() and .pow(2))
+        optimizer_transient = largest_parameter(cfg, layout) * max(3 * pb, 2 * 8)
     else:
         optimizer_transient = (total / ways + local_experts) * pb  # local_experts: already ÷ ways when sharded
     phases["optimizer"] = (0.0, optimizer_transient, 0.0)
