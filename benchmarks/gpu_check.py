@@ -55,7 +55,7 @@ def versions() -> dict[str, object]:
             out[name] = None
     out["cuda"] = torch.version.cuda
     out["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    out["peak_bf16_tflops"] = peak_bf16_tflops(out["device"]) if torch.cuda.is_available() else H200_BF16_TFLOPS
+    out["peak_bf16_tflops"] = peak_bf16_tflops(out["device"])  # "cpu" (smoke): the H200's figure
     try:
         out["commit"] = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True, check=False

@@ -232,7 +232,7 @@ class RingExchange:
         self.send_peer = dist.get_global_rank(group, (rank + step) % self.size)
         self.recv_peer = dist.get_global_rank(group, (rank - step) % self.size)
 
-    def start(self, tensor: torch.Tensor, *, tag: int = 0) -> tuple[torch.Tensor, list]:
+    def start(self, tensor: torch.Tensor, *, tag: int = 0) -> tuple[torch.Tensor, list, torch.device]:
         """Post the exchange of ``tensor``; returns what :meth:`finish` needs.
 
         Exchanges with different ``tag`` may be in flight together; every rank must post the same
@@ -247,17 +247,16 @@ class RingExchange:
             dist.P2POp(dist.irecv, recv, self.recv_peer, self.group, tag),
         ]
         works = dist.batch_isend_irecv(ops)
-        return recv, [*works, tensor, device]  # keep the send buffer alive until the wait
+        return recv, [*works, tensor], device  # the send buffer stays alive until the wait
 
     @staticmethod
-    def finish(pending: tuple[torch.Tensor, list]) -> torch.Tensor:
+    def finish(pending: tuple[torch.Tensor, list, torch.device]) -> torch.Tensor:
         """Wait for the exchange and return the tensor received from the previous rank (on the sent tensor's
         device: a host-staged exchange copies it back)."""
-        recv, works = pending
+        recv, works, device = pending
         for work in works:
             if isinstance(work, dist.Work):
                 work.wait()
-        device = works[-1]
         return recv if recv.device == device else recv.to(device, copy=True)
 
 
