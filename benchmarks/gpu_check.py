@@ -155,7 +155,7 @@ def training_steps(args: argparse.Namespace, started: float, save, rows: list[di
     device_gib = 0.0 if args.smoke else torch.cuda.get_device_properties(0).total_memory / 2**30
     for tokens in args.tokens:
         pair = {}
-        layers = FULL_LAYERS if args.smoke else step_layers(tokens, device_gib)
+        layers = None if args.smoke else step_layers(tokens, device_gib)  # smoke: the tiny model, not the 4B
         for impl in ("ringtune", "transformers"):
             if args.smoke:
                 pair[impl] = run_step(impl, "smoke", tokens, 2, torch.device("cpu"), H200_BF16_TFLOPS)
@@ -166,7 +166,7 @@ def training_steps(args: argparse.Namespace, started: float, save, rows: list[di
         ours, theirs = pair["ringtune"], pair["transformers"]
         both = ours.get("status") == "ok" and theirs.get("status") == "ok"
         row = {"tokens": tokens, "layers": layers, "ringtune": ours, "transformers": theirs}
-        row["planned_gib"] = planned_peak_gib(tokens, layers)
+        row["planned_gib"] = planned_peak_gib(tokens, layers or FULL_LAYERS)
         if both:
             row["time_ratio"] = ours["step_s"] / theirs["step_s"]
             if ours.get("peak_mem_gib") and theirs.get("peak_mem_gib"):
@@ -239,7 +239,7 @@ def markdown(report: dict) -> str:
             return _fmt(d.get(key), spec) if d.get("status") == "ok" else d.get("status", "—")
 
         lines.append(
-            f"| {r['tokens']} | {r.get('layers', FULL_LAYERS)}/{FULL_LAYERS} | {cell(o, 'tokens_per_s', '.0f')} | "
+            f"| {r['tokens']} | {_fmt(r.get('layers'))}/{FULL_LAYERS} | {cell(o, 'tokens_per_s', '.0f')} | "
             f"{cell(o, 'mfu', '.3f')} | "
             f"{_fmt(o.get('peak_mem_gib'), '.1f')} | {_fmt(r.get('planned_gib'), '.1f')} | "
             f"{cell(t, 'tokens_per_s', '.0f')} | {cell(t, 'mfu', '.3f')} | "
