@@ -1,6 +1,6 @@
 """The GPU check: the service driven by the SDK, kernel parity, CP=2 on one GPU, the head, a 4B-shaped step.
 
-`python benchmarks/gpu_check.py --out DIR [--tokens 8192 32768 65536] [--budget-s 330]` on one CUDA GPU (built to
+`python benchmarks/gpu_check.py --out DIR [--tokens 8192 32768 65536] [--budget-s 360]` on one CUDA GPU (built to
 fit 8 minutes on one H100), or `--smoke` on CPU at tiny sizes (the test suite runs it: tests/test_gpu_check.py).
 Writes ``DIR/gpu_check.json`` and ``DIR/gpu_check.md`` (the tables docs/gpu.md takes) and prints the markdown.
 The parts, in the order they run:
@@ -270,10 +270,10 @@ def main() -> int:
     p.add_argument("--out", type=Path, required=True, help="directory for gpu_check.json and gpu_check.md")
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU, GPU kernels replaced by CPU ones")
     p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 65536])
-    p.add_argument("--budget-s", type=float, default=330.0, help="start no training-step run after this many s")
-    p.add_argument("--step-timeout-s", type=float, default=120.0)
-    p.add_argument("--cp2-timeout-s", type=float, default=120.0)
-    p.add_argument("--service-timeout-s", type=float, default=180.0)
+    p.add_argument("--budget-s", type=float, default=360.0, help="start no training-step run after this many s")
+    p.add_argument("--step-timeout-s", type=float, default=100.0)
+    p.add_argument("--cp2-timeout-s", type=float, default=100.0)
+    p.add_argument("--service-timeout-s", type=float, default=200.0)
     args = p.parse_args()
     if args.smoke:
         args.tokens = [96]
