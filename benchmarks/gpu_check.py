@@ -106,7 +106,8 @@ def service_subprocess(out: Path, timeout_s: float) -> dict:
     report = json.loads(path.read_text()) if path.is_file() else {"runs": []}
     if failure is not None:
         report["pass"] = False
-        report.setdefault("error", f"{failure}: {(tail or ['no output'])[0][:300]}")
+        if failure.startswith("timeout") or not report.get("runs"):  # else the failed runs say why
+            report.setdefault("error", f"{failure}: {(tail or ['no output'])[0][:300]}")
     return report
 
 

@@ -292,10 +292,8 @@ def service_check(cuda: bool, smoke: bool, save=None) -> dict[str, Any]:
 
 def service_lines(report: dict[str, Any]) -> list[str]:
     """One line per fact (``service ...``): what gpu_check prints and tests/test_gpu_check.py reads."""
-    if "error" in report:
-        return [f"service: FAIL {report['error']}"]
     lines = []
-    for r in report["runs"]:
+    for r in report.get("runs", []):
         head = f"service cp={r['cp']} {r['dtype']}"
         if not r["pass"]:
             lines.append(f"{head}: FAIL {r.get('error')}")
@@ -319,6 +317,8 @@ def service_lines(report: dict[str, Any]) -> list[str]:
             f"{head} save {r['save_s']:.2f} s, load {r['load_s']:.2f} s, |loss after load - before| "
             f"{r['load_loss_delta']:.1e}"
         )
+    if "error" in report:
+        lines.append(f"service: FAIL {report['error']}")
     return lines
 
 

@@ -96,6 +96,8 @@ def test_service_part_fails_loudly_when_the_model_is_off_the_gpu():
     gpu_service.GpuWatch(False, 2**30).check_placed("anything")  # CPU: nothing to check
     failed = {"runs": [{"cp": 2, "dtype": "bf16-mixed", "pass": False, "error": "RankFailedError: nccl"}]}
     assert gpu_service.service_lines(failed) == ["service cp=2 bf16-mixed: FAIL RankFailedError: nccl"]
+    timed_out = failed | {"error": "timeout after 200 s: no output"}
+    assert gpu_service.service_lines(timed_out)[-1] == "service: FAIL timeout after 200 s: no output"
 
 
 def test_gpu_kernels_are_chosen_by_device_and_refuse_cpu():
