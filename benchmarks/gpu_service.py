@@ -146,7 +146,8 @@ def _tokens(rng, vocab: int, n: int) -> list[int]:
 class GpuWatch:
     """GPU memory in use above the level before the server started (``nvidia-smi``); a no-op on CPU.
 
-    ``weights_bytes``: the least a server that placed the model on the GPU adds there (its float32 weights).
+    ``weights_bytes``: the least a server that placed the model on the GPU adds there: its ranks' float32 weights
+    (each CP rank holds a whole replica), well above what CUDA contexts and NCCL buffers alone take (~0.5 GiB each).
     """
 
     def __init__(self, cuda: bool, weights_bytes: int) -> None:
@@ -170,7 +171,7 @@ class GpuWatch:
             raise RuntimeError(
                 f"after {after}, ringtune serve's processes had added "
                 f"{'an unknown amount (no nvidia-smi)' if added is None else f'{added:.2f} GiB'} to the GPU, less "
-                f"than the model's {self.weights_gib:.2f} GiB of float32 weights: the model is not on the GPU"
+                f"than its ranks' {self.weights_gib:.2f} GiB of float32 weights: the model is not on the GPU"
             )
 
 
@@ -236,7 +237,7 @@ def drive(url: str, model: str, cp: int, shape: ServiceShape, on_gpu: GpuWatch) 
     return out
 
 
-def serve_and_drive(model_dir: Path, cp: int, shape: ServiceShape, cuda: bool, param_bytes: int, work: Path) -> dict:
+def serve_and_drive(model_dir: Path, cp: int, shape: ServiceShape, cuda: bool, weights_bytes: int, work: Path) -> dict:
     """One server at ``cp`` (``ServeProcess``), :func:`drive` against it; the figures, ``pass`` and any ``error``."""
     from ringtune.gateway.serve_process import ServeProcess
 
@@ -250,7 +251,7 @@ def serve_and_drive(model_dir: Path, cp: int, shape: ServiceShape, cuda: bool, p
         extra_args=[*args, *shape.extra_args],
     )
     run: dict[str, Any] = {"cp": cp, "dtype": shape.dtype, "pass": False}
-    watch = GpuWatch(cuda, param_bytes)
+    watch = GpuWatch(cuda, cp * weights_bytes)
     started = time.perf_counter()
     try:
         server.start(timeout_s=shape.ready_timeout_s)

@@ -91,7 +91,7 @@ def test_service_part_fails_loudly_when_the_model_is_off_the_gpu():
     nvidia-smi cannot say (this CPU machine), that is a failure too. A failed server prints one FAIL line."""
     gpu_service = _load("gpu_service")
     watch = gpu_service.GpuWatch(True, 2**30)
-    with pytest.raises(RuntimeError, match=r"less than the model's 1\.00 GiB of float32 weights: the model is not on"):
+    with pytest.raises(RuntimeError, match=r"less than its ranks' 1\.00 GiB of float32 weights: the model is not on"):
         watch.check_placed("create_lora_training_client(rank=0) on --cp 1")
     gpu_service.GpuWatch(False, 2**30).check_placed("anything")  # CPU: nothing to check
     failed = {"runs": [{"cp": 2, "dtype": "bf16-mixed", "pass": False, "error": "RankFailedError: nccl"}]}
