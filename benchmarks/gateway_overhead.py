@@ -44,10 +44,10 @@ from attention_cp import verdict
 
 from ringtune.engine.trainer import TrainDatum, Trainer
 from ringtune.gateway.config import GatewayConfig
-from ringtune.gateway.local import LocalBackend
 from ringtune.gateway.server import ServerThread
 from ringtune.models.checkpoints.load import load_model
 from ringtune.testing.tiny_models import hf_config
+from ringtune.worker.local import LocalBackend
 
 API_KEY = "tml-bench"
 RATIO_GOAL = 1.1

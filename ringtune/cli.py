@@ -208,11 +208,11 @@ def _run_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ringtune.gateway.config import GatewayConfig
-    from ringtune.gateway.local import LocalBackend
     from ringtune.gateway.server import serve
     from ringtune.layout.budget import rank_token_budget
     from ringtune.worker.executor import ModelSpec
     from ringtune.worker.launch import WorkerLayout, join_torchrun_world, start_supervised_workers, torchrun_restarts
+    from ringtune.worker.local import LocalBackend
 
     for name in ("cp", "dp"):
         if getattr(args, name) < 1:

@@ -402,7 +402,7 @@ class RankExecutor:
         per run ``(outputs, metrics)`` or the message of its UserInputError."""
         a = command.args
         trainers = []
-        for run_id in a["runs"]:
+        for run_id in a["run_ids"]:
             trainer = self._trainer(Command("forward_backward", run_id, {}))
             if not isinstance(trainer, LoraTrainer):
                 raise UserInputError(f"run {run_id!r} is not a LoRA run; only LoRA runs share a forward pass")
