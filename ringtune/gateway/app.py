@@ -23,8 +23,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ringtune.errors import UserInputError
 from ringtune.gateway import rest
 from ringtune.gateway.downloads import DOWNLOAD_PREFIX
+from ringtune.gateway.refusal import RefusedError
 from ringtune.gateway.sampling import CreateSamplingSessionBody, SampleBody
-from ringtune.gateway.service import GatewayService, RefusedError
+from ringtune.gateway.service import GatewayService
 from ringtune.gateway.wire import (
     CreateModelBody,
     CreateSessionBody,
@@ -128,13 +129,13 @@ def create_app(service: GatewayService) -> Guard:
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        service.bind_loop(asyncio.get_running_loop())
+        service.dispatcher.bind_loop(asyncio.get_running_loop())
 
         async def ticker() -> None:
             while True:
                 await asyncio.sleep(1.0)
                 try:
-                    service.tick()
+                    service.runs.tick()
                 except Exception:
                     log.exception("gateway tick failed")
 
@@ -193,11 +194,11 @@ def create_app(service: GatewayService) -> Guard:
 
     @app.post(f"{PREFIX}/create_session")
     async def create_session(body: CreateSessionBody) -> dict[str, Any]:
-        return service.create_session(body.user_metadata, body.tags)
+        return service.runs.create_session(body.user_metadata, body.tags)
 
     @app.post(f"{PREFIX}/session_heartbeat")
     async def session_heartbeat(body: SessionBody) -> dict[str, Any]:
-        return service.heartbeat(body.session_id)
+        return service.runs.heartbeat(body.session_id)
 
     @app.post(f"{PREFIX}/telemetry")
     async def telemetry() -> dict[str, Any]:
@@ -205,36 +206,36 @@ def create_app(service: GatewayService) -> Guard:
 
     @app.post(f"{PREFIX}/sessions/{{session_id}}/finish")
     async def finish_session(session_id: str, body: FinishSessionBody | None = None) -> dict[str, Any]:
-        return service.finish_session(session_id, (body or FinishSessionBody()).reason.type)
+        return service.runs.finish_session(session_id, (body or FinishSessionBody()).reason.type)
 
     @app.post(f"{PREFIX}/create_model")
     async def create_model(body: CreateModelBody) -> dict[str, Any]:
-        return service.create_model(body)
+        return service.creation.create_model(body)
 
     @app.post(f"{PREFIX}/get_info")
     async def get_info(body: ModelBody) -> dict[str, Any]:
-        return service.get_info(body.model_id)
+        return service.runs.get_info(body.model_id)
 
     @app.post(f"{PREFIX}/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
         body = _decompress(request, await request.body(), config.max_body_bytes)
-        return service.forward_backward(body)
+        return service.training.forward_backward(body)
 
     @app.post(f"{PREFIX}/optim_step")
     async def optim_step(body: OptimStepBody) -> dict[str, Any]:
-        return service.optim_step(body)
+        return service.training.optim_step(body)
 
     @app.post(f"{PREFIX}/save_weights")
     async def save_weights(body: SaveWeightsBody) -> dict[str, Any]:
-        return service.save_weights(body)
+        return service.checkpoints.save_weights(body)
 
     @app.post(f"{PREFIX}/load_weights")
     async def load_weights(body: LoadWeightsBody) -> dict[str, Any]:
-        return service.load_weights(body)
+        return service.checkpoints.load_weights(body)
 
     @app.post(f"{PREFIX}/save_weights_for_sampler")
     async def save_weights_for_sampler(body: SaveWeightsForSamplerBody) -> dict[str, Any]:
-        return service.save_weights_for_sampler(body)
+        return service.checkpoints.save_weights_for_sampler(body)
 
     @app.post(f"{PREFIX}/create_sampling_session")
     async def create_sampling_session(body: CreateSamplingSessionBody) -> dict[str, Any]:
@@ -278,7 +279,7 @@ def create_app(service: GatewayService) -> Guard:
 
     @app.post(f"{PREFIX}/save_weights_external")
     async def save_weights_external(body: SaveWeightsExternalBody) -> dict[str, Any]:
-        return service.save_weights_external(body)
+        return service.checkpoints.save_weights_external(body)
 
     @app.get(f"{PREFIX}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}/external_weights_urls")
     async def external_weights_urls(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:
