@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,22 @@ def gateway_config(args: argparse.Namespace, root: Path) -> GatewayConfig:
     )
     config.validate()
     return config
+
+
+SETTING_OPTIONS = {"source": "model", "gated_delta": "linear_cp_mode", "tokenizer_dir": "tokenizer"}
+"""The :class:`ServeSettings` fields whose command-line option has another name (``--model``, ``--linear-cp-mode``,
+``--tokenizer``); every other field is the option of its own name."""
+
+
+def serve_settings(args: argparse.Namespace, budget: int) -> ServeSettings:
+    """What ``serve`` was asked for, for :func:`preflight`: every :class:`ServeSettings` field from its option
+    (:data:`SETTING_OPTIONS`), the per-rank token budget ``budget`` resolved already."""
+    given = {
+        f.name: getattr(args, SETTING_OPTIONS.get(f.name, f.name))
+        for f in fields(ServeSettings)
+        if f.name != "max_tokens_per_rank"
+    }
+    return ServeSettings(**given, max_tokens_per_rank=budget)
 
 
 def trainer_options(args: argparse.Namespace, checked: Preflight) -> dict[str, Any]:
@@ -124,24 +141,8 @@ def run_serve(args: argparse.Namespace) -> int:
     budget = args.max_tokens_per_rank or rank_token_budget(context, args.cp, pad_multiplier=PAD_MULTIPLIER)
     root = Path(args.checkpoint_root).resolve()
     config = gateway_config(args, root)
-    checked = preflight(  # every setting against the model's config, before any rank starts (exit 2 if it cannot serve)
-        ServeSettings(
-            source=args.model,
-            dp=args.dp,
-            cp=args.cp,
-            ep=args.ep,
-            attention=args.attention,
-            gated_delta=args.linear_cp_mode,
-            dtype=args.dtype,
-            max_tokens_per_rank=budget,
-            shard_params=args.shard_params,
-            recompute=args.recompute,
-            mesh_prompt_tokens=args.mesh_prompt_tokens,
-            tokenizer_dir=args.tokenizer,
-            debug_fault=args.debug_fault,
-            routing_replay=args.routing_replay,
-        )
-    )
+    # every setting against the model's config, before any rank starts (exit 2 if it cannot serve)
+    checked = preflight(serve_settings(args, budget))
     spec = ModelSpec(
         source=args.model,
         dtype=args.dtype,
