@@ -60,6 +60,38 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
     add_demo_parser(sub)
 
 
+GATEWAY_OPTIONS = (
+    (
+        "--max-live-runs",
+        int,
+        "max_live_runs",
+        "memory for training runs, in full fine-tuning runs of the model (a LoRA run costs its adapters' state)",
+    ),
+    ("--autosave-every", int, "autosave_every", "autosave each run every N optimizer steps (0: off)"),
+    (
+        "--autosave-minutes",
+        float,
+        "autosave_minutes",
+        "autosave a run after a step once M minutes passed since its last save (0: off)",
+    ),
+    (
+        "--sample-slice",
+        float,
+        "sample_slice_s",
+        "seconds a generation decodes per turn before other clients' ops run (0: each runs to its end)",
+    ),
+    (
+        "--lora-pass-runs",
+        int,
+        "lora_pass_runs",
+        "join the waiting forward(_backward) requests of up to N LoRA runs into one pass over the shared base "
+        "(1, the default: each alone; slower on CPU, see docs/lora.md)",
+    ),
+)
+"""``serve`` options that set a :class:`~ringtune.gateway.config.GatewayConfig` field: (flag, type, field, help);
+the default is the field's."""
+
+
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     from ringtune.gateway.config import GatewayConfig
     from ringtune.models.checkpoints.load import EMBEDDED_DEFAULT
@@ -136,43 +168,14 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=LIVENESS_TIMEOUT_S,
         help="seconds without a heartbeat before a rank on another host is dead (ranks on this host: the OS says)",
     )
-    p.add_argument(
-        "--max-live-runs",
-        type=int,
-        default=d.max_live_runs,
-        help="memory for training runs, in full fine-tuning runs of the model (a LoRA run costs its adapters' state)",
-    )
-    p.add_argument(
-        "--autosave-every",
-        type=int,
-        default=d.autosave_every,
-        help="autosave each run every N optimizer steps (0: off)",
-    )
-    p.add_argument(
-        "--autosave-minutes",
-        type=float,
-        default=d.autosave_minutes,
-        help="autosave a run after a step once M minutes passed since its last save (0: off)",
-    )
-    p.add_argument(
-        "--sample-slice",
-        type=float,
-        default=d.sample_slice_s,
-        help="seconds a generation decodes per turn before other clients' ops run (0: each runs to its end)",
-    )
+    for flag, kind, name, text in GATEWAY_OPTIONS:
+        p.add_argument(flag, type=kind, default=getattr(d, name), help=text)
     p.add_argument(
         "--shared-decode",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="decode every sampling request on one base model in one batch per rank, LoRA adapters of several runs "
         "included (--no-shared-decode: each request's rows decode in a batch of their own)",
-    )
-    p.add_argument(
-        "--lora-pass-runs",
-        type=int,
-        default=d.lora_pass_runs,
-        help="join the waiting forward(_backward) requests of up to N LoRA runs into one pass over the shared base "
-        "(1, the default: each alone; slower on CPU, see docs/lora.md)",
     )
     p.add_argument(
         "--routing-replay",
