@@ -20,6 +20,7 @@ def _csv(text: str) -> tuple[str, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``ringtune`` parser: one subcommand per tool (attention-parity, probe, serve, demo, parity, plan)."""
     parser = argparse.ArgumentParser(prog="ringtune", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     d = AttentionParityConfig()
@@ -255,6 +256,7 @@ def _probe_config(args: argparse.Namespace) -> LayerProbeConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the subcommand ``argv`` names (default: ``sys.argv``); its exit code (2: a bad option or setting)."""
     args = build_parser().parse_args(argv)
     if args.command == "attention-parity":
         unknown = [s for s in args.scenarios if s not in SCENARIOS]
