@@ -32,19 +32,18 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
 
-from ringtune.engine.checkpoint_layout import checkpoint_step
 from ringtune.errors import RankFailedError, UserInputError
 from ringtune.gateway.backend import VERBS, BackendHealth, BackendInfo
 from ringtune.gateway.verbs import Verb, forward_verbs
 from ringtune.parallel import liveness, store_exchange
-from ringtune.sample.pool import SamplerSource
 from ringtune.worker.backend import DistributedBackend
+from ringtune.worker.heal_ledger import HealLedger
 
 log = logging.getLogger(__name__)
 
@@ -60,25 +59,6 @@ SERVING, FAILED, RESTARTING, RESTORING, BROKEN, CLOSED = (
 
 RESTORED = "RestoredFromCheckpoint"
 """``error_type`` of the one-time error a run's next request gets after it lost steps in a heal."""
-
-
-@dataclass
-class RunTrack:
-    """What the supervisor knows of a live run to bring it back.
-
-    ``checkpoint``: path of its newest training checkpoint (None: none, restore = base model, step 0);
-    ``checkpoint_step``: the optimizer step saved there; ``optimizer``: whether to load the AdamW state with it
-    (False after a weights-only load, until the next save); ``step``: its optimizer step now; ``pending``:
-    gradients accumulated since the last optim_step (lost in a heal).
-    """
-
-    base_model: str
-    checkpoint: str | None = None
-    checkpoint_step: int = 0
-    optimizer: bool = True
-    step: int = 0
-    pending: bool = False
-    lora: Mapping[str, Any] | None = None  # a LoRA run's spec (LoraSpec.to_dict), None: full fine-tuning
 
 
 @dataclass
@@ -133,8 +113,8 @@ class SupervisedBackend:
         self.inner = start()
         self.phase = SERVING
         self.cause = ""
-        self.runs: dict[str, RunTrack] = {}
-        self.samplers: dict[str, tuple[SamplerSource, int | None]] = {}
+        self.ledger = HealLedger()
+        self.runs, self.samplers = self.ledger.runs, self.ledger.samplers  # what _restore brings back
         self.notices: dict[str, str] = {}
         self.heals: list[HealReport] = []
         self._cond = threading.Condition(threading.RLock())
@@ -326,9 +306,7 @@ class SupervisedBackend:
         if one.lifecycle == "free":
             self.notices.pop(key, None)
         result = self._call(None if one.lifecycle else key, lambda: getattr(self.inner, one.name)(**arguments))
-        track = self._tracking.get(one.name)
-        if track is not None:
-            track(arguments, result)
+        self.ledger.record(one.name, arguments, result)
         return result
 
     def _forward_backward_many(self, arguments: dict[str, Any]) -> list[Any]:
@@ -345,52 +323,9 @@ class SupervisedBackend:
         results = self._call(None, lambda: self.inner.forward_backward_many(**rest))
         for i, result in zip(keep, results, strict=True):
             out[i] = result
-            if not arguments["forward_only"] and not isinstance(result, Exception) and run_ids[i] in self.runs:
-                self.runs[run_ids[i]].pending = True
+            if not arguments["forward_only"] and not isinstance(result, Exception):
+                self.ledger.gradients_pending(run_ids[i])
         return out
-
-    # ------------------------------------------------------------------ what a heal needs to know
-
-    @property
-    def _tracking(self) -> dict[str, Callable[[dict[str, Any], Any], None]]:
-        return {
-            "create_run": self._track_create_run,
-            "free_run": lambda a, _: self.runs.pop(a["run_id"], None),
-            "forward_backward": self._track_forward_backward,
-            "optim_step": self._track_optim_step,
-            "save_state": self._track_save_state,
-            "load_state": self._track_load_state,
-            "create_sampler": self._track_create_sampler,
-            "free_sampler": lambda a, _: self.samplers.pop(a["sampler_id"], None),
-        }
-
-    def _track_create_run(self, a: dict[str, Any], _: None) -> None:
-        self.runs[a["run_id"]] = RunTrack(a["base_model"], lora=a["lora"])
-
-    def _track_forward_backward(self, a: dict[str, Any], _: Any) -> None:
-        if not a["forward_only"] and a["run_id"] in self.runs:
-            self.runs[a["run_id"]].pending = True
-
-    def _track_optim_step(self, a: dict[str, Any], metrics: dict[str, float]) -> None:
-        track = self.runs.get(a["run_id"])
-        if track is not None:
-            track.step, track.pending = int(metrics.get("step:max", track.step + 1)), False
-
-    def _track_save_state(self, a: dict[str, Any], _: None) -> None:
-        track = self.runs.get(a["run_id"])
-        if track is not None:
-            track.checkpoint, track.checkpoint_step, track.optimizer = a["path"], track.step, True
-
-    def _track_load_state(self, a: dict[str, Any], _: None) -> None:
-        track = self.runs.get(a["run_id"])
-        if track is not None:
-            step = checkpoint_step(a["path"])  # a weights-only load sets the step too (fresh moments)
-            track.checkpoint, track.checkpoint_step, track.optimizer = a["path"], step, a["optimizer"]
-            track.step, track.pending = step, False
-
-    def _track_create_sampler(self, a: dict[str, Any], _: None) -> None:
-        track = self.runs.get(a["source"].run_id or "")
-        self.samplers[a["sampler_id"]] = (a["source"], track.step if track is not None else None)
 
     def close(self) -> None:
         """Stop watching (workers that exit now are not deaths), then close the current world."""
