@@ -24,6 +24,10 @@ weights could not be rebuilt fails once the same way and is then unknown.
 What heals: the death of any worker rank (SIGKILL, OOM kill, a crash) on this machine. What does not: the
 death of rank 0 itself (the gateway's process: restart the server; runs and checkpoints are on disk), and
 any failure under torchrun, where torch's elastic agent (``--max-restarts``) restarts every rank instead.
+
+The verbs are derived from the verb table (:data:`~ringtune.gateway.backend.VERBS`): each one runs through
+:meth:`SupervisedBackend.call_verb`, which answers a pending notice, waits out a heal, and keeps the
+:class:`~ringtune.worker.heal_ledger.HealLedger` of what a heal restores.
 """
 
 from __future__ import annotations
@@ -301,8 +305,9 @@ class SupervisedBackend:
             raise TypeError(f"{one.name} is answered by the supervisor itself, not forwarded")
         if one.name == "forward_backward_many":  # per-run notices inside one shared pass
             return self._forward_backward_many(arguments)
-        addressee = arguments.get(one.addressee) if one.addressee else None
-        key = None if addressee is None else f"sampler:{addressee}" if one.addressee == "sampler_id" else addressee
+        key = arguments.get(one.addressee) if one.addressee else None  # notices: run id, or "sampler:<id>"
+        if key is not None and one.addressee == "sampler_id":
+            key = f"sampler:{key}"
         if one.lifecycle == "free":
             self.notices.pop(key, None)
         result = self._call(None if one.lifecycle else key, lambda: getattr(self.inner, one.name)(**arguments))
