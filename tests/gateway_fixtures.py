@@ -10,8 +10,8 @@ from support.tiny_models import hf_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from ringtune.gateway.config import GatewayConfig
-from ringtune.gateway.local import LocalBackend
 from ringtune.gateway.server import ServerThread
+from ringtune.worker.local import LocalBackend
 
 API_KEY = "tml-test"
 MODEL_NAME = "tiny/qwen3.5-random"

@@ -193,7 +193,7 @@ def test_cp_layouts_and_fsdp_equal_one_rank(pool4, checkpoints):
 def test_serve_takes_bf16_exact(checkpoints):
     """``ringtune serve --dtype bf16-exact`` parses; the backend's runs and samplers compute exact."""
     from ringtune.cli import build_parser
-    from ringtune.gateway.local import LocalBackend
+    from ringtune.worker.local import LocalBackend
 
     assert build_parser().parse_args(["serve", "--dtype", "bf16-exact"]).dtype == "bf16-exact"
     backend = LocalBackend(checkpoints["llama"], max_tokens_per_rank=BUDGET, dtype="bf16-exact")

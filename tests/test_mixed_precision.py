@@ -279,7 +279,7 @@ def test_cp_and_fsdp_mixed_match_cp1_mixed(pool4, checkpoint):
 def test_serve_backend_and_flag_take_bf16_mixed(checkpoint):
     """``ringtune serve --dtype bf16-mixed``: the flag parses, the backend reports it and its runs train mixed."""
     from ringtune.cli import build_parser
-    from ringtune.gateway.local import LocalBackend
+    from ringtune.worker.local import LocalBackend
 
     assert build_parser().parse_args(["serve", "--dtype", "bf16-mixed"]).dtype == "bf16-mixed"
     with pytest.raises(SystemExit):  # argparse refuses a name outside the registry (exit 2, choices listed)

@@ -184,7 +184,7 @@ def _requests() -> list[SampleRequest]:
 
 
 def executor_case(ctx, *, root: str, dp: int, cp: int):
-    import ringtune.worker.executor as executor_module
+    import ringtune.worker.mesh_prefill as executor_module  # where the executor's mesh prefill calls it
 
     routed: list[int] = []  # prompts per prompts_forward call: proves which requests took the mesh
     original = executor_module.prompts_forward
