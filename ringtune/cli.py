@@ -113,10 +113,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
     p.add_argument(
         "--dtype",
-        default=DEFAULT_PRECISION,
+        default=None,
         choices=list(PRECISIONS),
         help="precision: parameters and compute in one dtype, bf16-mixed (float32 masters, bfloat16 layers) or "
-        "bf16-exact (bf16-mixed's values with float64 arithmetic: sampler and trainer agree to the bit; slower)",
+        "bf16-exact (bf16-mixed's values with float64 arithmetic: sampler and trainer agree to the bit; slower); "
+        f"default {DEFAULT_PRECISION} on CPU, bf16-mixed on CUDA (docs/gpu.md)",
     )
     p.add_argument("--cp", type=int, default=1, help="context-parallel size (ranks per packed row)")
     p.add_argument("--dp", type=int, default=1, help="data-parallel size (rows in parallel)")

@@ -43,6 +43,23 @@ def test_mesh_size_mismatch_is_a_clear_error(pool4):
         assert "3*2*1 = 6 must equal the world size 4" in message
 
 
+def data_backend_case(ctx):
+    """The data groups' backend as asked (recorded on the mesh for rebuilds); NCCL for a CPU mesh refused."""
+    mesh = build_mesh(dp=2, cp=2, device_type="cpu", data_backend="gloo")
+    out = {"backend": mesh.data_backend, "group": str(dist.get_backend(mesh.cp_group))}
+    try:
+        build_mesh(dp=2, cp=2, device_type="cpu", data_backend="nccl")
+    except ParallelConfigError as exc:
+        out["refused"] = str(exc)
+    return out
+
+
+def test_mesh_data_backend_is_explicit(pool4):
+    for info in pool4.run(data_backend_case):
+        assert info["backend"] == "gloo" and info["group"] == "gloo"
+        assert "data_backend='nccl' cannot serve device 'cpu'" in info["refused"]
+
+
 def collectives_case(ctx):
     """Each collective's forward and its backward against what the other ranks hold (float64)."""
     mesh = ctx.mesh(dp=1, cp=4)

@@ -91,6 +91,7 @@ class ParallelMesh:
     ep_rank: int = 0
     ep_group: dist.ProcessGroup | None = None
     expert_replica_group: dist.ProcessGroup | None = None
+    data_backend: str = "gloo"
 
     @property
     def device(self) -> torch.device:
@@ -147,6 +148,7 @@ def build_mesh(
     replicas: int = 1,
     device_type: str | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
+    data_backend: str | None = None,
 ) -> ParallelMesh:
     """Build the mesh over the whole (already initialised) default process group.
 
@@ -154,6 +156,9 @@ def build_mesh(
     each holds its own copy of the model and talks only inside itself (tests compare layouts this way).
     Every rank of the world calls it with the same sizes (each creates only the groups it belongs to).
     ``ep``: expert-parallel size, carved out of the DP×CP ranks (see the module doc).
+    ``device_type``: where the ranks' tensors live (None: ``cuda`` under an NCCL world, else ``cpu``);
+    ``data_backend``: the CP/DP/EP groups' backend (None: :func:`default_backend` of the device; ``gloo`` with
+    ``cuda`` lets ranks share a GPU, ringtune's collectives staging through host memory).
     Raises ParallelConfigError when ``replicas*dp*cp*tp`` is not the world size, tp != 1, ep does not
     divide dp·cp, or a timeout <= 0.
     """
@@ -181,7 +186,11 @@ def build_mesh(
     ranks = torch.arange(replica * dp * cp * tp, (replica + 1) * dp * cp * tp).reshape(dp, cp, tp)
     local = rank - replica * dp * cp * tp
     coords = (local // (cp * tp), local // tp % cp, local % tp)
-    backend = default_backend(device_type)
+    backend = data_backend or default_backend(device_type)
+    if backend not in ("gloo", "nccl") or (backend == "nccl" and device_type != "cuda"):
+        raise ParallelConfigError(
+            f"data_backend={backend!r} cannot serve device {device_type!r} (gloo, or nccl on cuda)"
+        )
     cp_group, dp_group, dp_cp_group = _data_groups(ranks, coords, backend, timeout_s)
     control_group = _group(ranks[:, :, coords[2]].flatten().tolist(), "gloo", control_timeout_s(timeout_s))
     ep_group, expert_replica_group = _expert_groups(ranks, coords, ep, dp_cp_group, backend, timeout_s)
@@ -204,6 +213,7 @@ def build_mesh(
         ep_rank=(coords[0] * cp + coords[1]) % ep,
         ep_group=ep_group,
         expert_replica_group=expert_replica_group,
+        data_backend=backend,
     )
 
 
@@ -215,7 +225,7 @@ def rebuild_mesh(mesh: ParallelMesh) -> ParallelMesh:
     the wrong messages. After the ranks have agreed on the failure (over the control group, which stays
     in step), every rank of the replica calls this together. The old data groups are dropped.
     """
-    backend = default_backend(mesh.device_type)
+    backend = mesh.data_backend
     coords = (mesh.dp_rank, mesh.cp_rank, mesh.tp_rank)
     mesh.cp_group, mesh.dp_group, mesh.dp_cp_group = _data_groups(mesh.ranks, coords, backend, mesh.timeout_s)
     mesh.ep_group, mesh.expert_replica_group = _expert_groups(

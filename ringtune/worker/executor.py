@@ -60,6 +60,9 @@ class ModelSpec:
         record_routing: sampled sequences carry their MoE routing (``--routing-replay``; the gateway replays it).
         shared_decode: sampling requests on one base model (any session, any LoRA adapter) decode in one
             batch per rank (``--shared-decode``, :mod:`ringtune.sample.shared_decode`).
+        device_type: ``cpu`` or ``cuda`` (:func:`~ringtune.worker.device_defaults.resolve_device_settings`):
+            where every rank's models, caches and inputs live (a rank's ``mesh.device``; one process without a
+            mesh: ``cuda:0`` or the CPU).
     """
 
     source: str
@@ -70,6 +73,13 @@ class ModelSpec:
     mesh_prompt_tokens: int | None = None
     record_routing: bool = False
     shared_decode: bool = True
+    device_type: str = "cpu"
+
+    def device(self, mesh: ParallelMesh | None) -> torch.device:
+        """The one device of this rank's tensors: ``mesh.device``, or without a mesh ``cuda:0`` / the CPU."""
+        if mesh is not None:
+            return mesh.device
+        return torch.device("cuda", 0) if self.device_type == "cuda" else torch.device("cpu")
 
     @property
     def modes(self) -> dict[str, Any]:
@@ -116,11 +126,12 @@ class RankExecutor:
         self.precision = check_precision(spec.dtype)
         check_sharding(spec.trainer_options.get("shard_params", False), field="trainer_options.shard_params")
         self.spec, self.mesh = spec, mesh
+        self.device = spec.device(mesh)
         self.trainers: dict[str, Trainer] = {}
         self._spare = spare
         self.lora_base = SharedBase(self._take_model)
         self.samplers = SamplerPool(
-            lambda path: load_model(path or spec.source, dtype=self.precision.param_dtype),
+            lambda path: load_model(path or spec.source, dtype=self.precision.param_dtype, device=self.device),
             decode=tokenizer_decoder(spec.tokenizer_dir),
             compute_dtype=self.precision.compute_dtype if self.precision.mixed else None,
             exact=self.precision.exact,
@@ -194,7 +205,9 @@ class RankExecutor:
         ep = (self.mesh.ep_rank, self.mesh.ep_size) if self.mesh is not None and self.mesh.ep_size > 1 else None
         return agreed_call(
             lambda: (
-                spare if spare is not None else load_model(self.spec.source, dtype=self.precision.param_dtype, ep=ep)
+                spare
+                if spare is not None
+                else load_model(self.spec.source, dtype=self.precision.param_dtype, ep=ep, device=self.device)
             ),
             self.mesh.control_group if self.mesh else None,
         )

@@ -27,7 +27,7 @@ from ringtune.models.decoder import CausalLM
 from ringtune.parallel import liveness
 from ringtune.parallel.control import broadcast_object
 from ringtune.parallel.launch import free_port, init_from_env, init_process_group
-from ringtune.parallel.mesh import DEFAULT_TIMEOUT_S, build_mesh
+from ringtune.parallel.mesh import DEFAULT_TIMEOUT_S, ParallelMesh, build_mesh
 from ringtune.worker.backend import DistributedBackend
 from ringtune.worker.describe import describe
 from ringtune.worker.executor import DTYPES, ModelSpec, RankExecutor
@@ -42,13 +42,17 @@ class WorkerLayout:
     """The mesh of the worker ranks: ``dp`` × ``cp`` processes (expert parallelism ``ep`` carved out of them,
     :func:`~ringtune.parallel.mesh.build_mesh`), data-group timeout ``timeout_s`` seconds,
     liveness timeout ``liveness_timeout_s`` (:mod:`ringtune.parallel.liveness`: used only for a rank on another
-    host, whose process this one cannot see)."""
+    host, whose process this one cannot see); ``device_type`` (``cpu`` / ``cuda``) and the data groups'
+    ``data_backend`` (``gloo`` / ``nccl``) as :func:`~ringtune.worker.device_defaults.resolve_device_settings`
+    chose them (gloo with CUDA: ranks sharing a GPU, collectives staged through host memory)."""
 
     dp: int = 1
     cp: int = 1
     ep: int = 1
     timeout_s: float = DEFAULT_TIMEOUT_S
     liveness_timeout_s: float = liveness.DEFAULT_TIMEOUT_S
+    device_type: str = "cpu"
+    data_backend: str = "gloo"
 
     @property
     def world_size(self) -> int:
@@ -60,8 +64,21 @@ def _threads(world: int) -> int:
     return max(1, (os.cpu_count() or 1) // world)
 
 
-def _backend_kind() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def _use_device(layout: WorkerLayout, rank: int) -> None:
+    """Rank ``rank``'s GPU (ranks round-robin over the host's GPUs; with gloo data groups several share one)."""
+    if layout.device_type == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+
+
+def _mesh(layout: WorkerLayout) -> ParallelMesh:
+    return build_mesh(
+        dp=layout.dp,
+        cp=layout.cp,
+        ep=layout.ep,
+        timeout_s=layout.timeout_s,
+        device_type=layout.device_type,
+        data_backend=layout.data_backend,
+    )
 
 
 def _worker_entry(rank: int, layout: WorkerLayout, spec: ModelSpec, init_method: str) -> None:
@@ -75,12 +92,11 @@ def _worker_entry(rank: int, layout: WorkerLayout, spec: ModelSpec, init_method:
         rank=rank,
         world_size=layout.world_size,
         init_method=init_method,
-        backend=_backend_kind(),
+        backend=layout.data_backend,
         timeout_s=layout.timeout_s,
     )
-    if _backend_kind() == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-    mesh = build_mesh(dp=layout.dp, cp=layout.cp, ep=layout.ep, timeout_s=layout.timeout_s)
+    _use_device(layout, rank)
+    mesh = _mesh(layout)
     code = worker_loop(RankExecutor(spec, mesh))
     if code == 0:
         dist.destroy_process_group()
@@ -95,7 +111,7 @@ def _load_and_describe(
     tokenizer_cache: str | Path | None,
 ) -> tuple[CausalLM, BackendInfo]:
     """Rank 0: the model (its first run takes this copy) and the description the gateway reports."""
-    model = load_model(spec.source, dtype=DTYPES[spec.dtype])
+    model = load_model(spec.source, dtype=DTYPES[spec.dtype], device=spec.device(None))
     names = {"model_name": model_name, "tokenizer_dir": tokenizer_dir, "tokenizer_cache": tokenizer_cache}
     return model, describe(spec, model, dp=layout.dp, cp=layout.cp, **names)
 
@@ -148,10 +164,11 @@ def spawn_world(
         rank=0,
         world_size=layout.world_size,
         init_method=init_method,
-        backend=_backend_kind(),
+        backend=layout.data_backend,
         timeout_s=layout.timeout_s,
     )
-    mesh = build_mesh(dp=layout.dp, cp=layout.cp, ep=layout.ep, timeout_s=layout.timeout_s)
+    _use_device(layout, 0)
+    mesh = _mesh(layout)
     return DistributedBackend(RankExecutor(spec, mesh, spare=spare), info, workers=workers)
 
 
@@ -170,10 +187,11 @@ def join_torchrun_world(
 ) -> DistributedBackend | None:
     """Under torchrun: rank 0 gets the backend; the other ranks serve commands here until shutdown (None)."""
     liveness.configure(layout.liveness_timeout_s)
-    rank = init_from_env(timeout_s=layout.timeout_s)
+    rank = init_from_env(backend=layout.data_backend, timeout_s=layout.timeout_s)
     if dist.get_world_size() != layout.world_size:
         raise SystemExit(f"torchrun started {dist.get_world_size()} processes; --dp·--cp = {layout.world_size}")
-    mesh = build_mesh(dp=layout.dp, cp=layout.cp, ep=layout.ep, timeout_s=layout.timeout_s)
+    _use_device(layout, int(os.environ.get("LOCAL_RANK", "0")))
+    mesh = _mesh(layout)
     model = info = None
     if rank == 0:
         model, info = _load_and_describe(spec, layout, model_name, tokenizer_dir, tokenizer_cache)

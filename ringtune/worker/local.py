@@ -35,6 +35,7 @@ class LocalBackend(DistributedBackend):
             through the training forward instead of a prefill with a cache).
         record_routing: sampled sequences of a MoE model carry their routing (``--routing-replay``).
         shared_decode: sampling requests decode in one batch per base model (``--shared-decode``).
+        device_type: ``cpu`` or ``cuda`` (the process's GPU 0): where the model and every tensor of it lives.
     """
 
     def __init__(
@@ -50,6 +51,7 @@ class LocalBackend(DistributedBackend):
         mesh_prompt_tokens: int | None = None,
         record_routing: bool = False,
         shared_decode: bool = True,
+        device_type: str = "cpu",
     ) -> None:
         precision = check_precision(dtype)
         spec = ModelSpec(
@@ -60,8 +62,9 @@ class LocalBackend(DistributedBackend):
             mesh_prompt_tokens=mesh_prompt_tokens,
             record_routing=record_routing,
             shared_decode=shared_decode,
+            device_type=device_type,
         )
-        model = load_model(spec.source, dtype=precision.param_dtype)
+        model = load_model(spec.source, dtype=precision.param_dtype, device=spec.device(None))
         info = describe(
             spec, model, model_name=model_name, tokenizer_dir=tokenizer_dir, tokenizer_cache=tokenizer_cache
         )

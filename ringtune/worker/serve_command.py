@@ -23,10 +23,11 @@ from ringtune.gateway.backend import Backend
 from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.server import serve
 from ringtune.layout.budget import rank_token_budget
+from ringtune.worker.device_defaults import DeviceSettings, host_facts, resolve_device_settings
 from ringtune.worker.executor import PAD_MULTIPLIER, ModelSpec
 from ringtune.worker.launch import WorkerLayout, join_torchrun_world, start_supervised_workers, torchrun_restarts
 from ringtune.worker.local import LocalBackend
-from ringtune.worker.preflight import Preflight, ServeSettings, preflight
+from ringtune.worker.preflight import Preflight, ServeSettings, preflight, read_config
 
 
 def gateway_config(args: argparse.Namespace, root: Path) -> GatewayConfig:
@@ -87,7 +88,13 @@ def trainer_options(args: argparse.Namespace, checked: Preflight) -> dict[str, A
     return options
 
 
-def start_backend(args: argparse.Namespace, spec: ModelSpec, root: Path) -> Backend | None:
+def ranks_on_this_host(world_size: int) -> int:
+    """How many of the job's ``world_size`` ranks share this host's GPUs: torchrun's ``LOCAL_WORLD_SIZE`` when
+    it launched us, else all of them (``serve`` spawns every rank on this machine)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size) or world_size)
+
+
+def start_backend(args: argparse.Namespace, spec: ModelSpec, root: Path, device: DeviceSettings) -> Backend | None:
     """The backend rank 0 serves: under torchrun this rank joins the world (None on a worker rank, once it served
     every command until shutdown); with several ranks on this machine they are spawned under a supervisor; else
     one process. UserInputError for a bad ``--liveness-timeout`` or ``--max-restarts``."""
@@ -95,7 +102,13 @@ def start_backend(args: argparse.Namespace, spec: ModelSpec, root: Path) -> Back
     if not args.liveness_timeout > 0:
         raise UserInputError(f"--liveness-timeout={args.liveness_timeout} must be > 0 seconds")
     layout = WorkerLayout(
-        dp=args.dp, cp=args.cp, ep=args.ep, timeout_s=args.collective_timeout, liveness_timeout_s=args.liveness_timeout
+        dp=args.dp,
+        cp=args.cp,
+        ep=args.ep,
+        timeout_s=args.collective_timeout,
+        liveness_timeout_s=args.liveness_timeout,
+        device_type=device.device_type,
+        data_backend=device.data_backend,
     )
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: every rank runs this
         return join_torchrun_world(spec, layout, **names)
@@ -111,17 +124,21 @@ def start_backend(args: argparse.Namespace, spec: ModelSpec, root: Path) -> Back
         mesh_prompt_tokens=spec.mesh_prompt_tokens,
         record_routing=spec.record_routing,
         shared_decode=spec.shared_decode,
+        device_type=spec.device_type,
         **names,
     )
 
 
-def print_banner(args: argparse.Namespace, backend: Backend, checked: Preflight, budget: int, root: Path) -> None:
+def print_banner(
+    args: argparse.Namespace, backend: Backend, checked: Preflight, budget: int, root: Path, device: DeviceSettings
+) -> None:
     """What is served and how to point the SDK at it (stdout), a warning when bound beyond loopback without a key."""
     info = backend.info()
     url = f"http://{args.host}:{args.port}"
     print(f"ringtune gateway: {info.model_name} ({info.arch}, {info.dtype}), context {info.context_length} tokens,")
     print(f"  DP={info.dp_size} x CP={info.cp_size} ranks ({checked.attention} attention, {checked.gated_delta} GDN),")
-    for note in checked.notes:
+    print(f"  on {device.device_type} ({device.data_backend} data groups, {device.attention_kernel} attention kernel),")
+    for note in (*device.notes, *checked.notes):
         print(f"  note: {note}")
     print(f"  {budget} tokens per rank, checkpoints in {root}, tokenizer {info.tokenizer_dir}")
     print(f"  serving on {url}; point the SDK at it with:")
@@ -141,21 +158,31 @@ def run_serve(args: argparse.Namespace) -> int:
     budget = args.max_tokens_per_rank or rank_token_budget(context, args.cp, pad_multiplier=PAD_MULTIPLIER)
     root = Path(args.checkpoint_root).resolve()
     config = gateway_config(args, root)
+    # the host's device decides the defaults (--dtype bf16-mixed on CUDA) and refuses a quadratic-memory fallback
+    device = resolve_device_settings(
+        host_facts(),
+        dtype=args.dtype,
+        config=read_config(args.model),
+        world_size=ranks_on_this_host(args.dp * args.cp),
+        max_tokens_per_rank=budget,
+    )
+    args.dtype = device.dtype
     # every setting against the model's config, before any rank starts (exit 2 if it cannot serve)
     checked = preflight(serve_settings(args, budget))
     spec = ModelSpec(
         source=args.model,
-        dtype=args.dtype,
+        dtype=device.dtype,
+        device_type=device.device_type,
         max_tokens_per_rank=budget,
         trainer_options=trainer_options(args, checked),
         mesh_prompt_tokens=args.mesh_prompt_tokens,
         record_routing=args.routing_replay,
         shared_decode=args.shared_decode,
     )
-    backend = start_backend(args, spec, root)
+    backend = start_backend(args, spec, root, device)
     if backend is None:
         return 0  # a torchrun worker rank: served commands until shutdown
-    print_banner(args, backend, checked, budget, root)
+    print_banner(args, backend, checked, budget, root, device)
     # One line per operation (ringtune.gateway.observe) beside uvicorn's own lines.
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

@@ -99,10 +99,12 @@ def split_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def read_state_dict(path: str | Path, *, experts: range | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of the safetensors checkpoint in directory ``path`` (single file or sharded index);
-    ``experts``: of the routed experts only these (other experts' per-expert tensors are not read, fused
-    expert tensors are read as that slice)."""
+def read_state_dict(
+    path: str | Path, *, experts: range | None = None, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors checkpoint in directory ``path`` (single file or sharded index), read
+    straight onto ``device``; ``experts``: of the routed experts only these (other experts' per-expert tensors are
+    not read, fused expert tensors are read as that slice)."""
     path = Path(path)
     index = path / INDEX_NAME
     if index.exists():
@@ -113,7 +115,7 @@ def read_state_dict(path: str | Path, *, experts: range | None = None) -> dict[s
         raise UserInputError(f"checkpoint {path}: neither {SINGLE_NAME} nor {INDEX_NAME} exists")
     tensors: dict[str, torch.Tensor] = {}
     for name in files:
-        with safe_open(path / name, framework="pt") as f:
+        with safe_open(path / name, framework="pt", device=str(device)) as f:
             for key in f.keys():
                 ours = _hf_name(key) if experts is not None else None
                 if ours is not None and (match := _EXPERT_KEY.match(ours)) is not None:
@@ -126,7 +128,13 @@ def read_state_dict(path: str | Path, *, experts: range | None = None) -> dict[s
     return tensors
 
 
-def load_hf(path: str | Path, *, dtype: torch.dtype | None = None, ep: tuple[int, int] | None = None) -> CausalLM:
+def load_hf(
+    path: str | Path,
+    *,
+    dtype: torch.dtype | None = None,
+    ep: tuple[int, int] | None = None,
+    device: torch.device | str = "cpu",
+) -> CausalLM:
     """Build a :class:`CausalLM` from an HF directory (``config.json`` + safetensors).
 
     Args:
@@ -135,6 +143,8 @@ def load_hf(path: str | Path, *, dtype: torch.dtype | None = None, ep: tuple[int
         ep: ``(rank, size)`` of an expert-parallel group: a MoE model keeps experts ``[rank·E/size,
             (rank+1)·E/size)`` of every MoE layer, and only those are read (the model is then ready for
             :func:`~ringtune.models.layers.moe.set_expert_parallel` on that group); ignored without MoE.
+        device: where the parameters live; the safetensors are read straight onto it (no host copy of a GPU
+            rank's weights).
     Raises:
         UserInputError: unsupported config, or tensors missing / unknown / of the wrong shape (named);
             ParallelConfigError when ``size`` does not divide the number of experts.
@@ -150,7 +160,7 @@ def load_hf(path: str | Path, *, dtype: torch.dtype | None = None, ep: tuple[int
         config.check_expert_parallel(size)
         local = config.num_experts // size
         experts = range(rank * local, (rank + 1) * local)
-    raw = read_state_dict(path, experts=experts)
+    raw = read_state_dict(path, experts=experts, device=device)
     state = {ours: t for name, t in raw.items() if (ours := _hf_name(name)) is not None}
     if config.has_moe:
         state = fuse_experts(state, config.num_experts, str(path), experts)
