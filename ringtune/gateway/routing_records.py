@@ -77,7 +77,7 @@ class RoutingRecords:
                 continue
             self._records.move_to_end((n, h))
             routing = found[1]
-            out = torch.full((len(tokens), *routing.shape[1:]), -1, dtype=torch.int64)
+            out = torch.full((len(tokens), *routing.shape[1:]), -1, dtype=torch.int64, device=routing.device)
             out[:n] = routing.to(torch.int64)
             return out
         return None

@@ -64,7 +64,7 @@ def parse_targets(value: Any, prompt_len: int, vocab_size: int) -> tuple[torch.T
     if crow_raw is None and col_raw is None:
         if len(data) != rows * k:
             raise UserInputError(f"{FIELD}.data: {len(data)} values for shape [{rows}, {k}] (need {rows * k})")
-        ids = torch.tensor(data, dtype=torch.int64).reshape(rows, k)
+        ids = torch.tensor(data, dtype=torch.int64, device="cpu").reshape(rows, k)  # wire values, on the host
         layout = TargetLayout((rows, k))
     else:
         crow, col = _int_list(crow_raw, "sparse_crow_indices"), _int_list(col_raw, "sparse_col_indices")

@@ -81,14 +81,16 @@ def randomize_tiny_weights(model: CausalLM, *, seed: int) -> None:
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("A_log"):
-                value = torch.linspace(-3.0, 1.0, p.numel(), dtype=torch.float64).reshape(p.shape)
+                value = torch.linspace(-3.0, 1.0, p.numel(), dtype=torch.float64, device="cpu").reshape(p.shape)
             elif name.endswith("dt_bias"):
                 value = p.detach().double()
             elif "norm" in name:
-                value = p.detach().double() + NORM_STD * torch.randn(p.shape, generator=gen, dtype=torch.float64)
+                value = p.detach().double() + NORM_STD * torch.randn(
+                    p.shape, generator=gen, dtype=torch.float64, device="cpu"
+                )
             else:
                 std = ROUTER_STD if name.endswith("mlp.gate.weight") else WEIGHT_STD
-                value = std * torch.randn(p.shape, generator=gen, dtype=torch.float64)
+                value = std * torch.randn(p.shape, generator=gen, dtype=torch.float64, device="cpu")
             p.copy_(value.to(torch.bfloat16).to(p.dtype))
 
 

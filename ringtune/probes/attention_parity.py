@@ -34,12 +34,12 @@ def make_row(seq_lens: tuple[int, ...], seed: int, shape: AttentionShape):
     """Full-row float64 ``q, k, v, dout`` and ``cu_seqlens`` of one packed row, from ``seed``."""
     gen = torch.Generator().manual_seed(seed)
     T = sum(seq_lens)
-    q = torch.randn(T, shape.heads, shape.head_dim, generator=gen, dtype=torch.float64) * shape.sharpness
-    k = torch.randn(T, shape.kv_heads, shape.head_dim, generator=gen, dtype=torch.float64)
-    v = torch.randn(T, shape.kv_heads, shape.head_dim, generator=gen, dtype=torch.float64)
-    dout = torch.randn(T, shape.heads, shape.head_dim, generator=gen, dtype=torch.float64)
-    lens = torch.tensor(seq_lens, dtype=torch.int64)
-    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)])
+    q = torch.randn(T, shape.heads, shape.head_dim, generator=gen, dtype=torch.float64, device="cpu") * shape.sharpness
+    k = torch.randn(T, shape.kv_heads, shape.head_dim, generator=gen, dtype=torch.float64, device="cpu")
+    v = torch.randn(T, shape.kv_heads, shape.head_dim, generator=gen, dtype=torch.float64, device="cpu")
+    dout = torch.randn(T, shape.heads, shape.head_dim, generator=gen, dtype=torch.float64, device="cpu")
+    lens = torch.tensor(seq_lens, dtype=torch.int64, device="cpu")
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64, device="cpu"), lens.cumsum(0)])
     return q, k, v, dout, cu
 
 
@@ -90,7 +90,7 @@ def compare_attention(
     (out * zigzag_slice(dout, plan)).sum().backward()
 
     real = plan.is_real
-    stream_pad = torch.arange(plan.local_len) >= plan.real_local_len
+    stream_pad = torch.arange(plan.local_len, device="cpu") >= plan.real_local_len
     want = [zigzag_slice(x.detach(), plan)[real] for x in (ref_out, ref_lse, *ref_grads)]
     got = [x.detach()[real] for x in (out, lse, *(t.grad for t in local))]
     relative = dtype != torch.float64

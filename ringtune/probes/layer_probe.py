@@ -98,7 +98,7 @@ def loss_mask(seq_lens: tuple[int, ...], cp: int) -> tuple[torch.Tensor, int, in
     (``r·local_len`` of the global padded stream, r = 1..C-1); the first that falls inside real tokens wins.
     """
     plan = zigzag_plan(seq_lens, cp_size=cp, cp_rank=0, pad_multiplier=1)
-    mask = torch.zeros(sum(seq_lens), dtype=torch.bool)
+    mask = torch.zeros(sum(seq_lens), dtype=torch.bool, device="cpu")
     for r in range(1, max(cp, 2)):
         boundary = r * plan.local_len if cp > 1 else sum(seq_lens) // 2
         starts = plan.global_starts if cp > 1 else plan.row_starts
@@ -183,8 +183,8 @@ class ProbeMoE(nn.Module):
 def probe_inputs(tokens: int, hidden: int, *, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-order inputs ``x`` [T, hidden] (unit scale, like normed hidden states) and loss weights, seeded."""
     gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(tokens, hidden, generator=gen)
-    w = torch.randn(tokens, hidden, generator=gen) / math.sqrt(hidden)
+    x = torch.randn(tokens, hidden, generator=gen, device="cpu")
+    w = torch.randn(tokens, hidden, generator=gen, device="cpu") / math.sqrt(hidden)
     return x.to(dtype), w.to(dtype)
 
 

@@ -55,9 +55,9 @@ class AltDraws:
 def row_uniforms(lens: Sequence[int], seeds: Sequence[int], k: int) -> torch.Tensor:
     """float64 [sum(lens), k]: each prompt's :func:`alt_uniforms` in row order, a zero row at its last token
     (which draws nothing): the row-shaped uniforms a CP rank slices its zigzag shard from."""
-    parts = [torch.zeros(0, k, dtype=torch.float64)]
+    parts = [torch.zeros(0, k, dtype=torch.float64, device="cpu")]  # host draws: callers move their slice
     for n, seed in zip(lens, seeds, strict=True):
-        parts += [alt_uniforms(seed, n - 1, k), torch.zeros(1, k, dtype=torch.float64)]
+        parts += [alt_uniforms(seed, n - 1, k), torch.zeros(1, k, dtype=torch.float64, device="cpu")]
     return torch.cat(parts)
 
 
@@ -74,7 +74,7 @@ def alt_uniforms(seed: int, rows: int, k: int) -> torch.Tensor:
     """float64 [rows, k] in [0, 1): the uniforms of a prompt with ``rows = n − 1`` draw rows, seeded ``seed``."""
     digest = hashlib.sha256(f"ringtune-alt-tokens:{seed}".encode()).digest()
     generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-    return torch.rand((rows, k), generator=generator, dtype=torch.float64)
+    return torch.rand((rows, k), generator=generator, dtype=torch.float64, device="cpu")  # the generator's device
 
 
 def draw_alt_tokens(

@@ -154,13 +154,15 @@ def prompts_forward(
 
 def _labels(members: list[list[int]]) -> torch.Tensor:
     """int64 [row_len]: each prompt's next tokens, IGNORE at each prompt's last token."""
-    parts = [torch.tensor([*p[1:], IGNORE], dtype=torch.int64) for p in members]
-    return torch.cat([torch.zeros(0, dtype=torch.int64), *parts])
+    parts = [torch.tensor([*p[1:], IGNORE], dtype=torch.int64, device="cpu") for p in members]
+    return torch.cat([torch.zeros(0, dtype=torch.int64, device="cpu"), *parts])  # host: zigzag-sliced, then moved
 
 
 def _last_rows(plan: ZigzagPlan) -> torch.Tensor:
     """int64 [n_seq]: the row index of every sequence's last token."""
-    return torch.tensor([s + n - 1 for s, n in zip(plan.row_starts, plan.seq_lens, strict=True)], dtype=torch.int64)
+    return torch.tensor(
+        [s + n - 1 for s, n in zip(plan.row_starts, plan.seq_lens, strict=True)], dtype=torch.int64, device="cpu"
+    )
 
 
 def _gather_pairs(
@@ -195,7 +197,8 @@ def _row_forward(
     """
     plan, group = shard.plan, shard.group
     device = model.output_weight.device
-    flat = torch.cat([torch.zeros(0, dtype=torch.int64), *(torch.tensor(p, dtype=torch.int64) for p in members)])
+    host = [torch.tensor(p, dtype=torch.int64, device="cpu") for p in members]  # zigzag-sliced on the host, then moved
+    flat = torch.cat([torch.zeros(0, dtype=torch.int64, device="cpu"), *host])
     layers = len(model.model.layers)
     caught = PrefillCapture(plan, layers, group=group, keep=keep) if capture else None
     hidden = model.hidden_states(zigzag_slice(flat, plan).to(device), shard, capture=caught)
@@ -225,7 +228,9 @@ def _row_forward(
     if targets is not None:
         k = targets[0].shape[1] if targets else 1  # a pad-only row still joins the gather, with any K
         rows = [target_labels(t) for t in targets]
-        labels = torch.cat([torch.zeros((0, k), dtype=torch.int64), *rows])
+        labels = torch.cat(
+            [torch.zeros((0, k), dtype=torch.int64, device="cpu"), *rows]
+        )  # sliced on the host, then moved
         local = zigzag_slice(labels, plan, pad_value=IGNORE).to(device)
         target_lps = gather_row(label_logprobs(hidden, weight, local).to(acc), plan, group).cpu()
 

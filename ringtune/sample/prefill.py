@@ -76,7 +76,7 @@ def target_labels(targets: torch.Tensor) -> torch.Tensor:
     """Tinker targets [n−1, K] (−1 = none) -> head labels [n, K]: row i scores position i+1 from the hidden
     state of position i, so the prompt's last position gets none; −1 becomes the head's ignore label."""
     labels = torch.where(targets < 0, IGNORE, targets)
-    return torch.cat([labels, torch.full((1, targets.shape[1]), IGNORE, dtype=torch.int64)])
+    return torch.cat([labels, torch.full((1, targets.shape[1]), IGNORE, dtype=torch.int64, device=targets.device)])
 
 
 def prefill(
@@ -111,7 +111,7 @@ def prefill(
     if prompt_logprobs:
         labels = torch.full((plan.local_len,), IGNORE, dtype=torch.int64, device=device)
         for s, p in zip(starts, prompts, strict=True):
-            labels[s : s + len(p) - 1] = torch.tensor(p[1:], dtype=torch.int64)
+            labels[s : s + len(p) - 1] = torch.tensor(p[1:], dtype=torch.int64, device=device)
         lp = label_logprobs(hidden, weight, labels).tolist()
         plps = [[None, *lp[s : s + n - 1]] for s, n in zip(starts, lens, strict=True)]
     if topk:
@@ -124,7 +124,9 @@ def prefill(
             at += n - 1
     target_lps = None
     if targets is not None:
-        labels = torch.full((plan.local_len, targets[0].shape[1]), IGNORE, dtype=torch.int64)
+        labels = torch.full(
+            (plan.local_len, targets[0].shape[1]), IGNORE, dtype=torch.int64, device="cpu"
+        )  # moved below
         for s, n, t in zip(starts, lens, targets, strict=True):
             labels[s : s + n] = target_labels(t)
         lp = label_logprobs(hidden, weight, labels.to(device)).cpu()

@@ -65,7 +65,7 @@ def check_targets(
         return None
     if len(targets) != len(prompts):
         raise UserInputError(f"target_prompt_logprobs: {len(targets)} tensors for {len(prompts)} prompts")
-    out = [torch.as_tensor(t, dtype=torch.int64) for t in targets]
+    out = [torch.as_tensor(t, dtype=torch.int64, device="cpu") for t in targets]  # request values, on the host
     k = out[0].shape[-1] if out and out[0].dim() == 2 else -1  # every prompt's K must be the first one's
     for i, (t, p) in enumerate(zip(out, prompts, strict=True)):
         if t.dim() != 2 or t.shape[0] != len(p) - 1 or not 1 <= t.shape[1] <= MAX_TARGET_K or t.shape[1] != k:

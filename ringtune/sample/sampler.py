@@ -288,7 +288,10 @@ class Generation:
         """Choose each row's next token from ``logits`` [B, V]; finish the rows that stop; return the others."""
         uniforms = None
         if not self.params.greedy:
-            uniforms = torch.stack([torch.rand((), generator=r.generator, dtype=torch.float64) for r in rows])
+            draws = [
+                torch.rand((), generator=r.generator, dtype=torch.float64, device="cpu") for r in rows
+            ]  # CPU generators
+            uniforms = torch.stack(draws)
         chosen = choose_tokens(logits, self.params, uniforms)
         norm = torch.logsumexp(logits, dim=-1)
         lps = (logits.gather(1, chosen[:, None])[:, 0] - norm).tolist()

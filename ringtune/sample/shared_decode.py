@@ -200,9 +200,9 @@ def _adapters_per_row(slot: LoraSlot, base: nn.Module, models: list[Any], model_
         raise ValueError("rows of different models share a decode step only as LoRA snapshots of one base")
     snapshots = [m for m in models if isinstance(m, LoraSnapshot)]
     run_of_model = [snapshots.index(m) if isinstance(m, LoraSnapshot) else -1 for m in models]
-    index = torch.tensor([run_of_model[i] for i in model_of_row], dtype=torch.int64)
+    index = torch.tensor([run_of_model[i] for i in model_of_row], dtype=torch.int64, device=base.output_weight.device)
     before = slot.active
-    slot.active = MixedAdapters([s.adapters for s in snapshots], index.to(base.output_weight.device))
+    slot.active = MixedAdapters([s.adapters for s in snapshots], index)
     try:
         yield
     finally:
