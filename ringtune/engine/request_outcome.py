@@ -64,7 +64,7 @@ def non_finite_datums(full: torch.Tensor, row: tuple[int, ...], lens: list[int])
     """The datums of ``row`` with a non-finite log-prob or loss term in ``full`` (as :func:`split_row` reads it),
     from one count per datum read back together."""
     total = sum(lens)
-    bad = (~torch.isfinite(full[:total].reshape(total, -1)).all(dim=-1)).to(torch.int64)
+    bad = (~torch.isfinite(full[:total].flatten(start_dim=1)).all(dim=-1)).to(torch.int64)
     ends = torch.tensor(lens, dtype=torch.int64).cumsum(0)
     counts = torch.cat([torch.zeros(1, dtype=torch.int64), bad.cumsum(0)])
     per_datum = (counts[ends] - counts[ends - torch.tensor(lens, dtype=torch.int64)]).tolist()
