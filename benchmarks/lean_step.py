@@ -1,22 +1,24 @@
 """Host syncs, collectives and optimizer time of one training step of SmolLM2-135M on CPU (issue 31, lean steps).
 
 Run ``python benchmarks/lean_step.py [--steps 3] [--tokens 256]``. Two gloo ranks, one thread each, load the
-embedded SmolLM2-135M (float32) into a :class:`~ringtune.engine.trainer.Trainer` at CP=1 (DP=2, replicated) and
-CP=2 (DP=1); each step is one ``forward_backward`` of two microbatches per rank (cross_entropy) and one
-``optim_step``. Counted on every rank, per step (median over the steps after the first, which creates the AdamW
-moments):
+embedded SmolLM2-135M (float32) into a :class:`~ringtune.engine.trainer.Trainer` at CP=1 (DP=2, replicated) and CP=2
+(DP=1); each step is one ``forward_backward`` of two microbatches per rank (cross_entropy) and one ``optim_step``.
+Counted on every rank, per step (median over the steps after the first, which creates the AdamW moments):
 
-- host syncs: calls that read a tensor's value back to Python (``Tensor.item`` / ``tolist`` / ``cpu`` / ``numpy``
-  / ``__bool__`` / ``__float__`` / ``__int__``; on CUDA each is a device sync; on CPU ``cpu()`` of a CPU tensor is
-  counted too, as it would sync on GPU), per optim_step and per microbatch (between two calls of the trainer's
-  ``microbatch_hook``; the last microbatch also carries the request's tail);
-- collectives: calls of ``torch.distributed`` collectives (outermost only: an ``all_gather_object`` counts once)
-  and of the control plane's store exchanges (:data:`STORE_EXCHANGES`), per optim_step and per microbatch, with
-  the seconds spent in them;
-- optimizer time: ``optim_step``'s wall time less the time in its collectives (the gradient SUM over the gloo
-  ranks is communication, not optimizer work), over one plain ``torch.optim.AdamW.step`` on the same parameters
-  and moments (the trainer's own AdamW; gradients of zeros, equal on every rank so the replicas stay identical:
-  AdamW's work does not depend on the values).
+- host syncs: calls that read a tensor's value back to Python (``Tensor.item`` / ``tolist`` / ``cpu`` / ``numpy`` /
+  ``__bool__`` / ``__float__`` / ``__int__``; on CUDA each is a device sync; on CPU ``cpu()`` of a CPU tensor is
+  counted too, as it would sync on GPU), per optim_step (those inside torch's own AdamW step shown apart: on CPU its
+  per-tensor loop reads each step count back; fused on CUDA reads none) and per microbatch (between two calls of the
+  trainer's ``microbatch_hook``; the last microbatch also carries the request's tail);
+- collectives: calls of ``torch.distributed`` collectives (outermost only: an ``all_gather_object`` counts once) and
+  of the control plane's store exchanges (:data:`STORE_EXCHANGES`), per optim_step and per microbatch, with the
+  seconds spent in them;
+- optimizer time: ``optim_step``'s wall time less the time in its collectives (the gradient SUM over the gloo ranks
+  is communication, not optimizer work), over the AdamW step it runs (``optimizer.step``, timed inside it; also
+  shown without the replica check, :mod:`ringtune.engine.replica_check`, a separate per-step check with its own
+  benchmark) and over one plain ``torch.optim.AdamW.step`` on the same parameters and moments after it (the
+  trainer's own AdamW; gradients of zeros, equal on every rank so the replicas stay identical: AdamW's work does not
+  depend on the values).
 
 Prints one line per configuration (rank 0's figures; rank 1's are alike) and the parameter tensor count, so an
 O(parameters) count shows as such.
@@ -25,7 +27,9 @@ O(parameters) count shows as such.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -73,6 +77,17 @@ STORE_EXCHANGES = ("broadcast_from", "exchange_objects", "gather_objects_to")
 ADAM = AdamParams(learning_rate=1e-5, weight_decay=0.01, grad_clip_norm=1.0)
 
 
+def _call_site() -> str:
+    """``file.py:function`` of the nearest caller outside torch and this file."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if "/torch/" not in path and not path.endswith("lean_step.py"):
+            return f"{os.path.basename(path)}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
+
+
 class Counts:
     """Host syncs and collectives counted while :meth:`counting` is active (the outermost call of each)."""
 
@@ -88,7 +103,7 @@ class Counts:
     def _wrap_sync(self, name: str, original: Callable) -> Callable:
         def wrapper(t, *args, **kwargs):
             if self._depth == 0:
-                self.syncs[name] += 1
+                self.syncs[f"{name} in {_call_site()}"] += 1
             return original(t, *args, **kwargs)
 
         return wrapper
@@ -160,6 +175,10 @@ def measure(ctx, *, cp: int, tokens: int, steps: int) -> dict[str, float]:
     # two microbatches per rank: each row fills one rank's budget at this CP (minus padding slack)
     lens = tuple([tokens * cp - 16] * (2 * dp))
     counts = Counts()
+    inside: dict[str, float] = {}  # seconds and host syncs inside torch's AdamW step and the replica check
+    plain_step = trainer.optimizer.step
+    trainer.optimizer.step = _timed(plain_step, "adamw", inside, counts)  # what apply_step calls
+    trainer.replicas.verify = _timed(trainer.replicas.verify, "replica", inside, counts)
     marks: list[tuple[int, int, float]] = []
     trainer.microbatch_hook = lambda m: marks.append(counts.total())
     rows: list[dict[str, float]] = []
@@ -170,22 +189,31 @@ def measure(ctx, *, cp: int, tokens: int, steps: int) -> dict[str, float]:
             trainer.forward_backward(data, "cross_entropy")
             end_fb = counts.total()
             before = counts.total()
+            sites = Counter(counts.syncs)
+            inside.clear()
             start = time.perf_counter()
             trainer.optim_step(ADAM)
             step_s = time.perf_counter() - start
             after = counts.total()
+            sites = Counter({k: v for k, v in (counts.syncs - sites).items() if v})
         per_mb = [b[0] - a[0] for a, b in zip(marks, [*marks[1:], end_fb], strict=True)]
         coll_mb = [b[1] - a[1] for a, b in zip(marks, [*marks[1:], end_fb], strict=True)]
         for p in trainer.params:  # the same on every rank, so the replicas stay identical (the check runs)
             p.grad = torch.zeros_like(p)
         start = time.perf_counter()
-        trainer.optimizer.step()  # the plain AdamW step on the same parameters and moments
+        plain_step()  # the plain AdamW step on the same parameters and moments
         plain_s = time.perf_counter() - start
         trainer.optimizer.zero_grad(set_to_none=True)
         optimizer_s = step_s - (after[2] - before[2])
         rows.append(
             {
                 "step_syncs": after[0] - before[0],
+                "step_syncs_outside_adamw": after[0] - before[0] - inside["adamw_syncs"],
+                "adamw_syncs": inside["adamw_syncs"],
+                "adamw_in_step_s": inside["adamw_s"],
+                "replica_check_s": inside["replica_s"],
+                "optimizer_over_adamw_in_step": optimizer_s / inside["adamw_s"],
+                "without_replica_check": (optimizer_s - inside["replica_s"]) / inside["adamw_s"],
                 "step_collectives": after[1] - before[1],
                 "mb_syncs_first": per_mb[0],
                 "mb_syncs_last": per_mb[-1],
@@ -201,7 +229,23 @@ def measure(ctx, *, cp: int, tokens: int, steps: int) -> dict[str, float]:
     later = rows[1:] or rows
     out = {k: statistics.median(r[k] for r in later) for k in rows[0]}
     out["parameter_tensors"] = float(len(trainer.params))
+    out["sites"] = dict(sites.most_common(6))  # the last step's host syncs by call site (outside AdamW's own too)
     return out
+
+
+def _timed(fn: Callable, name: str, into: dict[str, float], counts: Counts) -> Callable:
+    """``fn`` that adds its seconds to ``into[name + "_s"]`` and its host syncs to ``into[name + "_syncs"]``."""
+
+    def wrapper(*args, **kwargs):
+        syncs = counts.total()[0]
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into[f"{name}_s"] = into.get(f"{name}_s", 0.0) + time.perf_counter() - start
+            into[f"{name}_syncs"] = into.get(f"{name}_syncs", 0.0) + counts.total()[0] - syncs
+
+    return wrapper
 
 
 def main() -> None:
@@ -220,12 +264,17 @@ def main() -> None:
         finally:
             pool.close()
         print(
-            f"  CP={cp} DP={2 // cp}: {r['parameter_tensors']:.0f} parameter tensors; per optim_step "
-            f"{r['step_syncs']:.0f} host syncs, {r['step_collectives']:.0f} collectives "
-            f"({r['collective_s']:.2f} s); per microbatch {r['mb_syncs_first']:.0f} host syncs "
-            f"(last of {r['microbatches']:.0f}, with the request's tail: {r['mb_syncs_last']:.0f}), "
-            f"{r['mb_collectives_first']:.0f} collectives; optim_step {r['optim_step_s']:.2f} s, less collectives "
-            f"{r['optimizer_s']:.2f} s = {r['optimizer_over_plain']:.2f} x plain AdamW ({r['plain_adamw_s']:.2f} s)"
+            f"  CP={cp} DP={2 // cp}: {r['parameter_tensors']:.0f} parameter tensors\n"
+            f"    per optim_step: {r['step_syncs']:.0f} host syncs ({r['adamw_syncs']:.0f} of them inside torch's "
+            f"AdamW step itself, {r['step_syncs_outside_adamw']:.0f} outside), {r['step_collectives']:.0f} "
+            f"collectives ({r['collective_s']:.2f} s)\n"
+            f"    per microbatch: {r['mb_syncs_first']:.0f} host syncs (the last of {r['microbatches']:.0f}, with the "
+            f"request's tail: {r['mb_syncs_last']:.0f}), {r['mb_collectives_first']:.0f} collectives\n"
+            f"    optim_step {r['optim_step_s']:.2f} s, less collectives {r['optimizer_s']:.2f} s = "
+            f"{r['optimizer_over_adamw_in_step']:.2f} x its AdamW step ({r['adamw_in_step_s']:.2f} s; "
+            f"{r['without_replica_check']:.2f} x without the replica check's {r['replica_check_s']:.2f} s); "
+            f"{r['optimizer_over_plain']:.2f} x a plain AdamW step after it ({r['plain_adamw_s']:.2f} s)\n"
+            f"    host syncs of the last optim_step by call site: {r['sites']}"
         )
 
 
