@@ -13,8 +13,9 @@ Counted on every rank, per step (median over the steps after the first, which cr
 - collectives: calls of ``torch.distributed`` collectives (outermost only: an ``all_gather_object`` counts once) and
   of the control plane's store exchanges (:data:`STORE_EXCHANGES`), per optim_step and per microbatch, with the
   seconds spent in them;
-- optimizer time: ``optim_step``'s wall time less the time in its collectives (the gradient SUM over the gloo ranks
-  is communication, not optimizer work), over the AdamW step it runs (``optimizer.step``, timed inside it; also
+- optimizer time: ``optim_step``'s wall time less the gradient reduction (``GradientInvariant.reduce_and_check``:
+  the SUM over the gloo ranks, its bucket packing, the canary check) and the other collectives (communication, not
+  optimizer work), over the AdamW step it runs (``optimizer.step``, timed inside it; also
   shown without the replica check, :mod:`ringtune.engine.replica_check`, a separate per-step check with its own
   benchmark) and over one plain ``torch.optim.AdamW.step`` on the same parameters and moments after it (the
   trainer's own AdamW; gradients of zeros, equal on every rank so the replicas stay identical: AdamW's work does not
@@ -179,6 +180,8 @@ def measure(ctx, *, cp: int, tokens: int, steps: int) -> dict[str, float]:
     plain_step = trainer.optimizer.step
     trainer.optimizer.step = _timed(plain_step, "adamw", inside, counts)  # what apply_step calls
     trainer.replicas.verify = _timed(trainer.replicas.verify, "replica", inside, counts)
+    # the gradient SUM with its invariant check (collectives, bucket packing, canary): communication, not optimizer
+    trainer.invariant.reduce_and_check = _timed(trainer.invariant.reduce_and_check, "reduce", inside, counts)
     marks: list[tuple[int, int, float]] = []
     trainer.microbatch_hook = lambda m: marks.append(counts.total())
     rows: list[dict[str, float]] = []
@@ -204,7 +207,8 @@ def measure(ctx, *, cp: int, tokens: int, steps: int) -> dict[str, float]:
         plain_step()  # the plain AdamW step on the same parameters and moments
         plain_s = time.perf_counter() - start
         trainer.optimizer.zero_grad(set_to_none=True)
-        optimizer_s = step_s - (after[2] - before[2])
+        # less the gradient reduction (its collectives included) and the other collectives (verdicts, peaks)
+        optimizer_s = step_s - inside["reduce_s"] - (after[2] - before[2] - inside["reduce_collective_s"])
         rows.append(
             {
                 "step_syncs": after[0] - before[0],
@@ -221,6 +225,7 @@ def measure(ctx, *, cp: int, tokens: int, steps: int) -> dict[str, float]:
                 "microbatches": len(per_mb),
                 "optim_step_s": step_s,
                 "collective_s": after[2] - before[2],
+                "reduce_s": inside["reduce_s"],
                 "optimizer_s": optimizer_s,
                 "plain_adamw_s": plain_s,
                 "optimizer_over_plain": optimizer_s / plain_s,
@@ -234,16 +239,19 @@ def measure(ctx, *, cp: int, tokens: int, steps: int) -> dict[str, float]:
 
 
 def _timed(fn: Callable, name: str, into: dict[str, float], counts: Counts) -> Callable:
-    """``fn`` that adds its seconds to ``into[name + "_s"]`` and its host syncs to ``into[name + "_syncs"]``."""
+    """``fn`` that adds its seconds, host syncs and seconds in collectives to ``into[name + "_s"]``,
+    ``into[name + "_syncs"]`` and ``into[name + "_collective_s"]``."""
 
     def wrapper(*args, **kwargs):
-        syncs = counts.total()[0]
+        syncs, _, collective_s = counts.total()
         start = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
+            now = counts.total()
             into[f"{name}_s"] = into.get(f"{name}_s", 0.0) + time.perf_counter() - start
-            into[f"{name}_syncs"] = into.get(f"{name}_syncs", 0.0) + counts.total()[0] - syncs
+            into[f"{name}_syncs"] = into.get(f"{name}_syncs", 0.0) + now[0] - syncs
+            into[f"{name}_collective_s"] = into.get(f"{name}_collective_s", 0.0) + now[2] - collective_s
 
     return wrapper
 
@@ -267,10 +275,10 @@ def main() -> None:
             f"  CP={cp} DP={2 // cp}: {r['parameter_tensors']:.0f} parameter tensors\n"
             f"    per optim_step: {r['step_syncs']:.0f} host syncs ({r['adamw_syncs']:.0f} of them inside torch's "
             f"AdamW step itself, {r['step_syncs_outside_adamw']:.0f} outside), {r['step_collectives']:.0f} "
-            f"collectives ({r['collective_s']:.2f} s)\n"
+            f"collectives ({r['collective_s']:.2f} s; the gradient reduction with its check {r['reduce_s']:.2f} s)\n"
             f"    per microbatch: {r['mb_syncs_first']:.0f} host syncs (the last of {r['microbatches']:.0f}, with the "
             f"request's tail: {r['mb_syncs_last']:.0f}), {r['mb_collectives_first']:.0f} collectives\n"
-            f"    optim_step {r['optim_step_s']:.2f} s, less collectives {r['optimizer_s']:.2f} s = "
+            f"    optim_step {r['optim_step_s']:.2f} s, less the reduction and collectives {r['optimizer_s']:.2f} s = "
             f"{r['optimizer_over_adamw_in_step']:.2f} x its AdamW step ({r['adamw_in_step_s']:.2f} s; "
             f"{r['without_replica_check']:.2f} x without the replica check's {r['replica_check_s']:.2f} s); "
             f"{r['optimizer_over_plain']:.2f} x a plain AdamW step after it ({r['plain_adamw_s']:.2f} s)\n"
