@@ -3,7 +3,8 @@ finite checks and update guard read them back together, once.
 
 Every function takes plain tensors (a DTensor's local shard: the caller passes ``to_local()``) on one device and
 returns a tensor on that device; ``device`` is used when the list is empty. ``torch._foreach_norm`` runs one
-kernel per device and dtype group instead of one reduction and one ``float()`` per tensor.
+kernel per device and dtype group instead of one reduction and one ``float()`` per tensor (on CUDA; on CPU the
+maxima take ``torch.aminmax``, see :func:`max_abs`).
 """
 
 from __future__ import annotations
@@ -30,12 +31,23 @@ def sum_of_squares(tensors: list[torch.Tensor], device: torch.device | str = "cp
 def max_abs(tensors: list[torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
     """Per tensor, max |t_i| as float64 ``[len(tensors)]`` (0 for an empty tensor); NaN where the tensor holds a
     NaN and inf where it holds an inf (the max propagates both), so ``isfinite`` of it is the tensor's finite check.
+
+    On CUDA one ``_foreach_norm(ord=inf)`` per device and dtype group; on CPU, where that op is not vectorised
+    (about 15x slower than a float32 L2 norm), ``torch.aminmax`` per tensor (one vectorised pass each).
     """
     out = torch.zeros(len(tensors), dtype=torch.float64, device=device)
     where = [i for i, t in enumerate(tensors) if t.numel() > 0]
-    if where:
-        norms = torch._foreach_norm([tensors[i].detach() for i in where], float("inf"))
-        out[torch.tensor(where, device=device)] = torch.stack([n.to(device, torch.float64) for n in norms])
+    if not where:
+        return out
+    chosen = [tensors[i].detach() for i in where]
+    if all(t.device.type == "cuda" for t in chosen):
+        maxima = list(torch._foreach_norm(chosen, float("inf")))
+    else:
+        maxima = []
+        for t in chosen:
+            low, high = torch.aminmax(t)
+            maxima.append(torch.maximum(-low, high))
+    out[torch.tensor(where, device=device)] = torch.stack([m.to(device, torch.float64) for m in maxima])
     return out
 
 
