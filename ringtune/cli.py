@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import sys
 
 from ringtune.engine.faults import DEBUG_FAULTS
-from ringtune.errors import UserInputError
 from ringtune.ops.cp_modes import ATTENTION_MODES, GATED_DELTA_MODES
 from ringtune.parallel.mesh import DEFAULT_TIMEOUT_S
 from ringtune.probes.attention_parity import AttentionShape
 from ringtune.probes.attention_parity_run import AttentionParityConfig, run_attention_parity
 from ringtune.probes.layer_probe import ProbeSizes
 from ringtune.probes.layer_probe_run import LayerProbeConfig, run_layer_probe
-from ringtune.testing.scenarios import SCENARIOS
+from ringtune.probes.scenarios import SCENARIOS
 
 
 def _csv(text: str) -> tuple[str, ...]:
@@ -23,6 +20,7 @@ def _csv(text: str) -> tuple[str, ...]:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``ringtune`` parser: one subcommand per tool (attention-parity, probe, serve, demo, parity, plan)."""
     parser = argparse.ArgumentParser(prog="ringtune", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     d = AttentionParityConfig()
@@ -61,6 +59,38 @@ def _add_demo_parser(sub: argparse._SubParsersAction) -> None:
     from ringtune.demo.command import add_demo_parser
 
     add_demo_parser(sub)
+
+
+GATEWAY_OPTIONS = (
+    (
+        "--max-live-runs",
+        int,
+        "max_live_runs",
+        "memory for training runs, in full fine-tuning runs of the model (a LoRA run costs its adapters' state)",
+    ),
+    ("--autosave-every", int, "autosave_every", "autosave each run every N optimizer steps (0: off)"),
+    (
+        "--autosave-minutes",
+        float,
+        "autosave_minutes",
+        "autosave a run after a step once M minutes passed since its last save (0: off)",
+    ),
+    (
+        "--sample-slice",
+        float,
+        "sample_slice_s",
+        "seconds a generation decodes per turn before other clients' ops run (0: each runs to its end)",
+    ),
+    (
+        "--lora-pass-runs",
+        int,
+        "lora_pass_runs",
+        "join the waiting forward(_backward) requests of up to N LoRA runs into one pass over the shared base "
+        "(1, the default: each alone; slower on CPU, see docs/lora.md)",
+    ),
+)
+"""``serve`` options that set a :class:`~ringtune.gateway.config.GatewayConfig` field: (flag, type, field, help);
+the default is the field's."""
 
 
 def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -139,43 +169,14 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=LIVENESS_TIMEOUT_S,
         help="seconds without a heartbeat before a rank on another host is dead (ranks on this host: the OS says)",
     )
-    p.add_argument(
-        "--max-live-runs",
-        type=int,
-        default=d.max_live_runs,
-        help="memory for training runs, in full fine-tuning runs of the model (a LoRA run costs its adapters' state)",
-    )
-    p.add_argument(
-        "--autosave-every",
-        type=int,
-        default=d.autosave_every,
-        help="autosave each run every N optimizer steps (0: off)",
-    )
-    p.add_argument(
-        "--autosave-minutes",
-        type=float,
-        default=d.autosave_minutes,
-        help="autosave a run after a step once M minutes passed since its last save (0: off)",
-    )
-    p.add_argument(
-        "--sample-slice",
-        type=float,
-        default=d.sample_slice_s,
-        help="seconds a generation decodes per turn before other clients' ops run (0: each runs to its end)",
-    )
+    for flag, kind, name, text in GATEWAY_OPTIONS:
+        p.add_argument(flag, type=kind, default=getattr(d, name), help=text)
     p.add_argument(
         "--shared-decode",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="decode every sampling request on one base model in one batch per rank, LoRA adapters of several runs "
         "included (--no-shared-decode: each request's rows decode in a batch of their own)",
-    )
-    p.add_argument(
-        "--lora-pass-runs",
-        type=int,
-        default=d.lora_pass_runs,
-        help="join the waiting forward(_backward) requests of up to N LoRA runs into one pass over the shared base "
-        "(1, the default: each alone; slower on CPU, see docs/lora.md)",
     )
     p.add_argument(
         "--routing-replay",
@@ -201,125 +202,6 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     # Parity negative controls only (ringtune.engine.faults): hidden from --help, never for real training.
     p.add_argument("--debug-fault", default=None, choices=DEBUG_FAULTS, help=argparse.SUPPRESS)
-
-
-def _run_serve(args: argparse.Namespace) -> int:
-    """Load the model, print how to point the SDK at the server, then serve until interrupted."""
-    from pathlib import Path
-
-    from ringtune.gateway.config import GatewayConfig
-    from ringtune.gateway.local import LocalBackend
-    from ringtune.gateway.server import serve
-    from ringtune.layout.budget import rank_token_budget
-    from ringtune.worker.executor import ModelSpec
-    from ringtune.worker.launch import WorkerLayout, join_torchrun_world, start_supervised_workers, torchrun_restarts
-
-    for name in ("cp", "dp"):
-        if getattr(args, name) < 1:
-            raise UserInputError(f"--{name}={getattr(args, name)} must be >= 1")
-    budget = args.max_tokens_per_rank or rank_token_budget(args.context_length or 8192, args.cp, pad_multiplier=8)
-    root = Path(args.checkpoint_root).resolve()
-    config = GatewayConfig(
-        checkpoint_root=str(root),
-        api_key=args.api_key,
-        max_live_runs=args.max_live_runs,
-        autosave_every=args.autosave_every,
-        autosave_minutes=args.autosave_minutes,
-        autosave_keep=args.autosave_keep,
-        sample_slice_s=args.sample_slice,
-        restore_live_runs=args.restore_live_runs or torchrun_restarts() > 0,
-        routing_replay=args.routing_replay,
-        lora_pass_runs=args.lora_pass_runs,
-        max_body_bytes=args.max_body_mb * 2**20,
-        fwdbwd_max_chunk_bytes=min(
-            args.max_body_mb * 2**20 // 2, GatewayConfig(checkpoint_root="").fwdbwd_max_chunk_bytes
-        ),
-    )
-    config.validate()
-    from ringtune.worker.preflight import ServeSettings, preflight
-
-    checked = preflight(  # every setting against the model's config, before any rank starts (exit 2 if it cannot serve)
-        ServeSettings(
-            source=args.model,
-            dp=args.dp,
-            cp=args.cp,
-            ep=args.ep,
-            attention=args.attention,
-            gated_delta=args.linear_cp_mode,
-            dtype=args.dtype,
-            max_tokens_per_rank=budget,
-            shard_params=args.shard_params,
-            recompute=args.recompute,
-            mesh_prompt_tokens=args.mesh_prompt_tokens,
-            tokenizer_dir=args.tokenizer,
-            debug_fault=args.debug_fault,
-            routing_replay=args.routing_replay,
-        )
-    )
-    options = {"attention": checked.attention, "gated_delta": checked.gated_delta, "recompute": args.recompute}
-    if args.shard_params != "none":
-        options["shard_params"] = args.shard_params
-    if args.debug_fault is not None:  # parity negative control (hidden flag)
-        options["debug_fault"] = args.debug_fault
-    if args.router_aux_loss_coef != 0.0:  # MoE only; checked again (finite, >= 0, MoE model) by the Trainer
-        if not (math.isfinite(args.router_aux_loss_coef) and args.router_aux_loss_coef > 0):
-            raise UserInputError(f"--router-aux-loss-coef={args.router_aux_loss_coef} must be finite and >= 0")
-        options["router_aux_loss_coef"] = args.router_aux_loss_coef
-    names = {"model_name": args.model_name, "tokenizer_dir": args.tokenizer, "tokenizer_cache": root / ".tokenizers"}
-    if not args.liveness_timeout > 0:
-        raise UserInputError(f"--liveness-timeout={args.liveness_timeout} must be > 0 seconds")
-    layout = WorkerLayout(
-        dp=args.dp, cp=args.cp, ep=args.ep, timeout_s=args.collective_timeout, liveness_timeout_s=args.liveness_timeout
-    )
-    spec = ModelSpec(
-        source=args.model,
-        dtype=args.dtype,
-        max_tokens_per_rank=budget,
-        trainer_options=options,
-        mesh_prompt_tokens=args.mesh_prompt_tokens,
-        record_routing=args.routing_replay,
-        shared_decode=args.shared_decode,
-    )
-    if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: every rank runs this
-        backend = join_torchrun_world(spec, layout, **names)
-        if backend is None:
-            return 0  # a worker rank: served commands until shutdown
-    elif layout.world_size > 1:
-        if args.max_restarts < 0:
-            raise UserInputError(f"--max-restarts={args.max_restarts} must be >= 0")
-        backend = start_supervised_workers(spec, layout, max_restarts=args.max_restarts, **names)
-    else:
-        backend = LocalBackend(
-            args.model,
-            max_tokens_per_rank=budget,
-            dtype=args.dtype,
-            trainer_options=options,
-            mesh_prompt_tokens=args.mesh_prompt_tokens,
-            record_routing=args.routing_replay,
-            shared_decode=args.shared_decode,
-            **names,
-        )
-    info = backend.info()
-    url = f"http://{args.host}:{args.port}"
-    print(f"ringtune gateway: {info.model_name} ({info.arch}, {info.dtype}), context {info.context_length} tokens,")
-    print(f"  DP={info.dp_size} x CP={info.cp_size} ranks ({checked.attention} attention, {checked.gated_delta} GDN),")
-    for note in checked.notes:
-        print(f"  note: {note}")
-    print(f"  {budget} tokens per rank, checkpoints in {root}, tokenizer {info.tokenizer_dir}")
-    print(f"  serving on {url}; point the SDK at it with:")
-    print(f"  TINKER_BASE_URL={url} TINKER_API_KEY={args.api_key or 'tml-local'}")
-    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
-        print("  warning: bound beyond loopback without --api-key: anyone who reaches it can train", file=sys.stderr)
-    sys.stdout.flush()
-    import logging
-
-    # One line per operation (ringtune.gateway.observe) beside uvicorn's own lines.
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        serve(backend, config, host=args.host, port=args.port, log_level=args.log_level)
-    except KeyboardInterrupt:  # uvicorn already shut down gracefully (the backend and workers are closed)
-        pass
-    return 0
 
 
 def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
@@ -374,6 +256,7 @@ def _probe_config(args: argparse.Namespace) -> LayerProbeConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the subcommand ``argv`` names (default: ``sys.argv``); its exit code (2: a bad option or setting)."""
     args = build_parser().parse_args(argv)
     if args.command == "attention-parity":
         unknown = [s for s in args.scenarios if s not in SCENARIOS]
@@ -399,9 +282,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if run_layer_probe(_probe_config(args)) else 1
     if args.command == "serve":
         from ringtune.errors import UserInputError
+        from ringtune.worker.serve_command import run_serve
 
         try:
-            return _run_serve(args)
+            return run_serve(args)
         except UserInputError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

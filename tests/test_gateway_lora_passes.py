@@ -19,8 +19,8 @@ import tinker
 from gateway_fixtures import API_KEY, MAX_TOKENS_PER_RANK, MODEL_NAME, tiny_model_dir
 
 from ringtune.gateway.config import GatewayConfig
-from ringtune.gateway.local import LocalBackend
 from ringtune.gateway.server import ServerThread
+from ringtune.worker.local import LocalBackend
 
 ADAM = tinker.AdamParams(learning_rate=1e-2)
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from support.tiny_models import hf_model
 from test_engine import ADAM, make_data
 from torch.distributed.tensor import DTensor
 
@@ -24,7 +25,6 @@ from ringtune.models.checkpoints.hf import load_hf
 from ringtune.models.precision import PRECISIONS, check_compute_dtype, check_precision, set_compute_dtype
 from ringtune.models.shard import shard_of
 from ringtune.sample.pool import snapshot_of
-from ringtune.testing.tiny_models import hf_model
 from ringtune.worker.executor import DTYPES, ModelSpec, RankExecutor, trainer_dtype_options
 
 LENS = (2, 17, 5, 40, 3, 9, 2, 13)
@@ -279,7 +279,7 @@ def test_cp_and_fsdp_mixed_match_cp1_mixed(pool4, checkpoint):
 def test_serve_backend_and_flag_take_bf16_mixed(checkpoint):
     """``ringtune serve --dtype bf16-mixed``: the flag parses, the backend reports it and its runs train mixed."""
     from ringtune.cli import build_parser
-    from ringtune.gateway.local import LocalBackend
+    from ringtune.worker.local import LocalBackend
 
     assert build_parser().parse_args(["serve", "--dtype", "bf16-mixed"]).dtype == "bf16-mixed"
     with pytest.raises(SystemExit):  # argparse refuses a name outside the registry (exit 2, choices listed)

@@ -15,6 +15,7 @@ import pathlib
 
 import pytest
 import torch
+from support.tiny_models import LENGTHS, hf_model, next_token_labels, packed_tokens
 
 from ringtune.engine.gradients import GradientInvariant, GradientInvariantError
 from ringtune.layout import zigzag_slice
@@ -22,7 +23,6 @@ from ringtune.models.checkpoints.hf import load_hf
 from ringtune.models.layers.moe import is_expert_parameter, moe_blocks, set_expert_parallel
 from ringtune.models.recompute import set_recompute
 from ringtune.models.shard import shard_of
-from ringtune.testing.tiny_models import LENGTHS, hf_model, next_token_labels, packed_tokens
 
 pytest.importorskip("transformers")
 

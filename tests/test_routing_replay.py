@@ -15,6 +15,7 @@ import pathlib
 
 import pytest
 import torch
+from support.tiny_models import hf_model
 
 from ringtune.engine.batch import TrainDatum
 from ringtune.engine.trainer import Trainer
@@ -24,7 +25,6 @@ from ringtune.models.checkpoints.hf import load_hf
 from ringtune.models.layers.moe import capturing_routing, moe_shape
 from ringtune.models.shard import shard_of
 from ringtune.sample import SamplingParams, generate
-from ringtune.testing.tiny_models import hf_model
 
 pytest.importorskip("transformers")
 
@@ -133,8 +133,8 @@ def test_served_replay_matches_sampled_sequences(tmp_path):
     from gateway_fixtures import API_KEY, tiny_model_dir
 
     from ringtune.gateway.config import GatewayConfig
-    from ringtune.gateway.local import LocalBackend
     from ringtune.gateway.server import ServerThread
+    from ringtune.worker.local import LocalBackend
 
     model_dir = tiny_model_dir(tmp_path / "model")  # the 96-word tokenizer ...
     hf_model("qwen3_5_moe", seed=5).save_pretrained(model_dir)  # ... with a Qwen3.5-MoE in place of the model

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.tiny_models import hf_model
 
 from ringtune.errors import UserInputError
 from ringtune.models.checkpoints.hf import load_hf
@@ -25,7 +26,6 @@ from ringtune.sample.params import SamplingParams
 from ringtune.sample.pool import SampleRequest
 from ringtune.sample.prefill import prefill
 from ringtune.sample.sampler import generate
-from ringtune.testing.tiny_models import hf_model
 from ringtune.worker.commands import Command
 from ringtune.worker.executor import ModelSpec, RankExecutor
 
@@ -184,7 +184,7 @@ def _requests() -> list[SampleRequest]:
 
 
 def executor_case(ctx, *, root: str, dp: int, cp: int):
-    import ringtune.worker.executor as executor_module
+    import ringtune.worker.mesh_prefill as executor_module  # where the executor's mesh prefill calls it
 
     routed: list[int] = []  # prompts per prompts_forward call: proves which requests took the mesh
     original = executor_module.prompts_forward

@@ -1,4 +1,4 @@
-"""FastAPI routes of the Tinker API (../shared/docs/tinker-protocol.md sections 5 and 17); routes only.
+"""FastAPI routes of the Tinker API (docs/protocol.md, "Routes" and "Errors"); routes only.
 
 Every error is JSON ``{"error", "category", "detail"}`` with a 4xx status for what the client got wrong
 (never an empty-body 400, never 402 or 409, never 5xx for a deterministic user error). An ASGI guard in
@@ -10,9 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import inspect
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -23,8 +24,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ringtune.errors import UserInputError
 from ringtune.gateway import rest
 from ringtune.gateway.downloads import DOWNLOAD_PREFIX
+from ringtune.gateway.refusal import RefusedError
 from ringtune.gateway.sampling import CreateSamplingSessionBody, SampleBody
-from ringtune.gateway.service import GatewayService, RefusedError
+from ringtune.gateway.service import GatewayService
 from ringtune.gateway.wire import (
     CreateModelBody,
     CreateSessionBody,
@@ -122,19 +124,32 @@ def _decompress(request: Request, body: bytes, limit: int) -> bytes:
         raise RefusedError(400, f"zstd body does not decompress within {limit} bytes: {exc}") from None
 
 
+def json_route(name: str, body_type: type, handle: Callable[[Any], dict[str, Any]]) -> Callable[..., Any]:
+    """A POST endpoint named ``name`` whose JSON body FastAPI parses into ``body_type`` (a pydantic model: a 422 in
+    our shape when it does not fit) and hands to ``handle``; it answers ``handle``'s dict."""
+
+    async def route(body: Any) -> dict[str, Any]:
+        return handle(body)
+
+    route.__name__ = route.__qualname__ = name
+    body = inspect.Parameter("body", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=body_type)
+    route.__signature__ = inspect.Signature([body], return_annotation=dict[str, Any])  # type: ignore[attr-defined]
+    return route
+
+
 def create_app(service: GatewayService) -> Guard:
     """The ASGI app of ``service`` (with the :class:`Guard` in front). Its lifespan binds the service to the
     loop, runs ``service.tick`` every second, and closes the service at shutdown."""
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        service.bind_loop(asyncio.get_running_loop())
+        service.dispatcher.bind_loop(asyncio.get_running_loop())
 
         async def ticker() -> None:
             while True:
                 await asyncio.sleep(1.0)
                 try:
-                    service.tick()
+                    service.runs.tick()
                 except Exception:
                     log.exception("gateway tick failed")
 
@@ -191,50 +206,32 @@ def create_app(service: GatewayService) -> Guard:
     async def dynamic_config() -> dict[str, Any]:
         return {}
 
-    @app.post(f"{PREFIX}/create_session")
-    async def create_session(body: CreateSessionBody) -> dict[str, Any]:
-        return service.create_session(body.user_metadata, body.tags)
-
-    @app.post(f"{PREFIX}/session_heartbeat")
-    async def session_heartbeat(body: SessionBody) -> dict[str, Any]:
-        return service.heartbeat(body.session_id)
-
-    @app.post(f"{PREFIX}/telemetry")
-    async def telemetry() -> dict[str, Any]:
-        return {"status": "accepted"}
+    json_routes: dict[str, tuple[type, Callable[[Any], dict[str, Any]]]] = {
+        "create_session": (CreateSessionBody, lambda b: service.runs.create_session(b.user_metadata, b.tags)),
+        "session_heartbeat": (SessionBody, lambda b: service.runs.heartbeat(b.session_id)),
+        "create_model": (CreateModelBody, service.creation.create_model),
+        "get_info": (ModelBody, lambda b: service.runs.get_info(b.model_id)),
+        "optim_step": (OptimStepBody, service.training.optim_step),
+        "save_weights": (SaveWeightsBody, service.checkpoints.save_weights),
+        "load_weights": (LoadWeightsBody, service.checkpoints.load_weights),
+        "save_weights_for_sampler": (SaveWeightsForSamplerBody, service.checkpoints.save_weights_for_sampler),
+        "save_weights_external": (SaveWeightsExternalBody, service.checkpoints.save_weights_external),
+    }
+    for name, (body_type, handle) in json_routes.items():
+        app.post(f"{PREFIX}/{name}")(json_route(name, body_type, handle))
 
     @app.post(f"{PREFIX}/sessions/{{session_id}}/finish")
     async def finish_session(session_id: str, body: FinishSessionBody | None = None) -> dict[str, Any]:
-        return service.finish_session(session_id, (body or FinishSessionBody()).reason.type)
-
-    @app.post(f"{PREFIX}/create_model")
-    async def create_model(body: CreateModelBody) -> dict[str, Any]:
-        return service.create_model(body)
-
-    @app.post(f"{PREFIX}/get_info")
-    async def get_info(body: ModelBody) -> dict[str, Any]:
-        return service.get_info(body.model_id)
+        return service.runs.finish_session(session_id, (body or FinishSessionBody()).reason.type)
 
     @app.post(f"{PREFIX}/forward_backward")
     async def forward_backward(request: Request) -> dict[str, Any]:
         body = _decompress(request, await request.body(), config.max_body_bytes)
-        return service.forward_backward(body)
+        return service.training.forward_backward(body)
 
-    @app.post(f"{PREFIX}/optim_step")
-    async def optim_step(body: OptimStepBody) -> dict[str, Any]:
-        return service.optim_step(body)
-
-    @app.post(f"{PREFIX}/save_weights")
-    async def save_weights(body: SaveWeightsBody) -> dict[str, Any]:
-        return service.save_weights(body)
-
-    @app.post(f"{PREFIX}/load_weights")
-    async def load_weights(body: LoadWeightsBody) -> dict[str, Any]:
-        return service.load_weights(body)
-
-    @app.post(f"{PREFIX}/save_weights_for_sampler")
-    async def save_weights_for_sampler(body: SaveWeightsForSamplerBody) -> dict[str, Any]:
-        return service.save_weights_for_sampler(body)
+    @app.post(f"{PREFIX}/telemetry")
+    async def telemetry() -> dict[str, Any]:
+        return {"status": "accepted"}
 
     @app.post(f"{PREFIX}/create_sampling_session")
     async def create_sampling_session(body: CreateSamplingSessionBody) -> dict[str, Any]:
@@ -275,10 +272,6 @@ def create_app(service: GatewayService) -> Guard:
     @app.post(f"{PREFIX}/weights_info")
     async def weights_info(body: WeightsInfoBody) -> dict[str, Any]:
         return rest.weights_info(service, body.tinker_path)
-
-    @app.post(f"{PREFIX}/save_weights_external")
-    async def save_weights_external(body: SaveWeightsExternalBody) -> dict[str, Any]:
-        return service.save_weights_external(body)
 
     @app.get(f"{PREFIX}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}/external_weights_urls")
     async def external_weights_urls(run_id: str, checkpoint_id: str, request: Request) -> dict[str, Any]:

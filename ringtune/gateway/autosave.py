@@ -57,6 +57,7 @@ class Autosaver:
 
     @property
     def enabled(self) -> bool:
+        """Whether any autosave is configured (``--autosave-every`` or ``--autosave-minutes`` > 0)."""
         return self.every > 0 or self.minutes > 0
 
     def saved(self, run_id: str) -> None:

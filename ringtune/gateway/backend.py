@@ -9,6 +9,11 @@ checkpoint root; for several hosts that root must be a shared filesystem).
 
 Errors: :class:`~ringtune.errors.UserInputError` means the request was refused before anything changed (the
 gateway answers ``category: user``); any other exception is a server error.
+
+The protocol is also the one table of verbs (:data:`VERBS`): each method's ``@verb`` declaration says which worker
+command runs it on every rank and which run or sampling session it addresses; the observer
+(:mod:`ringtune.gateway.observe`), the supervisor (:mod:`ringtune.worker.supervisor`) and rank 0's command
+publisher (:mod:`ringtune.worker.backend`) derive their methods from it (:func:`~ringtune.gateway.verbs.forward_verbs`).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 
 from ringtune.engine.optimizer import AdamParams
 from ringtune.engine.trainer import TrainDatum
+from ringtune.gateway.verbs import Verb, verb, verbs_of
 from ringtune.sample.pool import SampleRequest, SamplerSource
 from ringtune.sample.sampler import PromptSamples
 
@@ -74,23 +80,28 @@ class BackendHealth:
 class Backend(Protocol):
     """The training verbs, per training run (``run_id`` = the Tinker model id)."""
 
+    @verb()
     def info(self) -> BackendInfo:
         """The served model's description (cheap; may be called from the event loop)."""
         ...
 
+    @verb()
     def health(self) -> BackendHealth:
         """Whether the backend can serve (cheap; may be called from the event loop)."""
         ...
 
+    @verb("create_run", addressee="run_id", lifecycle="create")
     def create_run(self, run_id: str, base_model: str, lora: Mapping[str, Any] | None = None) -> None:
         """A fresh trainable copy of ``base_model`` (one of ``info().model_name`` / ``aliases``) under ``run_id``;
         with ``lora`` (a :class:`~ringtune.models.lora.LoraSpec` as a dict) a LoRA run on the shared frozen base."""
         ...
 
+    @verb("free_run", addressee="run_id", lifecycle="free")
     def free_run(self, run_id: str) -> None:
         """Drop the run's weights, gradients and optimizer state; unknown ids are ignored."""
         ...
 
+    @verb("forward_backward", addressee="run_id")
     def forward_backward(
         self,
         run_id: str,
@@ -104,6 +115,7 @@ class Backend(Protocol):
         until :meth:`optim_step` unless ``forward_only``."""
         ...
 
+    @verb("forward_backward_many", addressee="run_ids")
     def forward_backward_many(
         self,
         run_ids: Sequence[str],
@@ -118,32 +130,39 @@ class Backend(Protocol):
         another exception (``server``: a restored run's notice)."""
         ...
 
+    @verb("optim_step", addressee="run_id")
     def optim_step(self, run_id: str, adam: AdamParams) -> dict[str, float]:
         """Apply the accumulated gradients with AdamW(``adam``) and clear them; returns metrics."""
         ...
 
+    @verb("save_state", addressee="run_id")
     def save_state(self, run_id: str, path: str) -> None:
         """Write weights + optimizer state + step to the checkpoint directory ``path`` (atomically)."""
         ...
 
+    @verb("load_state", addressee="run_id")
     def load_state(self, run_id: str, path: str, optimizer: bool) -> None:
         """Restore a :meth:`save_state` checkpoint; ``optimizer=False`` keeps the weights only (fresh moments).
         UserInputError (nothing changed) if ``path`` is missing or for another model."""
         ...
 
+    @verb("export_hf", addressee="run_id")
     def export_for_sampler(self, run_id: str, path: str) -> None:
         """Write the run's current weights as an HF checkpoint directory ``path`` (atomically)."""
         ...
 
+    @verb("create_sampler", addressee="sampler_id", lifecycle="create")
     def create_sampler(self, sampler_id: str, source: SamplerSource) -> None:
         """A sampling session on ``source`` (base model, an HF export directory, or a live run's current
         weights, snapshotted now); see :mod:`ringtune.sample.pool`."""
         ...
 
+    @verb("free_sampler", addressee="sampler_id", lifecycle="free")
     def free_sampler(self, sampler_id: str) -> None:
         """Forget a sampling session; unknown ids are ignored."""
         ...
 
+    @verb("sample", addressee="sampler_id")
     def sample(
         self,
         sampler_id: str,
@@ -160,16 +179,23 @@ class Backend(Protocol):
         other verbs (a long generation does not hold the others back for its whole duration)."""
         ...
 
+    @verb("sample_more")
     def sample_more(self, job_id: str, slice_s: float | None = None) -> list[PromptSamples] | None:
         """The next slice of a :meth:`sample` job: its results once it finished, else None. A job the backend
         lost (its worker ranks restarted) raises a server error."""
         ...
 
+    @verb("probe")
     def probe(self, name: str) -> dict[str, Any]:
         """Run served probe ``name`` (:data:`ringtune.probes.ring_accumulation.SERVED_PROBES`) on the backend's
         own ranks, modes and dtype; its JSON-able summary. UserInputError for an unknown name."""
         ...
 
+    @verb()
     def close(self) -> None:
         """Release everything (end of the server)."""
         ...
+
+
+VERBS: dict[str, Verb] = verbs_of(Backend)
+"""The one table of backend verbs (:mod:`ringtune.gateway.verbs`): name, signature, contract, worker command."""

@@ -1,10 +1,12 @@
 """Observability of the backend verbs: one log line per operation and a JSONL metrics file per training run.
 
-:class:`ObservedBackend` wraps any :class:`~ringtune.gateway.backend.Backend`: every verb logs
-``op=<verb> model=<run> datums=<n> tokens=<n> seconds=<s> ok|error`` on the ``ringtune.ops`` logger, and the
-metrics of ``forward_backward`` / ``forward`` / ``optim_step`` are appended, one JSON object per line, to
-``<checkpoint_root>/<run_id>/metrics.jsonl`` with the wall time and the op (optim_step's metrics carry the
-trainer's ``step:max``).
+:class:`ObservedBackend` wraps any :class:`~ringtune.gateway.backend.Backend`: every verb that runs on the workers
+logs ``op=<verb> model=<run or session> <argument summary> seconds=<s> ok|error`` on the ``ringtune.ops`` logger
+(the summary: ``datums`` / ``tokens`` of training data, ``requests`` / ``sequences`` of sampling requests, the
+loss, path, job or probe name), and the metrics of ``forward_backward`` / ``forward`` / ``optim_step`` are
+appended, one JSON object per line, to ``<checkpoint_root>/<run_id>/metrics.jsonl`` with the wall time and the op
+(optim_step's metrics carry the trainer's ``step:max``). Its methods are derived from the verb table
+(:data:`~ringtune.gateway.backend.VERBS`).
 """
 
 from __future__ import annotations
@@ -12,22 +14,21 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from ringtune.engine.optimizer import AdamParams
-from ringtune.engine.trainer import TrainDatum
-from ringtune.gateway.backend import Backend, BackendHealth, BackendInfo
-from ringtune.sample.pool import SampleRequest, SamplerSource
-from ringtune.sample.sampler import PromptSamples
+from ringtune.gateway.backend import VERBS, Backend
+from ringtune.gateway.verbs import Verb, forward_verbs
 
 log = logging.getLogger("ringtune.ops")
 
+_NAMED = ("loss_fn", "path", "job_id", "name")
+"""Arguments logged as they are."""
 
-def _tokens(data: Sequence[TrainDatum]) -> int:
+
+def datum_tokens(data: Sequence[Any]) -> int:
+    """Tokens of the training datums ``data`` (a datum without a length counts 0)."""
     total = 0
     for d in data:
         try:
@@ -37,30 +38,57 @@ def _tokens(data: Sequence[TrainDatum]) -> int:
     return total
 
 
+def argument_summary(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The log fields of a verb's ``arguments``: counts of its data and sampling requests, named values."""
+    fields: dict[str, Any] = {}
+    data = arguments.get("data")
+    if data is not None:
+        parts = data if "run_ids" in arguments else [data]  # forward_backward_many: one list per run
+        fields |= {"datums": sum(len(p) for p in parts), "tokens": sum(datum_tokens(p) for p in parts)}
+    requests = arguments.get("requests")
+    if requests is not None:
+        fields |= {"requests": len(requests), "sequences": sum(r.num_samples for r in requests)}
+    return fields | {k: arguments[k] for k in _NAMED if arguments.get(k) is not None}
+
+
+def op_name(one: Verb, arguments: Mapping[str, Any]) -> str:
+    """The logged and recorded op: the verb's name, ``forward`` for a forward-only ``forward_backward``."""
+    if arguments.get("forward_only"):
+        return one.name.replace("forward_backward", "forward")
+    return one.name
+
+
+@forward_verbs(VERBS)
 class ObservedBackend:
     """``backend`` with a log line per verb and per-run metrics files under ``root`` (see the module docstring)."""
 
     def __init__(self, backend: Backend, root: str | Path) -> None:
         self.backend, self.root = backend, Path(root)
 
-    def info(self) -> BackendInfo:
-        return self.backend.info()
-
-    def health(self) -> BackendHealth:
-        return self.backend.health()
-
-    def _observe(self, op: str, run_id: str | None, call: Callable[[], Any], **fields: Any) -> Any:
-        start = time.perf_counter()
-        status = "ok"
+    def call_verb(self, one: Verb, arguments: dict[str, Any]) -> Any:
+        """``one`` on the wrapped backend; logged and its metrics recorded when it runs on the workers."""
+        call = getattr(self.backend, one.name)
+        if one.command is None:  # info, health, close: answered by the backend alone
+            return call(**arguments)
+        op = op_name(one, arguments)
+        addressee = arguments.get(one.addressee) if one.addressee else None
+        model = ",".join(addressee) if isinstance(addressee, list | tuple) else addressee
+        start, status = time.perf_counter(), "ok"
         try:
-            return call()
+            result = call(**arguments)
         except Exception as exc:
             status = f"error={type(exc).__name__}"
             raise
         finally:
-            extra = " ".join(f"{k}={v}" for k, v in fields.items())
-            seconds = time.perf_counter() - start
-            log.info("op=%s model=%s %s seconds=%.3f %s", op, run_id, extra, seconds, status)
+            extra = " ".join(f"{k}={v}" for k, v in argument_summary(arguments).items())
+            log.info("op=%s model=%s %s seconds=%.3f %s", op, model, extra, time.perf_counter() - start, status)
+        if one.name in ("forward_backward", "optim_step"):
+            self._record(arguments["run_id"], op, result if one.name == "optim_step" else result[1])
+        elif one.name == "forward_backward_many":
+            for run_id, outcome in zip(arguments["run_ids"], result, strict=True):
+                if not isinstance(outcome, Exception):  # a run's own error (user, or a restored run's notice)
+                    self._record(run_id, op.removesuffix("_many"), outcome[1])
+        return result
 
     def _record(self, run_id: str, op: str, metrics: Mapping[str, float]) -> None:
         path = self.root / run_id / "metrics.jsonl"
@@ -71,97 +99,3 @@ class ObservedBackend:
                 f.write(json.dumps(line) + "\n")
         except OSError as exc:  # metrics are best effort: never fail a training op over them
             log.warning("metrics file %s not written: %s", path, exc)
-
-    def create_run(self, run_id: str, base_model: str, lora: Mapping[str, Any] | None = None) -> None:
-        self._observe("create_run", run_id, lambda: self.backend.create_run(run_id, base_model, lora))
-
-    def free_run(self, run_id: str) -> None:
-        self._observe("free_run", run_id, lambda: self.backend.free_run(run_id))
-
-    def forward_backward(
-        self,
-        run_id: str,
-        data: Sequence[TrainDatum],
-        loss_fn: str,
-        loss_config: Mapping[str, float] | None,
-        forward_only: bool,
-    ) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
-        op = "forward" if forward_only else "forward_backward"
-        outputs, metrics = self._observe(
-            op,
-            run_id,
-            lambda: self.backend.forward_backward(run_id, data, loss_fn, loss_config, forward_only),
-            loss_fn=loss_fn,
-            datums=len(data),
-            tokens=_tokens(data),
-        )
-        self._record(run_id, op, metrics)
-        return outputs, metrics
-
-    def forward_backward_many(
-        self,
-        run_ids: Sequence[str],
-        data: Sequence[Sequence[TrainDatum]],
-        loss_fn: str,
-        loss_config: Mapping[str, float] | None,
-        forward_only: bool,
-    ) -> list[tuple[list[dict[str, torch.Tensor]], dict[str, float]] | Exception]:
-        op = "forward" if forward_only else "forward_backward"
-        results = self._observe(
-            f"{op}_many",
-            ",".join(run_ids),
-            lambda: self.backend.forward_backward_many(run_ids, data, loss_fn, loss_config, forward_only),
-            loss_fn=loss_fn,
-            runs=len(run_ids),
-            datums=sum(len(d) for d in data),
-            tokens=sum(_tokens(d) for d in data),
-        )
-        for run_id, result in zip(run_ids, results, strict=True):
-            if not isinstance(result, Exception):  # a run's own error (user, or a restored run's notice)
-                self._record(run_id, op, result[1])
-        return results
-
-    def optim_step(self, run_id: str, adam: AdamParams) -> dict[str, float]:
-        metrics = self._observe("optim_step", run_id, lambda: self.backend.optim_step(run_id, adam))
-        self._record(run_id, "optim_step", metrics)
-        return metrics
-
-    def save_state(self, run_id: str, path: str) -> None:
-        self._observe("save_state", run_id, lambda: self.backend.save_state(run_id, path), path=path)
-
-    def load_state(self, run_id: str, path: str, optimizer: bool) -> None:
-        self._observe("load_state", run_id, lambda: self.backend.load_state(run_id, path, optimizer), path=path)
-
-    def export_for_sampler(self, run_id: str, path: str) -> None:
-        self._observe("export_for_sampler", run_id, lambda: self.backend.export_for_sampler(run_id, path), path=path)
-
-    def create_sampler(self, sampler_id: str, source: SamplerSource) -> None:
-        self._observe("create_sampler", source.run_id, lambda: self.backend.create_sampler(sampler_id, source))
-
-    def free_sampler(self, sampler_id: str) -> None:
-        self._observe("free_sampler", None, lambda: self.backend.free_sampler(sampler_id))
-
-    def sample(
-        self,
-        sampler_id: str,
-        requests: Sequence[SampleRequest],
-        *,
-        job_id: str | None = None,
-        slice_s: float | None = None,
-    ) -> list[PromptSamples] | None:
-        return self._observe(
-            "sample",
-            sampler_id,
-            lambda: self.backend.sample(sampler_id, requests, job_id=job_id, slice_s=slice_s),
-            requests=len(requests),
-            sequences=sum(r.num_samples for r in requests),
-        )
-
-    def sample_more(self, job_id: str, slice_s: float | None = None) -> list[PromptSamples] | None:
-        return self._observe("sample_more", None, lambda: self.backend.sample_more(job_id, slice_s), job=job_id)
-
-    def probe(self, name: str) -> dict[str, Any]:
-        return self._observe("probe", None, lambda: self.backend.probe(name), probe=name)
-
-    def close(self) -> None:
-        self.backend.close()

@@ -1,7 +1,7 @@
 """The REST side of the protocol (no futures): training runs, checkpoints, weights info, capabilities.
 
 Functions of a :class:`~ringtune.gateway.service.GatewayService`, run on the event loop thread; unknown ids
-raise :class:`~ringtune.gateway.service.RefusedError` 404, malformed ones 400.
+raise :class:`~ringtune.gateway.refusal.RefusedError` 404, malformed ones 400.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from typing import Any
 from ringtune.errors import UserInputError
 from ringtune.gateway import translate
 from ringtune.gateway.downloads import confined_file
-from ringtune.gateway.service import GatewayService, RefusedError
+from ringtune.gateway.refusal import RefusedError
+from ringtune.gateway.service import GatewayService
 from ringtune.gateway.state import RunRecord
 
 MAX_PAGE = 1000

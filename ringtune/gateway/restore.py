@@ -24,32 +24,43 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ringtune.engine.checkpoint_layout import checkpoint_step
 from ringtune.errors import UserInputError
+from ringtune.gateway.backend import Backend
 from ringtune.gateway.futures import SeqGate
-
-if TYPE_CHECKING:
-    from ringtune.gateway.service import GatewayService
+from ringtune.gateway.paths import CheckpointPaths
+from ringtune.gateway.state import Registry
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class RestoredRun:
-    """One run brought back: its id, the step it resumes from and where that state came from."""
+    """One run brought back: its id, the step it resumes from, where that state came from, and the notice
+    (a ``category: server`` error message) its first request gets instead of running."""
 
     run_id: str
     step: int
     source: str
 
+    @property
+    def notice(self) -> str:
+        """What the run's first request after the restart answers (module docstring)."""
+        return (
+            f"the server restarted; run {self.run_id} was restored to step {self.step} from {self.source}: the "
+            "optimizer steps after it and the gradients accumulated since were lost. This request was not executed; "
+            "resend it (and the lost steps) to go on"
+        )
 
-def restore_live_runs(service: GatewayService) -> list[RestoredRun]:
-    """Open the saved sessions again and re-create their live runs (module docstring); the runs restored.
 
+def restore_live_runs(registry: Registry, backend: Backend, paths: CheckpointPaths) -> list[RestoredRun]:
+    """Open ``registry``'s saved sessions again and re-create their live runs on ``backend`` from their newest
+    checkpoint under ``paths`` (module docstring); the runs restored. The caller applies the rest: each run's
+    first request answers :attr:`RestoredRun.notice`, and its autosave clock starts now.
+
+    Changes ``registry`` (sessions open again, the runs live with a fresh ordering gate, their records saved).
     Runs on the constructing thread, before the gateway serves (nothing else uses the backend yet)."""
-    registry = service.registry
     sessions = {s.session_id: s for s in registry.take_saved_sessions(restore=True)}
     restored = []
     for record in sorted(registry.runs.values(), key=lambda r: r.run_id):
@@ -57,27 +68,21 @@ def restore_live_runs(service: GatewayService) -> list[RestoredRun]:
         if not record.was_live or session is None:
             continue
         try:
-            service.backend.create_run(record.run_id, record.base_model, record.lora)
+            backend.create_run(record.run_id, record.base_model, record.lora)
         except Exception as exc:  # listed, not live: its requests say so (load a checkpoint instead)
             log.error("restore: run %s was not re-created: %s", record.run_id, exc)
             continue
         step, source = 0, "the base model (it had no training checkpoint)"
         checkpoint = record.last("weights")
         if checkpoint is not None:
-            path = service.paths.checkpoint(record.run_id, "weights", checkpoint.name)
+            path = paths.checkpoint(record.run_id, "weights", checkpoint.name)
             try:
-                service.backend.load_state(record.run_id, str(path), True)
+                backend.load_state(record.run_id, str(path), True)
                 step, source = checkpoint_step(path), f"checkpoint {checkpoint.checkpoint_id}"
             except (UserInputError, OSError, ValueError, KeyError) as exc:
                 log.error("restore: run %s: %s did not load (%s); base model", record.run_id, path, exc)
         record.live, record.freed, record.gate = True, False, SeqGate(first=None)
         session.runs.append(record.run_id)
-        service.autosave.saved(record.run_id)
-        service.notices[record.run_id] = (
-            f"the server restarted; run {record.run_id} was restored to step {step} from {source}: the optimizer "
-            "steps after it and the gradients accumulated since were lost. This request was not executed; resend "
-            "it (and the lost steps) to go on"
-        )
         registry.save(record)
         restored.append(RestoredRun(record.run_id, step, source))
         log.warning("restore: run %s live again at step %d from %s", record.run_id, step, source)

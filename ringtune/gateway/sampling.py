@@ -51,6 +51,8 @@ SHUT_DOWN = "the server is shutting down; this sampling request was not finished
 
 
 class CreateSamplingSessionBody(BaseModel):
+    """``create_sampling_session``: exactly one of ``base_model`` and ``model_path`` (a sampler export)."""
+
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
     session_id: str
     sampling_session_seq_id: int = 0

@@ -62,6 +62,7 @@ class FairExecutor(Executor):
         self._thread.start()
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        """Queue ``fn(*args, **kwargs)`` under the default key; its Future (RuntimeError after :meth:`shutdown`)."""
         return self.submit_for(DEFAULT_KEY, fn, *args, **kwargs)
 
     def submit_for(self, key: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
@@ -131,6 +132,8 @@ class FairExecutor(Executor):
                     job.future.set_result(result)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Accept no more jobs; with ``cancel_futures`` cancel the queued ones; with ``wait`` join the thread once
+        the job running now (and, without ``cancel_futures``, every queued one) has finished."""
         with self._cv:
             self._shutdown = True
             if cancel_futures:

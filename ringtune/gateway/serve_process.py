@@ -93,6 +93,7 @@ class ServeProcess:
 
     @property
     def url(self) -> str:
+        """The child server's base URL."""
         return f"http://127.0.0.1:{self.port}"
 
     def log_tail(self, lines: int = 20) -> str:

@@ -63,6 +63,7 @@ class DrainingServer(uvicorn.Server):
         self._draining = False
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """uvicorn's signal handler: the first SIGTERM / SIGINT drains (module docstring), a second one exits."""
         if self._draining or not self.started:
             super().handle_exit(sig, frame)
             return
@@ -111,6 +112,7 @@ class ServerThread:
 
     @property
     def url(self) -> str:
+        """The gateway's base URL."""
         return f"http://{self.host}:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> str:

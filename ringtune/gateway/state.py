@@ -48,6 +48,7 @@ class CheckpointRecord:
 
     @property
     def checkpoint_id(self) -> str:
+        """``<kind>/<name>``, as in ``tinker://<run>/<kind>/<name>``."""
         return f"{self.kind}/{self.name}"
 
     def to_wire(self, run_id: str) -> dict[str, Any]:
@@ -64,6 +65,7 @@ class CheckpointRecord:
         }
 
     def to_json(self) -> dict[str, Any]:
+        """The record as stored in its run's ``run.json`` (:meth:`from_json` reads it back)."""
         return {
             "kind": self.kind,
             "name": self.name,
@@ -75,6 +77,7 @@ class CheckpointRecord:
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> CheckpointRecord:
+        """A record from :meth:`to_json`'s dict."""
         return CheckpointRecord(
             kind=d["kind"],
             name=d["name"],
@@ -106,9 +109,11 @@ class RunRecord:
     """Read from disk: the run was live when the previous server last wrote its record."""
 
     def touch(self) -> None:
+        """The run got a request now (``last_request_time``)."""
         self.last_request_time = now_utc()
 
     def last(self, kind: str) -> CheckpointRecord | None:
+        """The run's newest checkpoint of ``kind`` (``weights``, ``sampler_weights``, ...), or None."""
         found = [c for c in self.checkpoints.values() if c.kind == kind]
         return max(found, key=lambda c: c.time) if found else None
 
@@ -129,6 +134,7 @@ class RunRecord:
         }
 
     def to_json(self) -> dict[str, Any]:
+        """The record as stored in ``<root>/<run_id>/run.json`` (:meth:`from_json` reads it back)."""
         return {
             "format": RUN_FORMAT,
             "run_id": self.run_id,
@@ -144,6 +150,7 @@ class RunRecord:
 
     @staticmethod
     def from_json(d: dict[str, Any]) -> RunRecord:
+        """A record from :meth:`to_json`'s dict (``was_live`` set from its ``live``)."""
         checkpoints = [CheckpointRecord.from_json(c) for c in d.get("checkpoints", [])]
         return RunRecord(
             run_id=d["run_id"],
@@ -172,6 +179,7 @@ class Session:
     runs: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
+        """The open session as stored under the checkpoint root (restored by ``--restore-live-runs``)."""
         return {
             "format": SESSION_FORMAT,
             "session_id": self.session_id,
@@ -284,4 +292,5 @@ class Registry:
         os.replace(tmp, directory / RUN_FILE)
 
     def live_runs(self) -> list[RunRecord]:
+        """The runs live now (created or restored, not freed)."""
         return [r for r in self.runs.values() if r.live]

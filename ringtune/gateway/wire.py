@@ -1,4 +1,4 @@
-"""Pydantic bodies of the JSON routes, as SDK 0.38 sends them (../shared/docs/tinker-protocol.md section 6).
+"""Pydantic bodies of the JSON routes, as SDK 0.38 sends them (docs/protocol.md, "Routes").
 
 Unknown fields are ignored (the SDK adds fields over time); only what the gateway reads is declared, with
 the SDK's defaults. Values are checked further in :mod:`ringtune.gateway.translate`.
@@ -18,6 +18,8 @@ class Body(BaseModel):
 
 
 class CreateSessionBody(Body):
+    """``create_session``: tags and metadata of the client's session."""
+
     tags: list[str] = []
     user_metadata: dict[str, Any] | None = None
     sdk_version: str | None = None
@@ -38,15 +40,21 @@ class ProbeBody(Body):
 
 
 class FinishReason(Body):
+    """Why a session finished (``success`` unless the client says otherwise)."""
+
     type: str = "success"
 
 
 class FinishSessionBody(Body):
+    """``POST /sessions/<id>/finish``."""
+
     reason: FinishReason = FinishReason()
     detail: str | None = None
 
 
 class LoraConfigBody(Body):
+    """The SDK's ``LoraConfig`` (rank 0: full fine-tuning; which target groups are adapted)."""
+
     rank: int
     seed: int | None = None
     train_unembed: bool = True
@@ -55,6 +63,8 @@ class LoraConfigBody(Body):
 
 
 class CreateModelBody(Body):
+    """``create_model``: run ``<session>:train:<model_seq_id>`` of ``base_model``."""
+
     session_id: str
     model_seq_id: int
     base_model: str
@@ -70,6 +80,8 @@ class ModelBody(Body):
 
 
 class OptimStepBody(Body):
+    """``optim_step``: ``adam_params`` (AdamW; other optimizers are refused)."""
+
     model_id: str
     seq_id: int | None = None
     adam_params: dict[str, Any] | None = None
@@ -78,6 +90,8 @@ class OptimStepBody(Body):
 
 
 class SaveWeightsBody(Body):
+    """``save_weights`` (the SDK's ``save_state``): a training checkpoint ``weights/<path>``."""
+
     model_id: str
     path: str | None = None
     seq_id: int | None = None
@@ -87,6 +101,8 @@ class SaveWeightsBody(Body):
 
 
 class SaveWeightsForSamplerBody(Body):
+    """``save_weights_for_sampler``: a named HF export, or (no path) a sampling session on the live weights."""
+
     model_id: str
     path: str | None = None
     sampling_session_seq_id: int | None = None
@@ -121,9 +137,13 @@ class LoadWeightsBody(Body):
 
 
 class RetrieveFutureBody(Body):
+    """``retrieve_future``: the request_id a compute op answered."""
+
     request_id: str
     allow_metadata_only: bool = False
 
 
 class WeightsInfoBody(Body):
+    """``weights_info``: a ``tinker://`` checkpoint path."""
+
     tinker_path: str

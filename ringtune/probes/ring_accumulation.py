@@ -42,7 +42,8 @@ MISMATCH_LIMIT = 0.01
 FIELDS = ("dq", "dk", "dv")
 
 SERVED_PROBES = ("ring_accumulation",)
-"""Probes a server runs on its own ranks (``POST /api/v1/ringtune/probe``, :meth:`RankExecutor._probe`)."""
+"""Probes a server runs on its own ranks (``POST /api/v1/ringtune/probe``,
+:func:`ringtune.worker.served_probes.run_served_probe`)."""
 
 
 def _gather(x: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> list[torch.Tensor]:

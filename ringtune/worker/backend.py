@@ -1,5 +1,5 @@
 """DistributedBackend: the gateway's :class:`~ringtune.gateway.backend.Backend` on rank 0 of a DP×CP mesh (or of
-no mesh: :class:`~ringtune.gateway.local.LocalBackend`).
+no mesh: :class:`~ringtune.worker.local.LocalBackend`).
 
 Each verb becomes a :class:`~ringtune.worker.commands.Command` that rank 0 publishes through the job's store
 (:func:`ringtune.parallel.store_exchange.publish_object`) and then executes itself, together with every worker rank
@@ -11,25 +11,22 @@ from __future__ import annotations
 
 import gc
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from ringtune.engine.optimizer import AdamParams
-from ringtune.engine.trainer import TrainDatum
 from ringtune.errors import RankFailedError, UserInputError
-from ringtune.gateway.backend import BackendHealth, BackendInfo
+from ringtune.gateway.backend import VERBS, BackendHealth, BackendInfo
+from ringtune.gateway.verbs import Verb, forward_verbs
 from ringtune.parallel import liveness
 from ringtune.parallel.store_exchange import publish_object
-from ringtune.sample.pool import SampleRequest, SamplerSource
-from ringtune.sample.sampler import PromptSamples
 from ringtune.worker.commands import Command
 from ringtune.worker.executor import RankExecutor
 from ringtune.worker.loop import CHANNEL
 
 
+@forward_verbs(VERBS)
 class DistributedBackend:
     """Rank 0's side: publish each verb as a command, execute it here too, return rank 0's result.
 
@@ -45,6 +42,7 @@ class DistributedBackend:
         self._lock = threading.Lock()
 
     def info(self) -> BackendInfo:
+        """The served model's description (built at start-up)."""
         return self._info
 
     def health(self) -> BackendHealth:
@@ -78,79 +76,24 @@ class DistributedBackend:
                     self._dead = str(exc)
                 raise
 
-    def create_run(self, run_id: str, base_model: str, lora: Mapping[str, Any] | None = None) -> None:
-        if base_model not in (self._info.model_name, *self._info.aliases):
-            raise UserInputError(f"base_model={base_model!r} is not served here; use {self._info.model_name!r}")
-        self._run(Command("create_run", run_id, {"lora": None if lora is None else dict(lora)}))
-
-    def free_run(self, run_id: str) -> None:
-        self._run(Command("free_run", run_id))
-
-    def forward_backward(
-        self,
-        run_id: str,
-        data: Sequence[TrainDatum],
-        loss_fn: str,
-        loss_config: Mapping[str, float] | None,
-        forward_only: bool,
-    ) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
-        args = {"data": list(data), "loss_fn": loss_fn, "loss_config": loss_config, "forward_only": forward_only}
-        outputs, metrics = self._run(Command("forward_backward", run_id, args))
-        return outputs, metrics
-
-    def forward_backward_many(
-        self,
-        run_ids: Sequence[str],
-        data: Sequence[Sequence[TrainDatum]],
-        loss_fn: str,
-        loss_config: Mapping[str, float] | None,
-        forward_only: bool,
-    ) -> list[tuple[list[dict[str, torch.Tensor]], dict[str, float]] | UserInputError]:
-        args = {
-            "runs": list(run_ids),
-            "data": [list(d) for d in data],
-            "loss_fn": loss_fn,
-            "loss_config": loss_config,
-            "forward_only": forward_only,
-        }
-        results = self._run(Command("forward_backward_many", None, args))
-        return [UserInputError(r) if isinstance(r, str) else r for r in results]
-
-    def optim_step(self, run_id: str, adam: AdamParams) -> dict[str, float]:
-        return self._run(Command("optim_step", run_id, {"adam": adam}))
-
-    def save_state(self, run_id: str, path: str) -> None:
-        self._run(Command("save_state", run_id, {"path": path}))
-
-    def load_state(self, run_id: str, path: str, optimizer: bool) -> None:
-        self._run(Command("load_state", run_id, {"path": path, "optimizer": optimizer}))
-
-    def export_for_sampler(self, run_id: str, path: str) -> None:
-        self._run(Command("export_hf", run_id, {"path": path}))
-
-    def create_sampler(self, sampler_id: str, source: SamplerSource) -> None:
-        self._run(Command("create_sampler", None, {"sampler_id": sampler_id, "source": source}))
-
-    def free_sampler(self, sampler_id: str) -> None:
-        self._run(Command("free_sampler", None, {"sampler_id": sampler_id}))
-
-    def sample(
-        self,
-        sampler_id: str,
-        requests: Sequence[SampleRequest],
-        *,
-        job_id: str | None = None,
-        slice_s: float | None = None,
-    ) -> list[PromptSamples] | None:
-        fixed = [r.with_fixed_seed() for r in requests]  # every rank draws a long prompt's alt tokens alike
-        args = {"sampler_id": sampler_id, "requests": fixed, "job_id": job_id, "slice_s": slice_s}
-        return self._run(Command("sample", None, args))
-
-    def sample_more(self, job_id: str, slice_s: float | None = None) -> list[PromptSamples] | None:
-        return self._run(Command("sample_more", None, {"job_id": job_id, "slice_s": slice_s}))
-
-    def probe(self, name: str) -> dict[str, Any]:
-        return self._run(Command("probe", None, {"name": name}))
+    def call_verb(self, one: Verb, arguments: dict[str, Any]) -> Any:
+        """Verb ``one`` as its command on every rank (rank 0's result); its run id travels as the command's
+        ``run_id``, every other argument in ``args`` under its own name. Checks and adapts the arguments of
+        ``create_run`` (a served base model) and ``sample`` (fixed seeds), and turns ``forward_backward_many``'s
+        per-run error messages back into UserInputErrors."""
+        if one.command is None:
+            raise TypeError(f"{one.name} is answered by the backend itself, not a command")
+        if one.name == "create_run" and arguments["base_model"] not in (self._info.model_name, *self._info.aliases):
+            raise UserInputError(
+                f"base_model={arguments['base_model']!r} is not served here; use {self._info.model_name!r}"
+            )
+        if one.name == "sample":  # every rank draws a long prompt's alt tokens alike
+            arguments["requests"] = [r.with_fixed_seed() for r in arguments["requests"]]
+        run_id = arguments.pop("run_id", None)
+        result = self._run(Command(one.command, run_id, arguments))
+        if one.name == "forward_backward_many":
+            return [UserInputError(r) if isinstance(r, str) else r for r in result]
+        return result
 
     def close(self) -> None:
         """Tell the workers to exit and join the processes this backend started."""

@@ -5,24 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-OPS = (
-    "create_run",
-    "free_run",
-    "forward_backward",
-    "forward_backward_many",
-    "optim_step",
-    "save_state",
-    "load_state",
-    "export_hf",
-    "create_sampler",
-    "free_sampler",
-    "sample",
-    "sample_more",
-    "probe",
-    "ping",
-    "shutdown",
-)
-"""Every command name :class:`~ringtune.worker.executor.RankExecutor` executes."""
+from ringtune.gateway.backend import VERBS
+
+OPS = (*(v.command for v in VERBS.values() if v.command is not None), "ping", "shutdown")
+"""Every command name :class:`~ringtune.worker.executor.RankExecutor` executes: the commands of the verb table
+(:data:`ringtune.gateway.backend.VERBS`), ``ping`` and ``shutdown``."""
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ class WorkerLayout:
 
     @property
     def world_size(self) -> int:
+        """Ranks of the job: DP × CP."""
         return self.dp * self.cp
 
 

@@ -27,6 +27,7 @@ class SharedBase:
         self.model: CausalLM | None = None
 
     def get(self) -> CausalLM:
+        """The frozen base (loaded on first use, collective: every rank asks at the same command)."""
         if self.model is None:
             self.model = self._load()
             self.model.requires_grad_(False)

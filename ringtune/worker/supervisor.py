@@ -24,6 +24,10 @@ weights could not be rebuilt fails once the same way and is then unknown.
 What heals: the death of any worker rank (SIGKILL, OOM kill, a crash) on this machine. What does not: the
 death of rank 0 itself (the gateway's process: restart the server; runs and checkpoints are on disk), and
 any failure under torchrun, where torch's elastic agent (``--max-restarts``) restarts every rank instead.
+
+The verbs are derived from the verb table (:data:`~ringtune.gateway.backend.VERBS`): each one runs through
+:meth:`SupervisedBackend.call_verb`, which answers a pending notice, waits out a heal, and keeps the
+:class:`~ringtune.worker.heal_ledger.HealLedger` of what a heal restores.
 """
 
 from __future__ import annotations
@@ -32,22 +36,18 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from ringtune.engine.checkpoint_layout import checkpoint_step
-from ringtune.engine.optimizer import AdamParams
-from ringtune.engine.trainer import TrainDatum
 from ringtune.errors import RankFailedError, UserInputError
-from ringtune.gateway.backend import BackendHealth, BackendInfo
+from ringtune.gateway.backend import VERBS, BackendHealth, BackendInfo
+from ringtune.gateway.verbs import Verb, forward_verbs
 from ringtune.parallel import liveness, store_exchange
-from ringtune.sample.pool import SampleRequest, SamplerSource
-from ringtune.sample.sampler import PromptSamples
 from ringtune.worker.backend import DistributedBackend
+from ringtune.worker.heal_ledger import HealLedger
 
 log = logging.getLogger(__name__)
 
@@ -63,25 +63,6 @@ SERVING, FAILED, RESTARTING, RESTORING, BROKEN, CLOSED = (
 
 RESTORED = "RestoredFromCheckpoint"
 """``error_type`` of the one-time error a run's next request gets after it lost steps in a heal."""
-
-
-@dataclass
-class RunTrack:
-    """What the supervisor knows of a live run to bring it back.
-
-    ``checkpoint``: path of its newest training checkpoint (None: none, restore = base model, step 0);
-    ``checkpoint_step``: the optimizer step saved there; ``optimizer``: whether to load the AdamW state with it
-    (False after a weights-only load, until the next save); ``step``: its optimizer step now; ``pending``:
-    gradients accumulated since the last optim_step (lost in a heal).
-    """
-
-    base_model: str
-    checkpoint: str | None = None
-    checkpoint_step: int = 0
-    optimizer: bool = True
-    step: int = 0
-    pending: bool = False
-    lora: Mapping[str, Any] | None = None  # a LoRA run's spec (LoraSpec.to_dict), None: full fine-tuning
 
 
 @dataclass
@@ -110,6 +91,7 @@ def forget_world() -> None:
     store_exchange.reset()
 
 
+@forward_verbs(VERBS)
 class SupervisedBackend:
     """Rank 0's backend that restarts dead worker ranks and restores the live runs (module docstring).
 
@@ -135,8 +117,8 @@ class SupervisedBackend:
         self.inner = start()
         self.phase = SERVING
         self.cause = ""
-        self.runs: dict[str, RunTrack] = {}
-        self.samplers: dict[str, tuple[SamplerSource, int | None]] = {}
+        self.ledger = HealLedger()
+        self.runs, self.samplers = self.ledger.runs, self.ledger.samplers  # what _restore brings back
         self.notices: dict[str, str] = {}
         self.heals: list[HealReport] = []
         self._cond = threading.Condition(threading.RLock())
@@ -146,6 +128,7 @@ class SupervisedBackend:
     # ------------------------------------------------------------------ health
 
     def info(self) -> BackendInfo:
+        """The current world's description of the served model."""
         return self.inner.info()
 
     def health(self) -> BackendHealth:
@@ -314,104 +297,40 @@ class SupervisedBackend:
 
     # ------------------------------------------------------------------ verbs
 
-    def create_run(self, run_id: str, base_model: str, lora: Mapping[str, Any] | None = None) -> None:
-        self._call(None, lambda: self.inner.create_run(run_id, base_model, lora))
-        self.runs[run_id] = RunTrack(base_model, lora=lora)
+    def call_verb(self, one: Verb, arguments: dict[str, Any]) -> Any:
+        """Verb ``one`` on the current world (:meth:`_call`), then what a heal needs to know of it (the runs'
+        checkpoints and steps, the sampling sessions' sources). The run or session it addresses answers its
+        pending notice instead of running, unless the verb creates or frees it (a free drops the notice)."""
+        if one.command is None:
+            raise TypeError(f"{one.name} is answered by the supervisor itself, not forwarded")
+        if one.name == "forward_backward_many":  # per-run notices inside one shared pass
+            return self._forward_backward_many(arguments)
+        key = arguments.get(one.addressee) if one.addressee else None  # notices: run id, or "sampler:<id>"
+        if key is not None and one.addressee == "sampler_id":
+            key = f"sampler:{key}"
+        if one.lifecycle == "free":
+            self.notices.pop(key, None)
+        result = self._call(None if one.lifecycle else key, lambda: getattr(self.inner, one.name)(**arguments))
+        self.ledger.record(one.name, arguments, result)
+        return result
 
-    def free_run(self, run_id: str) -> None:
-        self.notices.pop(run_id, None)
-        self._call(None, lambda: self.inner.free_run(run_id))
-        self.runs.pop(run_id, None)
-
-    def forward_backward(
-        self,
-        run_id: str,
-        data: Sequence[TrainDatum],
-        loss_fn: str,
-        loss_config: Mapping[str, float] | None,
-        forward_only: bool,
-    ) -> tuple[list[dict[str, torch.Tensor]], dict[str, float]]:
-        out = self._call(run_id, lambda: self.inner.forward_backward(run_id, data, loss_fn, loss_config, forward_only))
-        if not forward_only and run_id in self.runs:
-            self.runs[run_id].pending = True
-        return out
-
-    def forward_backward_many(
-        self,
-        run_ids: Sequence[str],
-        data: Sequence[Sequence[TrainDatum]],
-        loss_fn: str,
-        loss_config: Mapping[str, float] | None,
-        forward_only: bool,
-    ) -> list[Any]:
-        """LoRA runs in one pass (:meth:`Backend.forward_backward_many`); a restored run's pending notice is its
-        own result (a RankFailedError), the other runs still share the pass."""
+    def _forward_backward_many(self, arguments: dict[str, Any]) -> list[Any]:
+        """LoRA runs in one pass (:meth:`Backend.forward_backward_many`, its arguments by name); a restored run's
+        pending notice is its own result (a RankFailedError), the other runs still share the pass."""
+        run_ids, data = arguments["run_ids"], arguments["data"]
         with self._cond:
             noticed = {r: self.notices.pop(r) for r in run_ids if r in self.notices}
         out: list[Any] = [RankFailedError(noticed[r], error_type=RESTORED) if r in noticed else None for r in run_ids]
         keep = [i for i, r in enumerate(run_ids) if r not in noticed]
         if not keep:
             return out
-        ids, parts = [run_ids[i] for i in keep], [data[i] for i in keep]
-        results = self._call(
-            None, lambda: self.inner.forward_backward_many(ids, parts, loss_fn, loss_config, forward_only)
-        )
+        rest = arguments | {"run_ids": [run_ids[i] for i in keep], "data": [data[i] for i in keep]}
+        results = self._call(None, lambda: self.inner.forward_backward_many(**rest))
         for i, result in zip(keep, results, strict=True):
             out[i] = result
-            if not forward_only and not isinstance(result, Exception) and run_ids[i] in self.runs:
-                self.runs[run_ids[i]].pending = True
+            if not arguments["forward_only"] and not isinstance(result, Exception):
+                self.ledger.gradients_pending(run_ids[i])
         return out
-
-    def optim_step(self, run_id: str, adam: AdamParams) -> dict[str, float]:
-        metrics = self._call(run_id, lambda: self.inner.optim_step(run_id, adam))
-        track = self.runs.get(run_id)
-        if track is not None:
-            track.step, track.pending = int(metrics.get("step:max", track.step + 1)), False
-        return metrics
-
-    def save_state(self, run_id: str, path: str) -> None:
-        self._call(run_id, lambda: self.inner.save_state(run_id, path))
-        track = self.runs.get(run_id)
-        if track is not None:
-            track.checkpoint, track.checkpoint_step, track.optimizer = path, track.step, True
-
-    def load_state(self, run_id: str, path: str, optimizer: bool) -> None:
-        self._call(run_id, lambda: self.inner.load_state(run_id, path, optimizer))
-        track = self.runs.get(run_id)
-        if track is not None:
-            step = checkpoint_step(path)  # a weights-only load sets the step too (fresh moments)
-            track.checkpoint, track.checkpoint_step, track.optimizer = path, step, optimizer
-            track.step, track.pending = step, False
-
-    def export_for_sampler(self, run_id: str, path: str) -> None:
-        self._call(run_id, lambda: self.inner.export_for_sampler(run_id, path))
-
-    def create_sampler(self, sampler_id: str, source: SamplerSource) -> None:
-        self._call(None, lambda: self.inner.create_sampler(sampler_id, source))
-        track = self.runs.get(source.run_id or "")
-        self.samplers[sampler_id] = (source, track.step if track is not None else None)
-
-    def free_sampler(self, sampler_id: str) -> None:
-        self.notices.pop(f"sampler:{sampler_id}", None)
-        self._call(None, lambda: self.inner.free_sampler(sampler_id))
-        self.samplers.pop(sampler_id, None)
-
-    def sample(
-        self,
-        sampler_id: str,
-        requests: Sequence[SampleRequest],
-        *,
-        job_id: str | None = None,
-        slice_s: float | None = None,
-    ) -> list[PromptSamples] | None:
-        call = lambda: self.inner.sample(sampler_id, requests, job_id=job_id, slice_s=slice_s)  # noqa: E731
-        return self._call(f"sampler:{sampler_id}", call)
-
-    def sample_more(self, job_id: str, slice_s: float | None = None) -> list[PromptSamples] | None:
-        return self._call(None, lambda: self.inner.sample_more(job_id, slice_s))
-
-    def probe(self, name: str) -> dict[str, Any]:
-        return self._call(None, lambda: self.inner.probe(name))
 
     def close(self) -> None:
         """Stop watching (workers that exit now are not deaths), then close the current world."""

@@ -1,0 +1,165 @@
+"""``ringtune serve``: from the parsed command line to a serving gateway over its worker ranks.
+
+:func:`run_serve` checks the settings (:mod:`ringtune.worker.preflight`: every one against the model's config,
+before any rank starts), starts the backend (one process: :class:`~ringtune.worker.local.LocalBackend`; spawned
+ranks on this machine under a supervisor: :func:`~ringtune.worker.launch.start_supervised_workers`; torchrun: every
+rank joins, rank 0 serves), prints how to point the SDK at it, and serves until interrupted. The options themselves
+are parsed in :mod:`ringtune.cli`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import sys
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from ringtune.errors import UserInputError
+from ringtune.gateway.backend import Backend
+from ringtune.gateway.config import GatewayConfig
+from ringtune.gateway.server import serve
+from ringtune.layout.budget import rank_token_budget
+from ringtune.worker.executor import PAD_MULTIPLIER, ModelSpec
+from ringtune.worker.launch import WorkerLayout, join_torchrun_world, start_supervised_workers, torchrun_restarts
+from ringtune.worker.local import LocalBackend
+from ringtune.worker.preflight import Preflight, ServeSettings, preflight
+
+
+def gateway_config(args: argparse.Namespace, root: Path) -> GatewayConfig:
+    """The gateway's settings from ``serve``'s options (checkpoints under ``root``), validated."""
+    config = GatewayConfig(
+        checkpoint_root=str(root),
+        api_key=args.api_key,
+        max_live_runs=args.max_live_runs,
+        autosave_every=args.autosave_every,
+        autosave_minutes=args.autosave_minutes,
+        autosave_keep=args.autosave_keep,
+        sample_slice_s=args.sample_slice,
+        restore_live_runs=args.restore_live_runs or torchrun_restarts() > 0,
+        routing_replay=args.routing_replay,
+        lora_pass_runs=args.lora_pass_runs,
+        max_body_bytes=args.max_body_mb * 2**20,
+        fwdbwd_max_chunk_bytes=min(
+            args.max_body_mb * 2**20 // 2, GatewayConfig(checkpoint_root="").fwdbwd_max_chunk_bytes
+        ),
+    )
+    config.validate()
+    return config
+
+
+SETTING_OPTIONS = {"source": "model", "gated_delta": "linear_cp_mode", "tokenizer_dir": "tokenizer"}
+"""The :class:`ServeSettings` fields whose command-line option has another name (``--model``, ``--linear-cp-mode``,
+``--tokenizer``); every other field is the option of its own name."""
+
+
+def serve_settings(args: argparse.Namespace, budget: int) -> ServeSettings:
+    """What ``serve`` was asked for, for :func:`preflight`: every :class:`ServeSettings` field from its option
+    (:data:`SETTING_OPTIONS`), the per-rank token budget ``budget`` resolved already."""
+    given = {
+        f.name: getattr(args, SETTING_OPTIONS.get(f.name, f.name))
+        for f in fields(ServeSettings)
+        if f.name != "max_tokens_per_rank"
+    }
+    return ServeSettings(**given, max_tokens_per_rank=budget)
+
+
+def trainer_options(args: argparse.Namespace, checked: Preflight) -> dict[str, Any]:
+    """The :class:`~ringtune.engine.trainer.Trainer` options of every run: the modes preflight chose, recompute,
+    sharding, the debug fault (parity negative controls only) and the MoE auxiliary loss weight (UserInputError
+    unless finite and >= 0)."""
+    options: dict[str, Any] = {
+        "attention": checked.attention,
+        "gated_delta": checked.gated_delta,
+        "recompute": args.recompute,
+    }
+    if args.shard_params != "none":
+        options["shard_params"] = args.shard_params
+    if args.debug_fault is not None:  # parity negative control (hidden flag)
+        options["debug_fault"] = args.debug_fault
+    if args.router_aux_loss_coef != 0.0:  # MoE only; checked again (finite, >= 0, MoE model) by the Trainer
+        if not (math.isfinite(args.router_aux_loss_coef) and args.router_aux_loss_coef > 0):
+            raise UserInputError(f"--router-aux-loss-coef={args.router_aux_loss_coef} must be finite and >= 0")
+        options["router_aux_loss_coef"] = args.router_aux_loss_coef
+    return options
+
+
+def start_backend(args: argparse.Namespace, spec: ModelSpec, root: Path) -> Backend | None:
+    """The backend rank 0 serves: under torchrun this rank joins the world (None on a worker rank, once it served
+    every command until shutdown); with several ranks on this machine they are spawned under a supervisor; else
+    one process. UserInputError for a bad ``--liveness-timeout`` or ``--max-restarts``."""
+    names = {"model_name": args.model_name, "tokenizer_dir": args.tokenizer, "tokenizer_cache": root / ".tokenizers"}
+    if not args.liveness_timeout > 0:
+        raise UserInputError(f"--liveness-timeout={args.liveness_timeout} must be > 0 seconds")
+    layout = WorkerLayout(
+        dp=args.dp, cp=args.cp, ep=args.ep, timeout_s=args.collective_timeout, liveness_timeout_s=args.liveness_timeout
+    )
+    if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun: every rank runs this
+        return join_torchrun_world(spec, layout, **names)
+    if layout.world_size > 1:
+        if args.max_restarts < 0:
+            raise UserInputError(f"--max-restarts={args.max_restarts} must be >= 0")
+        return start_supervised_workers(spec, layout, max_restarts=args.max_restarts, **names)
+    return LocalBackend(
+        spec.source,
+        max_tokens_per_rank=spec.max_tokens_per_rank,
+        dtype=spec.dtype,
+        trainer_options=spec.trainer_options,
+        mesh_prompt_tokens=spec.mesh_prompt_tokens,
+        record_routing=spec.record_routing,
+        shared_decode=spec.shared_decode,
+        **names,
+    )
+
+
+def print_banner(args: argparse.Namespace, backend: Backend, checked: Preflight, budget: int, root: Path) -> None:
+    """What is served and how to point the SDK at it (stdout), a warning when bound beyond loopback without a key."""
+    info = backend.info()
+    url = f"http://{args.host}:{args.port}"
+    print(f"ringtune gateway: {info.model_name} ({info.arch}, {info.dtype}), context {info.context_length} tokens,")
+    print(f"  DP={info.dp_size} x CP={info.cp_size} ranks ({checked.attention} attention, {checked.gated_delta} GDN),")
+    for note in checked.notes:
+        print(f"  note: {note}")
+    print(f"  {budget} tokens per rank, checkpoints in {root}, tokenizer {info.tokenizer_dir}")
+    print(f"  serving on {url}; point the SDK at it with:")
+    print(f"  TINKER_BASE_URL={url} TINKER_API_KEY={args.api_key or 'tml-local'}")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and args.api_key is None:
+        print("  warning: bound beyond loopback without --api-key: anyone who reaches it can train", file=sys.stderr)
+    sys.stdout.flush()
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """``ringtune serve`` with the parsed ``args``: load the model, print how to point the SDK at the server, then
+    serve until interrupted; 0. UserInputError for a setting that cannot serve (the command line answers exit 2)."""
+    for name in ("cp", "dp"):
+        if getattr(args, name) < 1:
+            raise UserInputError(f"--{name}={getattr(args, name)} must be >= 1")
+    context = args.context_length or 8192
+    budget = args.max_tokens_per_rank or rank_token_budget(context, args.cp, pad_multiplier=PAD_MULTIPLIER)
+    root = Path(args.checkpoint_root).resolve()
+    config = gateway_config(args, root)
+    # every setting against the model's config, before any rank starts (exit 2 if it cannot serve)
+    checked = preflight(serve_settings(args, budget))
+    spec = ModelSpec(
+        source=args.model,
+        dtype=args.dtype,
+        max_tokens_per_rank=budget,
+        trainer_options=trainer_options(args, checked),
+        mesh_prompt_tokens=args.mesh_prompt_tokens,
+        record_routing=args.routing_replay,
+        shared_decode=args.shared_decode,
+    )
+    backend = start_backend(args, spec, root)
+    if backend is None:
+        return 0  # a torchrun worker rank: served commands until shutdown
+    print_banner(args, backend, checked, budget, root)
+    # One line per operation (ringtune.gateway.observe) beside uvicorn's own lines.
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        serve(backend, config, host=args.host, port=args.port, log_level=args.log_level)
+    except KeyboardInterrupt:  # uvicorn already shut down gracefully (the backend and workers are closed)
+        pass
+    return 0
