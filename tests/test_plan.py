@@ -13,12 +13,13 @@ from ringtune.cli import main
 from ringtune.engine.batch import TrainDatum
 from ringtune.engine.optimizer import AdamParams
 from ringtune.engine.trainer import Trainer
+from ringtune.errors import UserInputError
 from ringtune.models.config import DecoderConfig
 from ringtune.models.decoder import CausalLM
 from ringtune.models.precision import check_precision
 from ringtune.models.shard import shard_of
 from ringtune.plan import activations as act
-from ringtune.plan.estimate import Layout, estimate, layer_parameters, root_parameters
+from ringtune.plan.estimate import Layout, estimate, layer_parameters, root_parameters, snapshot_bytes
 from ringtune.plan.search import plan_layouts
 from ringtune.worker.executor import trainer_dtype_options
 
@@ -97,6 +98,23 @@ def test_parameter_counts() -> None:
         model = CausalLM(cfg)
         want = sum(p.numel() for p in model.parameters())
         assert sum(layer_parameters(cfg, t) for t in cfg.layer_types) + root_parameters(cfg) == want
+
+
+def test_sampler_snapshots_are_whole_models_in_the_samplers_dtypes() -> None:
+    """A snapshot is the whole model on every rank (FSDP and EP gather it): float32 4 bytes a parameter, bf16-mixed
+    bf16 decoder layers with a float32 root; ``sampler_snapshots`` adds that many to every phase's peak."""
+    cfg = DecoderConfig.from_hf(TINY)
+    model = CausalLM(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    root = root_parameters(cfg)
+    sharded = Layout(cp=2, dp=2, shard="dp_cp", recompute="none", precision="float32")
+    assert snapshot_bytes(cfg, sharded) == 4 * total
+    mixed = Layout(cp=1, dp=1, shard="none", recompute="none", precision="bf16-mixed")
+    assert snapshot_bytes(cfg, mixed) == 2 * (total - root) + 4 * root
+    alone, held = estimate(cfg, sharded, 256), estimate(cfg, sharded, 256, sampler_snapshots=3)
+    assert held.peak - alone.peak == pytest.approx(3 * 4 * total) and held.phase == alone.phase
+    with pytest.raises(UserInputError, match="--sampler-snapshots=-1: must be an integer >= 0"):
+        estimate(cfg, sharded, 256, sampler_snapshots=-1)
 
 
 @pytest.mark.parametrize(("precision", "adamw"), [("float32", "torch_default"), ("bf16-mixed", "fused")])
@@ -189,8 +207,9 @@ def test_cli_json_and_known_model(capsys) -> None:
     assert code == 0 and out["model"] == "Qwen3.5-4B" and out["gpu_memory_bytes"] == 141 * 10**9
     first = out["layouts"][0]
     assert first["fits_with_margin"] and first["peak"] <= 0.9 * 141e9
-    terms = ("parameters", "gradients", "moments", "activations", "constants", "communication")
+    terms = ("parameters", "gradients", "moments", "activations", "constants", "communication", "snapshots")
     assert sum(first[t] for t in terms) == pytest.approx(first["peak"])
+    assert out["sampler_snapshots"] == 4 and first["snapshots"] > 0  # the sampler pool's default limit, counted
     # Nothing fits: exit 1 with the table; the JSON lists every layout, nearest to fitting first.
     small = ["plan", "--model", "Qwen3.5-27B", "--context-length", "131072", "--gpus", "2", "--gpu-memory", "8GiB"]
     assert main(small) == 1

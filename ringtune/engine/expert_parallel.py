@@ -1,20 +1,17 @@
-"""The Trainer's expert-parallel hooks: shard the experts over the mesh's EP group, split and norm the gradients.
-
-With ``mesh.ep_size > 1`` (``ringtune serve --ep N``) every rank keeps 1/N of each MoE layer's experts
-(:func:`ringtune.models.layers.moe.set_expert_parallel`); the non-expert gradients SUM over DP×CP and the
-expert gradients over the expert replica group (:class:`ringtune.engine.gradients.GradientInvariant` checks
-both); the global gradient norm adds the expert norms of the whole EP group. FSDP under EP: ``shard_params='dp_cp'``
-only (:mod:`ringtune.engine.expert_sharding`; ``dp`` is refused by name). HF exports and sampler snapshots
-(:func:`ringtune.sample.pool.snapshot_of`) gather the experts first; DCP training-state checkpoints save each EP
+"""The Trainer's expert-parallel hooks: shard the experts over the mesh's EP group, split the gradients. With
+``mesh.ep_size > 1`` (``ringtune serve --ep N``) every rank keeps 1/N of each MoE layer's experts
+(:func:`ringtune.models.layers.moe.set_expert_parallel`); the non-expert gradients SUM over DP×CP and the expert
+gradients over the expert replica group (:class:`ringtune.engine.gradients.GradientInvariant` checks both); the
+global gradient norm adds the expert norms of the whole EP group
+(:class:`ringtune.engine.grad_sync.ExpertParallelSync`). FSDP under EP: ``shard_params='dp_cp'`` only
+(:mod:`ringtune.engine.expert_sharding`; ``dp`` is refused by name). HF exports and sampler snapshots
+(:func:`ringtune.engine.snapshot.snapshot_of`) gather the experts first; DCP training-state checkpoints save each EP
 shard as a chunk of a global tensor (:mod:`ringtune.engine.expert_checkpoint`). See docs/moe.md.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.distributed as dist
 
 from ringtune.errors import ParallelConfigError
 from ringtune.models.decoder import CausalLM
@@ -53,15 +50,3 @@ def split(params: list[torch.nn.Parameter], names: dict[int, str]) -> tuple[list
     dense = [p.grad for p in params if not is_expert_parameter(names[id(p)])]
     expert = [p.grad for p in params if is_expert_parameter(names[id(p)])]
     return dense, expert
-
-
-def grad_norm(params: list[torch.nn.Parameter], names: dict[int, str], mesh: ParallelMesh | None) -> float:
-    """The L2 norm of the whole (reduced) gradient: non-expert here, experts summed over the EP group; float64."""
-    dense, expert = split(params, names)
-    total = sum(float(g.detach().double().pow(2).sum()) for g in dense)
-    experts = sum(float(g.detach().double().pow(2).sum()) for g in expert)
-    if ep_size(mesh) > 1:
-        summed = torch.tensor(experts, dtype=torch.float64, device=mesh.device)
-        dist.all_reduce(summed, group=mesh.ep_group)
-        experts = float(summed)
-    return math.sqrt(total + experts)

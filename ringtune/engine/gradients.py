@@ -30,14 +30,52 @@ class GradientInvariantError(RuntimeError):
     """A gradient reduction scaled what must be a plain SUM (a bug, never a user error)."""
 
 
-def reduce_gradients(tensors: list[torch.Tensor], group: dist.ProcessGroup | None, *, fault: str | None = None) -> None:
-    """In place: SUM each tensor over ``group`` (the DP×CP group); None or size 1 = nothing to do."""
+BUCKET_BYTES = 25 * 2**20
+"""The largest flat buffer :func:`reduce_gradients` all-reduces at once (DDP's default bucket size): the
+collectives per step are about the gradients' bytes / this, and the transient is one bucket (and its copy)."""
+
+
+def gradient_buckets(tensors: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> list[list[torch.Tensor]]:
+    """``tensors`` in order, cut into runs of one dtype and device of at most ``bucket_bytes`` each (a tensor
+    larger than that is a bucket of its own)."""
+    buckets: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        bytes_ = t.numel() * t.element_size()
+        last = buckets[-1] if buckets else None
+        if last is None or (last[0].dtype, last[0].device) != (t.dtype, t.device) or size + bytes_ > bucket_bytes:
+            buckets.append([t])
+            size = bytes_
+        else:
+            last.append(t)
+            size += bytes_
+    return buckets
+
+
+def reduce_gradients(
+    tensors: list[torch.Tensor],
+    group: dist.ProcessGroup | None,
+    *,
+    fault: str | None = None,
+    bucket_bytes: int = BUCKET_BYTES,
+) -> None:
+    """In place: SUM each tensor over ``group`` (the DP×CP group); None or size 1 = nothing to do.
+
+    The tensors travel in flat buckets (:func:`gradient_buckets`): one all-reduce per bucket, not per tensor.
+    Each element is still the plain SUM of its ranks' values (an elementwise reduction of a concatenation), so
+    replicas receive identical bits, as with one all-reduce per tensor.
+    """
     if group is None or dist.get_world_size(group) == 1:
         return
-    for t in tensors:
-        dist.all_reduce(t, group=group)
+    for bucket in gradient_buckets(tensors, bucket_bytes):
+        single = len(bucket) == 1 and bucket[0].is_contiguous()
+        flat = bucket[0] if single else torch.cat([t.reshape(-1) for t in bucket])
+        dist.all_reduce(flat, group=group)
         if fault == "average_over_group":
-            t /= dist.get_world_size(group)
+            flat /= dist.get_world_size(group)
+        if not single:
+            for t, part in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
+                t.copy_(part.view_as(t))
 
 
 class GradientInvariant:

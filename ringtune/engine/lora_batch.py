@@ -2,10 +2,11 @@
 
 The requests must share a loss (``loss_fn`` and its config) and ``forward_only``; the gateway groups only such
 requests (:mod:`ringtune.gateway.passes`). Their datums are packed into one :class:`Batch` whose
-``adapter_of_datum`` says each datum's run; the first run's trainer runs it (:meth:`Trainer.view`) on a
-:class:`~ringtune.models.lora_mixed.MixedLoraModel`, accumulating each run's adapter gradients into that run's
-own ``.grad`` (all-or-nothing, like one request) and counting the microbatches on every run's gradient
-invariant, so each run's later ``optim_step`` is its own, unchanged.
+``adapter_of_datum`` says each datum's run; the first run's trainer runs it (:meth:`Trainer.run_batch` with a
+:class:`~ringtune.engine.pass_target.PassTarget`) on a :class:`~ringtune.models.lora_mixed.MixedLoraModel`,
+accumulating each run's adapter gradients into that run's own ``.grad`` (all-or-nothing, like one request) and
+counting the microbatches on every run's gradient invariant, so each run's later ``optim_step`` is its own,
+unchanged.
 
 Contract: each run gets what it would get alone. A request that is invalid on its own gets its own
 UserInputError and the others run without it. If the shared pass is refused as a whole (a non-finite loss
@@ -25,6 +26,7 @@ import torch
 
 from ringtune.engine.gradients import GradientInvariant
 from ringtune.engine.lora_trainer import LoraTrainer
+from ringtune.engine.pass_target import PassTarget
 from ringtune.engine.request_outcome import ForwardBackwardResult
 from ringtune.errors import UserInputError
 from ringtune.models.lora_mixed import MixedLoraModel
@@ -123,12 +125,12 @@ def forward_backward_many(
     runs = [trainers[i] for i in good]
     try:
         batch = agreed_call(lambda: lead.build_batch(joined, loss_fn, loss_config), lead.control_group)
-        view = lead.view(
+        target = PassTarget(
             model=MixedLoraModel([t.lora for t in runs]),
             params=[p for t in runs for p in t.params],
             invariant=InvariantGroup([t.invariant for t in runs]),
         )
-        shared = view.run_batch(replace(batch, adapter_of_datum=tags), forward_only=forward_only)
+        shared = lead.run_batch(replace(batch, adapter_of_datum=tags), forward_only=forward_only, target=target)
     except UserInputError:  # refused as a whole, nothing changed: each request alone gets its own verdict
         for i in good:
             results[i] = alone(i)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ringtune.engine import sharding
 from ringtune.engine.checkpoint import export_hf_weights
+from ringtune.engine.snapshot import snapshot_of
 from ringtune.engine.trainer import Trainer
 from ringtune.errors import ParallelConfigError
 from ringtune.models.decoder import CausalLM
@@ -37,7 +38,6 @@ from ringtune.models.lora_peft import write_peft_adapter
 from ringtune.models.lora_snapshot import LoraSnapshot
 from ringtune.parallel.control import run_on_source
 from ringtune.parallel.mesh import ParallelMesh
-from ringtune.sample.pool import snapshot_of
 
 
 class LoraTrainer(Trainer):

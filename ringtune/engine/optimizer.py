@@ -1,4 +1,5 @@
-"""AdamW with the hyper-parameters of each optim_step call, global grad-norm clipping and its metrics."""
+"""AdamW with the hyper-parameters of each optim_step call, global grad-norm clipping, and the exact trial update
+of the finite guard (:mod:`ringtune.engine.update_guard` decides when it runs)."""
 
 from __future__ import annotations
 
@@ -47,20 +48,13 @@ class AdamParams:
                 raise UserInputError(f"adam_params.{name}={value!r} must be finite and {limit}")
 
 
-def global_grad_norm(params: list[torch.nn.Parameter]) -> float:
-    """L2 norm of every gradient together, in float64 (the gradients are already the global SUM)."""
-    total = 0.0
-    for p in params:
-        if p.grad is not None:
-            total += float(p.grad.detach().double().pow(2).sum())
-    return math.sqrt(total)
-
-
 def prepare_step(
     optimizer: torch.optim.AdamW, params: list[torch.nn.Parameter], adam: AdamParams, *, norm: float
-) -> None:
+) -> float:
     """Clip the gradients to ``adam.grad_clip_norm`` (0 = off) given their global ``norm`` and set ``adam``'s
-    hyper-parameters on every param group; moves no weight and no moment (:func:`apply_step` does)."""
+    hyper-parameters on every param group; moves no weight and no moment (:func:`apply_step` does). Returns the
+    factor the gradients were multiplied by (1.0: not clipped)."""
+    scale = 1.0
     if adam.grad_clip_norm > 0 and norm > adam.grad_clip_norm:
         scale = adam.grad_clip_norm / (norm + 1e-6)
         for p in params:
@@ -71,6 +65,7 @@ def prepare_step(
         group["betas"] = (adam.beta1, adam.beta2)
         group["eps"] = adam.eps
         group["weight_decay"] = adam.weight_decay
+    return scale
 
 
 ADAMW_KERNELS = ("fused", "torch_default")
@@ -98,9 +93,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def non_finite_update(optimizer: torch.optim.AdamW, params: list[torch.nn.Parameter]) -> list[int]:
+def non_finite_update(
+    optimizer: torch.optim.AdamW, params: list[torch.nn.Parameter], *, only: set[int] | None = None
+) -> list[int]:
     """Indices into ``params`` whose next AdamW update would put a non-finite value in the weight or in either
-    moment; changes nothing (run after :func:`prepare_step`, before :func:`apply_step`).
+    moment; changes nothing (run after :func:`prepare_step`, before :func:`apply_step`). ``only``: try just these
+    indices (the ones :func:`ringtune.engine.update_guard.unsafe_updates` could not bound); None: every one.
 
     A finite gradient can still overflow the update: in float32 an element of 2.9e32 squares to inf in the
     second moment, after which that weight never moves again. Each parameter's update is run here on
@@ -116,7 +114,7 @@ def non_finite_update(optimizer: torch.optim.AdamW, params: list[torch.nn.Parame
     index = {id(p): i for i, p in enumerate(params)}
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if p.grad is None or id(p) not in index:
+            if p.grad is None or id(p) not in index or (only is not None and index[id(p)] not in only):
                 continue
             weight, grad = _local(p.detach()).clone(), _local(p.grad)
             state = optimizer.state.get(p, {})

@@ -239,22 +239,6 @@ def full_state_dict(
     return out
 
 
-def sharded_grad_norm(params: list[torch.nn.Parameter], shard_group: dist.ProcessGroup) -> float:
-    """Global L2 norm of the sharded gradients, float64: local squared sums, one SUM all-reduce over the shards.
-
-    ``shard_group`` is :func:`shard_group`'s group: its ranks' shards of a tensor partition it (with ``dp``,
-    the ranks of a CP group hold the same shards and each CP coordinate reduces over its own DP group), so
-    the all-reduce gives the norm of the full, already summed gradient.
-    """
-    total = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is not None:
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            total += g.detach().double().pow(2).sum()
-    dist.all_reduce(total, group=shard_group)
-    return math.sqrt(float(total))
-
-
 # ---------------------------------------------------------------------------------------------- the check
 
 

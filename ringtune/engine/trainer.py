@@ -19,59 +19,49 @@ the outcome over the mesh's control group (:mod:`ringtune.parallel.control`) bef
   match) and the trainer is usable again. A rank that died or hung is fatal: every later call raises.
 - optim_step refuses a step whose summed gradient is not finite, whose weights are not finite, or whose AdamW
   update would make a weight or moment non-finite (a finite but huge gradient element overflows the second
-  moment; each rank runs the update on copies first): weights, moments and step untouched on every rank; the
-  accumulated gradients are dropped.
+  moment; each rank bounds its update from the maxima of weights, gradients and moments, and runs the exact
+  update on copies only where the bound fails, :mod:`ringtune.engine.update_guard`): weights, moments and step
+  untouched on every rank; the accumulated gradients are dropped.
+
+The parts: the gradient SUM, norm and finite check per parameter layout (:mod:`ringtune.engine.grad_sync`), one
+row's run (:mod:`ringtune.engine.microbatch`) and its inputs (:mod:`ringtune.engine.microbatch_inputs`), what a
+pass runs on (:mod:`ringtune.engine.pass_target`), the agreements
+(:mod:`ringtune.engine.request_guard`), the step's finite guard (:mod:`ringtune.engine.update_guard`). A step
+reads values back to the host O(1) times: once per microbatch (the gathered outputs and the gradient's finite
+verdict) and a few times per optimizer step (benchmarks/lean_step.py counts them).
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ringtune.engine import expert_parallel, faults, sharding
 from ringtune.engine.batch import MAX_TARGET_K, Batch, TrainDatum, build_batch
 from ringtune.engine.checkpoint import export_hf_weights, load_checkpoint, save_checkpoint
-from ringtune.engine.gather import gather_row
-from ringtune.engine.grad_stash import GradientStash, drop_gradients
+from ringtune.engine.grad_stash import GradientStash
+from ringtune.engine.grad_sync import gradient_sync_for
 from ringtune.engine.gradients import GradientInvariant
 from ringtune.engine.memory import peak_memory_bytes
-from ringtune.engine.optimizer import (
-    AdamParams,
-    apply_step,
-    global_grad_norm,
-    new_adamw,
-    non_finite_update,
-    prepare_step,
-)
+from ringtune.engine.microbatch import MicrobatchRun
+from ringtune.engine.optimizer import AdamParams, apply_step, new_adamw, prepare_step
+from ringtune.engine.pass_target import PassTarget
 from ringtune.engine.replica_check import ReplicaCheck
-from ringtune.engine.request_outcome import ForwardBackwardResult, non_finite_error
-from ringtune.engine.routing_replay import replay_shards
-from ringtune.errors import NonFiniteError, ParallelConfigError
-from ringtune.layout.zigzag import zigzag_slice
-from ringtune.losses import PER_TARGET_KEYS, fixed_logprob_gradient, local_token_losses
+from ringtune.engine.request_guard import settle_request, settle_step
+from ringtune.engine.request_outcome import ForwardBackwardResult, collect_outputs
+from ringtune.engine.update_guard import read_step_figures, unsafe_updates
+from ringtune.errors import ParallelConfigError
 from ringtune.models.decoder import CausalLM
 from ringtune.models.layers import moe_router_stats as router_stats
 from ringtune.models.layers.moe import is_expert_parameter, moe_blocks, moe_shape, set_expert_parallel
-from ringtune.models.logprob_head import IGNORE_INDEX
 from ringtune.models.precision import check_compute_dtype, export_dtype, set_compute_dtype
 from ringtune.models.recompute import DEFAULT_RECOMPUTE, check_recompute_mode, set_recompute
-from ringtune.models.shard import shard_of
 from ringtune.ops.cp_modes import DEFAULT_ATTENTION, DEFAULT_GATED_DELTA
-from ringtune.parallel.control import (
-    NOT_CAUGHT,
-    RankFailedError,
-    agree,
-    agreed_call,
-    all_gather_objects,
-    gather_object_to,
-)
+from ringtune.parallel.control import NOT_CAUGHT, RankFailedError, agreed_call, all_gather_objects, gather_object_to
 from ringtune.parallel.expert_dispatch import gather_expert_state
 from ringtune.parallel.mesh import ParallelMesh, rebuild_mesh
 
@@ -178,21 +168,20 @@ class Trainer:
         expert_group = (lambda: self.mesh.expert_replica_group) if expert_parallel.ep_size(mesh) > 1 else None
         self.invariant = GradientInvariant(lambda: self.dp_cp_group, fault=fault, expert_group=expert_group)
         self.invariant.startup_check()
+        self.grad_sync = gradient_sync_for(
+            invariant=self.invariant, mesh=mesh, shard_params=self.shard_params, fsdp_units=self.fsdp_units,
+            names=self.names,
+        )  # fmt: skip
         self.replicas = ReplicaCheck(mesh, self.shard_params)  # replicas compared after every optim_step
         self.step = 0
         self.weights_version = 0  # bumped whenever the weights change (a sampler snapshot of them is then stale)
         self.microbatch_hook: Callable[[int], None] | None = None
         self.broken: str | None = None
 
-    def view(self, *, model: nn.Module, params: list[torch.nn.Parameter], invariant: Any) -> Trainer:
-        """A shallow copy of this trainer that runs :meth:`run_batch` on another ``model`` (several LoRA runs'
-        :class:`~ringtune.models.lora_mixed.MixedLoraModel`), accumulating into ``params`` and counting
-        microbatches on ``invariant`` (:class:`~ringtune.engine.lora_batch.InvariantGroup`); mesh, modes and
-        options are this trainer's. Only for :meth:`run_batch`: its optimizer is not the params'."""
-        other = copy.copy(self)
-        other.model, other.params, other.invariant = model, params, invariant
-        other.names = {id(p): n for n, p in model.named_parameters()}
-        return other
+    @property
+    def target(self) -> PassTarget:
+        """This trainer's own pass target: its model, its trainable parameters and its gradient invariant."""
+        return PassTarget(model=self.model, params=self.params, invariant=self.invariant)
 
     @property
     def cp_group(self) -> dist.ProcessGroup | None:
@@ -253,10 +242,17 @@ class Trainer:
         """Tinker ``forward``: outputs and loss, no gradients (accumulated ones are left alone)."""
         return self.forward_backward(data, loss_fn, loss_config, forward_only=True)
 
-    def run_batch(self, batch: Batch, *, forward_only: bool = False) -> ForwardBackwardResult:
-        """Run a validated :class:`Batch` (identical on every rank) all-or-nothing; see :meth:`forward_backward`."""
+    def run_batch(
+        self, batch: Batch, *, forward_only: bool = False, target: PassTarget | None = None
+    ) -> ForwardBackwardResult:
+        """Run a validated :class:`Batch` (identical on every rank) all-or-nothing; see :meth:`forward_backward`.
+
+        ``target``: what the pass runs on and accumulates into (:mod:`ringtune.engine.pass_target`; None: this
+        trainer's own, :attr:`target`); the mesh, modes and options are this trainer's either way.
+        """
         self._check_usable()
-        stash = None if forward_only else GradientStash.take(self.params, self.invariant)
+        on = self.target if target is None else target
+        stash = None if forward_only else GradientStash.take(on.params, on.invariant)
         mine: dict[int, dict[str, torch.Tensor]] = {}
         loss_bad: set[int] = set()  # datums whose loss or log-probs are not finite
         grad_bad: set[int] = set()  # datums of the microbatch after which the gradient became non-finite
@@ -264,160 +260,42 @@ class Trainer:
         count = batch.plan.microbatches_per_rank
         loads: dict[str, torch.Tensor] = {}  # per MoE layer: expert assignments of this rank's real tokens
         rows = zip(batch.plan.rows[self.dp_rank], batch.plan.local_lens[self.dp_rank], strict=True)
+        run = MicrobatchRun.of(
+            on, cp_size=self.cp_size, cp_rank=self.cp_rank, cp_group=self.cp_group, attention=self.attention,
+            gated_delta=self.gated_delta, pad_multiplier=self.pad_multiplier, debug_fault=self.debug_fault,
+            router_aux_loss_coef=self.router_aux_loss_coef, grad_sync=self.grad_sync,
+        )  # fmt: skip
         try:
             for m, (row, local_len) in enumerate(rows):
                 if self.microbatch_hook is not None:
                     self.microbatch_hook(m)
-                out, bad_loss, bad_grad = self._microbatch(
+                out, bad_loss, bad_grad = run.run(
                     batch, row, local_len, backward=not forward_only, flagged=bool(grad_bad)
                 )
                 mine.update(out)
-                loads = router_stats.add_counts(loads, router_stats.layer_counts(self.model))
+                loads = router_stats.add_counts(loads, router_stats.layer_counts(on.model))
                 loss_bad |= bad_loss
                 grad_bad |= bad_grad
         except NOT_CAUGHT:
             raise
         except BaseException as exc:
             error = exc
-        try:
-            verdicts = all_gather_objects((error is not None, sorted(loss_bad), sorted(grad_bad)), self.control_group)
-        except BaseException as exc:  # a rank died or hung: the mesh cannot agree any more
-            if stash is not None:
-                stash.restore()
-            self.broken = f"the ranks could not agree ({type(exc).__name__}: {exc})"
-            raise RankFailedError(f"a rank of the mesh died or hung: {exc}", error_type=type(exc).__name__) from exc
-        repair = any(raised for raised, _, _ in verdicts)
-        if error is None:
-            error = non_finite_error(verdicts, batch, forward_only)
-        try:
-            agree(error, self.control_group)
-        except BaseException:
-            if stash is not None:
-                stash.restore()
-            if repair:
-                self._repair()
-            raise
+        settle_request(
+            error, loss_bad, grad_bad, batch=batch, forward_only=forward_only, stash=stash,
+            group=self.control_group, repair=self._repair, mark_broken=self._mark_broken,
+        )  # fmt: skip
         if stash is not None:
             stash.merge()
-            self.invariant.count(count)
-        result = self._collect(mine if self.cp_rank == 0 else {}, batch)
-        if moe_blocks(self.model):  # expert load over the whole request (every rank's tokens)
+            on.invariant.count(count)
+        result = collect_outputs(mine if self.cp_rank == 0 else {}, batch, self.dp_size, self.control_group)
+        if moe_blocks(on.model):  # expert load over the whole request (every rank's tokens)
             parts = gather_object_to(loads, self.control_group, dst=0)
             if parts is not None:
                 result.metrics.update(router_stats.load_metrics(parts))
         return result
 
-    # ------------------------------------------------------------------ one microbatch
-
-    def _microbatch(
-        self, batch: Batch, row: tuple[int, ...], local_len: int, *, backward: bool, flagged: bool
-    ) -> tuple[dict[int, dict[str, torch.Tensor]], set[int], set[int]]:
-        """Run one packed row (collective over the CP group).
-
-        Returns ({datum index: outputs} full length, on every CP rank; the datums of this row whose loss
-        or log-probs are not finite; all of the row's datums if the gradient became non-finite here).
-        ``flagged``: a previous microbatch already made the gradient non-finite (not checked again).
-        """
-        members = [batch.datums[i] for i in row]
-        lens = [d.num_tokens for d in members]
-        shard = shard_of(
-            lens,
-            cp_size=self.cp_size,
-            cp_rank=self.cp_rank,
-            group=self.cp_group,
-            attention=self.attention,
-            gated_delta=self.gated_delta,
-            pad_multiplier=self.pad_multiplier,
-            pad_to=local_len,
-        )
-        plan = shard.plan
-        if any(d.routing is not None for d in members):  # routing replay: zigzag-sliced like the tokens
-            device = self.model.model.embed_tokens.weight.device
-            shard = replace(shard, replay_experts=replay_shards(self.model, members, plan, device))
-        if batch.adapter_of_datum is not None:  # several LoRA runs in one pass: each token's run, zigzag-sliced
-            runs = torch.tensor([batch.adapter_of_datum[i] for i in row], dtype=torch.int64)
-            per_token = torch.repeat_interleave(runs, torch.tensor(lens, dtype=torch.int64))
-            device = self.model.model.embed_tokens.weight.device
-            shard = replace(shard, adapter_index=zigzag_slice(per_token, plan, pad_value=-1).to(device))
-        # Every datum carries exactly batch.input_keys (a pad-only row: empty tensors of the same trailing
-        # shapes), so every rank runs the same loss code and the same collectives.
-        k_shape = () if batch.target_k is None else (batch.target_k,)
-        # the embedding's device, the head's too (a LoRA run's output_weight would merge a vocab x hidden tensor)
-        device = self.model.model.embed_tokens.weight.device
-
-        per_target = {"target_tokens", *PER_TARGET_KEYS.get(batch.loss.loss_fn, ())}
-
-        def column(key: str, dtype: torch.dtype) -> torch.Tensor:
-            empty = torch.zeros((0, *(k_shape if key in per_target else ())), dtype=dtype)
-            return torch.cat([empty, *(d.inputs[key] for d in members)])
-
-        ids = torch.cat([torch.zeros(0, dtype=torch.int64), *(d.tokens for d in members)])
-        targets = column("target_tokens", torch.int64)
-        values = {k: column(k, torch.float64) for k in batch.input_keys if k != "target_tokens"}
-        datum_index = torch.repeat_interleave(torch.arange(len(row)), torch.tensor(lens, dtype=torch.int64))
-        local_ids = zigzag_slice(ids, plan).to(device)
-        local_targets = zigzag_slice(targets, plan, pad_value=IGNORE_INDEX).to(device)
-        local_inputs = {k: zigzag_slice(v, plan).to(device) for k, v in values.items()}
-        local_datum = zigzag_slice(datum_index, plan, pad_value=-1).to(device)
-        bad_loss: set[int] = set()
-        bad_grad: set[int] = set()
-        injected = faults.injecting(self.debug_fault, cp_size=self.cp_size, cp_rank=self.cp_rank, plan=plan)
-        with torch.set_grad_enabled(backward), injected:  # DEBUG-FAULT HOOK: a no-op without --debug-fault
-            # A loss whose gradient in lp is known now (cross_entropy): the head makes its gradients in its forward.
-            upstream = None
-            saved = faults.unscored_grads(self.params, local_targets, local_inputs)  # DEBUG-FAULT HOOK (no-op)
-            if backward:
-                upstream = fixed_logprob_gradient(batch.loss, local_inputs, datum_index=local_datum, like=local_targets)
-            lp = self.model(local_ids, shard, local_targets, upstream)
-            elementwise = local_token_losses(
-                batch.loss, lp, local_inputs, datum_index=local_datum, num_datums=len(row), group=self.cp_group
-            )
-            elementwise = faults.flip_loss_sign(elementwise)  # DEBUG-FAULT HOOK (parity negative control; no-op)
-            if backward:
-                loss = elementwise.sum().to(torch.float64) + self.invariant.loss_term()
-                if self.router_aux_loss_coef:  # the row's load-balancing term (CP-invariant; collective over CP)
-                    loss = loss + self.router_aux_loss_coef * router_stats.router_aux_loss(self.model, self.cp_group)
-                self.invariant.scale_loss(loss, batch.plan.microbatches_per_rank).backward()
-                faults.skip_unscored_backward(self.params, saved)  # DEBUG-FAULT HOOK (parity negative control; no-op)
-                if not flagged and not self._gradients_finite():
-                    bad_grad.update(row)
-        both = torch.stack([lp.detach(), elementwise.detach()], dim=-1).to(torch.float64)
-        full = gather_row(both, plan, self.cp_group).cpu()
-        out, start = {}, 0
-        for i, n in zip(row, lens, strict=True):
-            piece = full[start : start + n]
-            out[i] = {"logprobs": piece[..., 0].clone(), "elementwise_loss": piece[..., 1].clone()}
-            if not bool(torch.isfinite(piece).all()):
-                bad_loss.add(i)
-            start += n
-        return out, bad_loss, bad_grad
-
-    def _gradients_finite(self) -> bool:
-        """Whether every gradient accumulated so far in this request is finite (one device sync; with FSDP one
-        verdict per DeviceMesh, agreed over its ranks: the DP×CP shards, under EP also the expert replicas)."""
-        by_mesh: dict[int, list[torch.Tensor]] = {}
-        for p in self.params:
-            if p.grad is not None:
-                by_mesh.setdefault(id(getattr(p.grad, "device_mesh", None)), []).append(p.grad)
-        verdicts = [bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()) for grads in by_mesh.values()]
-        return all(verdicts)
-
-    def _collect(self, mine: dict, batch: Batch) -> ForwardBackwardResult:
-        """Per-datum outputs of every DP group onto the result rank (one gather over the control group)."""
-        parts = gather_object_to(mine, self.control_group, dst=0)
-        if parts is None:
-            return ForwardBackwardResult(outputs=None, metrics={})
-        merged: dict[int, dict[str, torch.Tensor]] = {}
-        for part in parts:
-            merged.update(part)
-        outputs = [merged[i] for i in range(len(batch.datums))]
-        loss = sum(float(o["elementwise_loss"].sum()) for o in outputs)
-        metrics = {
-            "loss:sum": loss,
-            "num_tokens:sum": float(batch.num_tokens),
-            "microbatches:sum": float(batch.plan.microbatches_per_rank * self.dp_size),
-        }
-        return ForwardBackwardResult(outputs=outputs, metrics=metrics)
+    def _mark_broken(self, why: str) -> None:
+        self.broken = why
 
     # ------------------------------------------------------------------ gradients, all-or-nothing
 
@@ -443,72 +321,42 @@ class Trainer:
         Raises UserInputError for bad ``adam`` (nothing changed), NonFiniteError when the summed gradient
         or a weight is not finite or the update would make a weight or AdamW moment non-finite on any rank
         (weights, moments and step unchanged; the accumulated gradients are dropped), RankFailedError when
-        another rank failed.
+        another rank failed. The gradient norm, the finite checks and the update guard are read back in one
+        host sync (:func:`~ringtune.engine.update_guard.read_step_figures`).
         """
         self._check_usable()
         agreed_call(adam.validate, self.control_group)
         norm = math.nan
         error: BaseException | None = None
         bad_weights: list[str] = []
-        bad_update: list[str] = []  # parameters whose AdamW update would not be finite (optimizer.non_finite_update)
+        bad_update: list[str] = []  # parameters whose AdamW update would not be finite (update_guard.unsafe_updates)
         try:
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            if self.fsdp_units:  # FSDP summed the param grads in backward; the canary is still reduced and checked
-                self.invariant.reduce_and_check([])
-                sharding.reshard_all(self.fsdp_units)
-                norm = sharding.sharded_grad_norm(self.params, sharding.shard_group(self.mesh, self.shard_params).group)
-            else:
-                with faults.injecting(self.debug_fault, cp_size=self.cp_size, cp_rank=self.cp_rank):  # DEBUG-FAULT HOOK
-                    if expert_parallel.ep_size(self.mesh) > 1:  # experts SUM over their replica group
-                        self.invariant.reduce_and_check(*expert_parallel.split(self.params, self.names))
-                    else:
-                        self.invariant.reduce_and_check([p.grad for p in self.params])
-                if expert_parallel.ep_size(self.mesh) > 1:
-                    norm = expert_parallel.grad_norm(self.params, self.names, self.mesh)
-                else:
-                    norm = global_grad_norm(self.params)
-            bad_weights = [self.names[id(p)] for p in self.params if not bool(torch.isfinite(p.detach()).all())]
+            with faults.injecting(self.debug_fault, cp_size=self.cp_size, cp_rank=self.cp_rank):  # DEBUG-FAULT HOOK
+                self.grad_sync.reduce(self.params)
+            figures = read_step_figures(self.params, self.optimizer, self.grad_sync.norm(self.params))
+            norm = figures.norm
+            bad_weights = [self.names[id(self.params[i])] for i in figures.non_finite_weights()]
             if math.isfinite(norm) and not bad_weights:  # clipped here; dropped with the gradients if refused
-                prepare_step(self.optimizer, self.params, adam, norm=norm)
-                bad_update = [self.names[id(self.params[i])] for i in non_finite_update(self.optimizer, self.params)]
+                scale = prepare_step(self.optimizer, self.params, adam, norm=norm)
+                unsafe = unsafe_updates(self.optimizer, self.params, figures, grad_scale=scale)
+                bad_update = [self.names[id(self.params[i])] for i in unsafe]
         except NOT_CAUGHT:
             raise
         except BaseException as exc:
             error = exc
-        verdicts = all_gather_objects((math.isfinite(norm), bad_weights, bad_update), self.control_group)
-        weights = sorted({n for _, names, _ in verdicts for n in names})
-        updates = sorted({n for _, _, names in verdicts for n in names})
-        if error is None and weights:
-            error = NonFiniteError(
-                f"optim_step refused: parameter(s) {', '.join(weights[:8])} hold non-finite values (the model is "
-                "corrupt; load a checkpoint). Weights, AdamW moments and step unchanged; accumulated gradients dropped."
-            )
-        elif error is None and not all(finite for finite, _, _ in verdicts):
-            error = NonFiniteError(
-                f"optim_step refused: the summed gradient's norm is {norm} (not finite). Weights, AdamW moments "
-                "and step unchanged; the accumulated gradients were dropped."
-            )
-        elif error is None and updates:
-            error = NonFiniteError(
-                f"optim_step refused: the AdamW update of parameter(s) {', '.join(updates[:8])} would make a weight "
-                f"or moment non-finite (summed gradient norm {norm:.3g}: an element that large overflows the "
-                "second moment; lower the learning rate or clip with grad_clip_norm). Weights, AdamW moments "
-                "and step unchanged; the accumulated gradients were dropped."
-            )
-        try:
-            agree(error, self.control_group)
-        except BaseException:
-            drop_gradients(self.params, self.invariant)
-            raise
+        settle_step(
+            error, (math.isfinite(norm), bad_weights, bad_update), norm,
+            params=self.params, invariant=self.invariant, group=self.control_group,
+        )  # fmt: skip
         faults.skip_weight_decay(self.debug_fault, self.cp_rank, self.optimizer)  # DEBUG-FAULT HOOK (no-op without)
         apply_step(self.optimizer)
         self.step += 1
         self.weights_version += 1
         replica_s = self.replicas.verify(self.params, self.names, self.optimizer, self.step, self.control_group)
-        peak = torch.tensor([float(peak_memory_bytes())], dtype=torch.float64)
-        peaks = all_gather_objects(float(peak), self.control_group)
+        peaks = all_gather_objects(float(peak_memory_bytes()), self.control_group)
         return {
             "grad_norm:mean": norm,
             "learning_rate:mean": float(adam.learning_rate),

@@ -15,6 +15,7 @@ from ringtune.models.recompute import RECOMPUTE_MODES
 from ringtune.plan.estimate import PRECISIONS
 from ringtune.plan.models import KNOWN_MODELS, resolve_model
 from ringtune.plan.search import MARGIN, Planned, plan_layouts
+from ringtune.sample.pool import DEFAULT_MAX_SNAPSHOTS
 
 UNITS = {
     "b": 1,
@@ -51,6 +52,13 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu-memory", required=True, help="memory per GPU, e.g. 80GiB or 141GB")
     p.add_argument("--precision", nargs="+", default=list(PRECISIONS), help=f"any of {', '.join(PRECISIONS)}")
     p.add_argument("--recompute", nargs="+", default=list(RECOMPUTE_MODES), help="any of none, full, selective")
+    p.add_argument(
+        "--sampler-snapshots",
+        type=int,
+        default=DEFAULT_MAX_SNAPSHOTS,
+        help=f"whole sampler snapshots each rank holds beside the step (default {DEFAULT_MAX_SNAPSHOTS}, the sampler "
+        "pool's limit; 0 for training without sampling from run weights)",
+    )
     p.add_argument("--top", type=int, default=12, help="rows of the table (0: every layout)")
     p.add_argument("--json", action="store_true", help="every layout as JSON on stdout")
 
@@ -67,6 +75,7 @@ def _row(p: Planned) -> list[str]:
         lay.precision,
         *(f"{v / GIB:.1f}" for v in (e.parameters, e.gradients, e.moments, e.activations, e.constants)),
         f"{e.communication / GIB:.2f}",
+        f"{e.snapshots / GIB:.1f}",
         f"{e.peak / GIB:.1f}",
         fit,
         f"{p.cost:.2f}",
@@ -86,6 +95,7 @@ HEADER = [
     "activ",
     "const",
     "comm",
+    "snap",
     "peak",
     "fits",
     "cost",
@@ -118,6 +128,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
             memory=memory,
             precisions=tuple(args.precision),
             recompute=tuple(args.recompute),
+            sampler_snapshots=args.sampler_snapshots,
         )
     except UserInputError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -129,6 +140,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
             "gpus": args.gpus,
             "gpu_memory_bytes": memory,
             "margin": MARGIN,
+            "sampler_snapshots": args.sampler_snapshots,
             "layouts": [
                 {**p.estimate.as_dict(), "fits": p.fits, "fits_with_margin": p.fits_with_margin, "cost": p.cost}
                 for p in planned
@@ -139,7 +151,8 @@ def run_plan_command(args: argparse.Namespace) -> int:
     fitting = sum(p.fits for p in planned)
     print(
         f"{name}: {args.context_length} tokens per row on {args.gpus} x {memory / GIB:.1f} GiB; "
-        f"{fitting} of {len(planned)} layouts fit (GiB per rank, best first; fits = with {MARGIN:.0%} free)"
+        f"{fitting} of {len(planned)} layouts fit (GiB per rank, best first; fits = with {MARGIN:.0%} free; snap = "
+        f"{args.sampler_snapshots} sampler snapshot(s))"
     )
     print(format_table(planned, args.top))
     return 0 if fitting else 1

@@ -9,7 +9,9 @@ at the step's worst moment. :func:`estimate` walks the step's phases and takes t
   layer i's recomputation rebuilds, its backward working set (:data:`BACKWARD_WORK`) and its CP buffers;
 - ``optimizer``: the AdamW step (foreach temporaries, one parameter-sized list).
 
-Every term is bytes on one rank; ``tokens`` is the rank's share of the packed row (its zigzag shard).
+Beside the step, a rank holds its sampler snapshots (``sampler_snapshots``, :func:`snapshot_bytes` each: the
+sampler pool keeps whole inference copies of run weights, :mod:`ringtune.engine.snapshot`), counted in every
+phase. Every term is bytes on one rank; ``tokens`` is the rank's share of the packed row (its zigzag shard).
 """
 
 from __future__ import annotations
@@ -81,7 +83,8 @@ class Layout:
 
 @dataclass(frozen=True)
 class Estimate:
-    """Predicted per-rank bytes by term; ``peak`` = their sum at the worst phase (``phase``)."""
+    """Predicted per-rank bytes by term; ``peak`` = their sum at the worst phase (``phase``); ``snapshots``: the
+    sampler snapshots held beside the step (0 unless asked for)."""
 
     layout: Layout
     tokens: int
@@ -93,10 +96,12 @@ class Estimate:
     communication: float
     phase: str
     detail: dict[str, float] = field(default_factory=dict)
+    snapshots: float = 0.0
 
     @property
     def peak(self) -> float:
-        return self.parameters + self.gradients + self.moments + self.activations + self.constants + self.communication
+        step = self.parameters + self.gradients + self.moments + self.activations + self.constants
+        return step + self.communication + self.snapshots
 
     def as_dict(self) -> dict:
         return {**asdict(self), "peak": self.peak}
@@ -174,7 +179,8 @@ def comm_per_token(cfg: DecoderConfig, layer_type: str, cp: int, e: int, a: int)
 
 
 ADAMW_TRANSIENT: dict[str, str] = {
-    "fused": "the larger of the finite guard's trial update (three copies of the largest local parameter) and the "
+    "fused": "the larger of the finite guard's exact trial update (three copies of the largest local parameter; it "
+    "runs only where the guard's bound fails, engine/update_guard.py, and is counted as the worst case) and the "
     "global grad norm's float64 square of the largest gradient (two float64 copies), one parameter at a time",
     "torch_default": "one parameter-sized list (torch's foreach AdamW on CUDA)",
 }
@@ -183,11 +189,27 @@ ADAMW_TRANSIENT: dict[str, str] = {
 ``benchmarks/plan_check.py`` measures on CPU."""
 
 
-def estimate(cfg: DecoderConfig, layout: Layout, tokens: int, *, adamw: str = "fused") -> Estimate:
+def snapshot_bytes(cfg: DecoderConfig, layout: Layout) -> float:
+    """One sampler snapshot on a rank (:func:`ringtune.engine.snapshot.snapshot_of`): the whole model, gathered
+    (FSDP shards and EP experts alike), its decoder layers in the compute dtype under bf16-mixed (the sampler
+    computes as the trainer does) and everything else in the parameter dtype."""
+    e, pb, _, _ = PRECISIONS[layout.precision]
+    types = cfg.layer_types
+    layers = sum(layer_parameters(cfg, t, i) + moe.expert_parameters(cfg, i) for i, t in enumerate(types))
+    layer_bytes = e if layout.precision == "bf16-mixed" else pb
+    return layers * layer_bytes + root_parameters(cfg) * pb
+
+
+def estimate(
+    cfg: DecoderConfig, layout: Layout, tokens: int, *, adamw: str = "fused", sampler_snapshots: int = 0
+) -> Estimate:
     """Predicted per-rank peak of one training step of ``tokens`` tokens per rank under ``layout``, the trainer's
-    AdamW run by kernel ``adamw`` (:data:`ADAMW_TRANSIENT`)."""
+    AdamW run by kernel ``adamw`` (:data:`ADAMW_TRANSIENT`), with ``sampler_snapshots`` whole sampler snapshots
+    held beside it (:func:`snapshot_bytes` each; 0: the step alone)."""
     if adamw not in ADAMW_TRANSIENT:
         raise UserInputError(f"adamw={adamw!r}: choose one of {', '.join(ADAMW_TRANSIENT)}")
+    if isinstance(sampler_snapshots, bool) or not isinstance(sampler_snapshots, int) or sampler_snapshots < 0:
+        raise UserInputError(f"--sampler-snapshots={sampler_snapshots!r}: must be an integer >= 0")
     check_precision_planned(layout.precision)
     act.check_mode(layout.recompute)
     e, pb, gb, mb = PRECISIONS[layout.precision]
@@ -274,4 +296,5 @@ def estimate(cfg: DecoderConfig, layout: Layout, tokens: int, *, adamw: str = "f
         communication=communication,
         phase=phase,
         detail=detail,
+        snapshots=sampler_snapshots * snapshot_bytes(cfg, layout),
     )

@@ -92,8 +92,10 @@ def plan_layouts(
     memory: int,
     precisions: tuple[str, ...] = tuple(PRECISIONS),
     recompute: tuple[str, ...] = RECOMPUTE_MODES,
+    sampler_snapshots: int = 0,
 ) -> list[Planned]:
-    """Every layout for ``context`` tokens per row on ``gpus`` GPUs of ``memory`` bytes, best first."""
+    """Every layout for ``context`` tokens per row on ``gpus`` GPUs of ``memory`` bytes, best first, each rank also
+    holding ``sampler_snapshots`` whole sampler snapshots (:func:`~ringtune.plan.estimate.snapshot_bytes`)."""
     check_positive("--context-length", context)
     check_positive("--gpus", gpus)
     check_positive("--gpu-memory", memory)
@@ -110,7 +112,7 @@ def plan_layouts(
             for rc in recompute:
                 for precision in precisions:
                     layout = Layout(cp=cp, dp=dp, shard=shard, recompute=rc, precision=precision, ep=ep)
-                    est = estimate(cfg, layout, tokens)
+                    est = estimate(cfg, layout, tokens, sampler_snapshots=sampler_snapshots)
                     out.append(
                         Planned(
                             estimate=est,

@@ -19,12 +19,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ringtune.engine.sharding import full_state_dict
+from ringtune.engine.snapshot import snapshot_of
 from ringtune.errors import UserInputError
 from ringtune.models.decoder import CausalLM
 from ringtune.models.lora_snapshot import LoraSnapshot
-from ringtune.models.precision import compute_like_trainer, layers_compute_dtype, layers_exact
-from ringtune.parallel.expert_dispatch import gather_expert_state
+from ringtune.models.precision import compute_like_trainer
 from ringtune.sample.mesh_prompts import PromptForward
 from ringtune.sample.params import SamplingParams
 from ringtune.sample.sampler import Generation, PromptSamples, start_generation
@@ -76,20 +75,6 @@ class SampleRequest:
     def target_k(self) -> int:
         """K of ``target_tokens`` (0 without): requests prefilled together share it."""
         return 0 if self.target_tokens is None else int(self.target_tokens.shape[-1])
-
-
-def snapshot_of(model: CausalLM) -> CausalLM:
-    """An inference copy of ``model`` (same config, dtype and device; no gradients), whole on this rank, computing
-    as the trainer does: a mixed-precision trainer's layers compute in its compute dtype, so do the copy's
-    (:func:`~ringtune.models.precision.compute_like_trainer`).
-
-    An FSDP-sharded model's tensors, and an expert-parallel model's experts, are gathered first (collective over
-    its mesh / EP groups: every rank of it calls this together, as every rank runs ``create_sampler``)."""
-    device = model.output_weight.device
-    copy = CausalLM(model.config).to(dtype=model.output_weight.dtype, device=device)
-    copy.load_state_dict(gather_expert_state(model, full_state_dict(model, device=device)))
-    copy.requires_grad_(False)
-    return compute_like_trainer(copy.eval(), layers_compute_dtype(model), exact=layers_exact(model))
 
 
 class SamplerPool:

@@ -1,0 +1,290 @@
+"""Host syncs, collectives and optimizer time of one training step of SmolLM2-135M on CPU (issue 31, lean steps).
+
+Run ``python benchmarks/lean_step.py [--steps 3] [--tokens 256]``. Two gloo ranks, one thread each, load the
+embedded SmolLM2-135M (float32) into a :class:`~ringtune.engine.trainer.Trainer` at CP=1 (DP=2, replicated) and CP=2
+(DP=1); each step is one ``forward_backward`` of two microbatches per rank (cross_entropy) and one ``optim_step``.
+Counted on every rank, per step (median over the steps after the first, which creates the AdamW moments):
+
+- host syncs: calls that read a tensor's value back to Python (``Tensor.item`` / ``tolist`` / ``cpu`` / ``numpy`` /
+  ``__bool__`` / ``__float__`` / ``__int__``; on CUDA each is a device sync; on CPU ``cpu()`` of a CPU tensor is
+  counted too, as it would sync on GPU), per optim_step (those inside torch's own AdamW step shown apart: on CPU its
+  per-tensor loop reads each step count back; fused on CUDA reads none) and per microbatch (between two calls of the
+  trainer's ``microbatch_hook``; the last microbatch also carries the request's tail);
+- collectives: calls of ``torch.distributed`` collectives (outermost only: an ``all_gather_object`` counts once) and
+  of the control plane's store exchanges (:data:`STORE_EXCHANGES`), per optim_step and per microbatch, with the
+  seconds spent in them;
+- optimizer time: ``optim_step``'s wall time less the gradient reduction (``GradientInvariant.reduce_and_check``:
+  the SUM over the gloo ranks, its bucket packing, the canary check) and the other collectives (communication, not
+  optimizer work), over the AdamW step it runs (``optimizer.step``, timed inside it; also
+  shown without the replica check, :mod:`ringtune.engine.replica_check`, a separate per-step check with its own
+  benchmark) and over one plain ``torch.optim.AdamW.step`` on the same parameters and moments after it (the
+  trainer's own AdamW; gradients of zeros, equal on every rank so the replicas stay identical: AdamW's work does not
+  depend on the values).
+
+Prints one line per configuration (rank 0's figures; rank 1's are alike) and the parameter tensor count, so an
+O(parameters) count shows as such.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+from ringtune.engine.optimizer import AdamParams
+from ringtune.engine.trainer import TrainDatum, Trainer
+from ringtune.models.checkpoints.load import EMBEDDED_DEFAULT, load_model
+from ringtune.parallel import control
+from ringtune.testing.harness import RankPool
+
+SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
+"""Tensor methods that read a value back to the host (a device sync on CUDA)."""
+
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "gather_object",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "barrier",
+    "gather",
+    "scatter",
+    "reduce",
+)
+"""``torch.distributed`` functions counted as one collective call each."""
+
+STORE_EXCHANGES = ("broadcast_from", "exchange_objects", "gather_objects_to")
+"""The control plane's exchanges through the TCP store (:mod:`ringtune.parallel.store_exchange`, called from
+:mod:`ringtune.parallel.control`): counted as collectives too (every rank of the group takes part)."""
+
+ADAM = AdamParams(learning_rate=1e-5, weight_decay=0.01, grad_clip_norm=1.0)
+
+
+def _call_site() -> str:
+    """``file.py:function`` of the nearest caller outside torch and this file."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if "/torch/" not in path and not path.endswith("lean_step.py"):
+            return f"{os.path.basename(path)}:{frame.f_code.co_name}"
+        frame = frame.f_back
+    return "?"
+
+
+class Counts:
+    """Host syncs and collectives counted while :meth:`counting` is active (the outermost call of each)."""
+
+    def __init__(self) -> None:
+        self.syncs: Counter[str] = Counter()
+        self.collectives: Counter[str] = Counter()
+        self.collective_s = 0.0
+        self._depth = 0
+
+    def total(self) -> tuple[int, int, float]:
+        return sum(self.syncs.values()), sum(self.collectives.values()), self.collective_s
+
+    def _wrap_sync(self, name: str, original: Callable) -> Callable:
+        def wrapper(t, *args, **kwargs):
+            if self._depth == 0:
+                self.syncs[f"{name} in {_call_site()}"] += 1
+            return original(t, *args, **kwargs)
+
+        return wrapper
+
+    def _wrap_collective(self, name: str, original: Callable) -> Callable:
+        def wrapper(*args, **kwargs):
+            if self._depth > 0:
+                return original(*args, **kwargs)
+            self.collectives[name] += 1
+            self._depth += 1
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.collective_s += time.perf_counter() - start
+                self._depth -= 1
+
+        return wrapper
+
+    @contextmanager
+    def counting(self) -> Iterator[Counts]:
+        """Patch the tensor methods and the collectives (module attributes of torch.distributed and c10d)."""
+        saved: list[tuple[object, str, object]] = []
+        for name in SYNC_METHODS:
+            original = getattr(torch.Tensor, name)
+            saved.append((torch.Tensor, name, torch.Tensor.__dict__.get(name)))
+            setattr(torch.Tensor, name, self._wrap_sync(name, original))
+        c10d = dist.distributed_c10d
+        for name in COLLECTIVES:
+            original = getattr(c10d, name, None)
+            if original is None:
+                continue
+            wrapped = self._wrap_collective(name, original)
+            for module in (dist, c10d):
+                if getattr(module, name, None) is original:
+                    saved.append((module, name, original))
+                    setattr(module, name, wrapped)
+        for name in STORE_EXCHANGES:
+            original = getattr(control, name)
+            saved.append((control, name, original))
+            setattr(control, name, self._wrap_collective(f"store.{name}", original))
+        try:
+            yield self
+        finally:
+            for owner, name, original in reversed(saved):
+                if original is None:
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, original)
+
+
+def _data(vocab: int, lens: tuple[int, ...], seed: int) -> list[TrainDatum]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lens:
+        tokens = torch.randint(0, vocab, (n,), generator=gen)
+        inputs = {"target_tokens": torch.randint(0, vocab, (n,), generator=gen), "weights": torch.ones(n)}
+        out.append(TrainDatum(tokens=tokens, inputs=inputs))
+    return out
+
+
+def measure(ctx, *, cp: int, tokens: int, steps: int) -> dict[str, float]:
+    """On every rank: per-step medians of syncs, collectives and times (see the module docstring)."""
+    torch.set_num_threads(1)
+    mesh = ctx.mesh(dp=2 // cp, cp=cp)
+    model = load_model(EMBEDDED_DEFAULT, dtype=torch.float32)
+    trainer = Trainer(model, mesh, max_tokens_per_rank=tokens)
+    dp = 2 // cp
+    # two microbatches per rank: each row fills one rank's budget at this CP (minus padding slack)
+    lens = tuple([tokens * cp - 16] * (2 * dp))
+    counts = Counts()
+    inside: dict[str, float] = {}  # seconds and host syncs inside torch's AdamW step and the replica check
+    plain_step = trainer.optimizer.step
+    trainer.optimizer.step = _timed(plain_step, "adamw", inside, counts)  # what apply_step calls
+    trainer.replicas.verify = _timed(trainer.replicas.verify, "replica", inside, counts)
+    # the gradient SUM with its invariant check (collectives, bucket packing, canary): communication, not optimizer
+    trainer.invariant.reduce_and_check = _timed(trainer.invariant.reduce_and_check, "reduce", inside, counts)
+    marks: list[tuple[int, int, float]] = []
+    trainer.microbatch_hook = lambda m: marks.append(counts.total())
+    rows: list[dict[str, float]] = []
+    for step in range(steps):
+        data = _data(model.config.vocab_size, lens, seed=step)
+        marks.clear()
+        with counts.counting():
+            trainer.forward_backward(data, "cross_entropy")
+            end_fb = counts.total()
+            before = counts.total()
+            sites = Counter(counts.syncs)
+            inside.clear()
+            start = time.perf_counter()
+            trainer.optim_step(ADAM)
+            step_s = time.perf_counter() - start
+            after = counts.total()
+            sites = Counter({k: v for k, v in (counts.syncs - sites).items() if v})
+        per_mb = [b[0] - a[0] for a, b in zip(marks, [*marks[1:], end_fb], strict=True)]
+        coll_mb = [b[1] - a[1] for a, b in zip(marks, [*marks[1:], end_fb], strict=True)]
+        for p in trainer.params:  # the same on every rank, so the replicas stay identical (the check runs)
+            p.grad = torch.zeros_like(p)
+        start = time.perf_counter()
+        plain_step()  # the plain AdamW step on the same parameters and moments
+        plain_s = time.perf_counter() - start
+        trainer.optimizer.zero_grad(set_to_none=True)
+        # less the gradient reduction (its collectives included) and the other collectives (verdicts, peaks)
+        optimizer_s = step_s - inside["reduce_s"] - (after[2] - before[2] - inside["reduce_collective_s"])
+        rows.append(
+            {
+                "step_syncs": after[0] - before[0],
+                "step_syncs_outside_adamw": after[0] - before[0] - inside["adamw_syncs"],
+                "adamw_syncs": inside["adamw_syncs"],
+                "adamw_in_step_s": inside["adamw_s"],
+                "replica_check_s": inside["replica_s"],
+                "optimizer_over_adamw_in_step": optimizer_s / inside["adamw_s"],
+                "without_replica_check": (optimizer_s - inside["replica_s"]) / inside["adamw_s"],
+                "step_collectives": after[1] - before[1],
+                "mb_syncs_first": per_mb[0],
+                "mb_syncs_last": per_mb[-1],
+                "mb_collectives_first": coll_mb[0],
+                "microbatches": len(per_mb),
+                "optim_step_s": step_s,
+                "collective_s": after[2] - before[2],
+                "reduce_s": inside["reduce_s"],
+                "optimizer_s": optimizer_s,
+                "plain_adamw_s": plain_s,
+                "optimizer_over_plain": optimizer_s / plain_s,
+            }
+        )
+    later = rows[1:] or rows
+    out = {k: statistics.median(r[k] for r in later) for k in rows[0]}
+    out["parameter_tensors"] = float(len(trainer.params))
+    out["sites"] = dict(sites.most_common(6))  # the last step's host syncs by call site (outside AdamW's own too)
+    return out
+
+
+def _timed(fn: Callable, name: str, into: dict[str, float], counts: Counts) -> Callable:
+    """``fn`` that adds its seconds, host syncs and seconds in collectives to ``into[name + "_s"]``,
+    ``into[name + "_syncs"]`` and ``into[name + "_collective_s"]``."""
+
+    def wrapper(*args, **kwargs):
+        syncs, _, collective_s = counts.total()
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            now = counts.total()
+            into[f"{name}_s"] = into.get(f"{name}_s", 0.0) + time.perf_counter() - start
+            into[f"{name}_syncs"] = into.get(f"{name}_syncs", 0.0) + now[0] - syncs
+            into[f"{name}_collective_s"] = into.get(f"{name}_collective_s", 0.0) + now[2] - collective_s
+
+    return wrapper
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3, help="steps per configuration (the first is not counted)")
+    parser.add_argument("--tokens", type=int, default=256, help="per-rank token budget of a microbatch")
+    parser.add_argument("--cp", type=int, nargs="+", default=[1, 2], choices=[1, 2])
+    args = parser.parse_args()
+    import lean_step as bench  # this file by its module name: the ranks look the case up by module and name
+
+    print(f"SmolLM2-135M float32, 2 gloo ranks x 1 thread, {args.tokens} tokens per rank per microbatch")
+    for cp in args.cp:
+        pool = RankPool(2, timeout=3600)
+        try:
+            r = pool.run(bench.measure, cp=cp, tokens=args.tokens, steps=args.steps)[0]
+        finally:
+            pool.close()
+        print(
+            f"  CP={cp} DP={2 // cp}: {r['parameter_tensors']:.0f} parameter tensors\n"
+            f"    per optim_step: {r['step_syncs']:.0f} host syncs ({r['adamw_syncs']:.0f} of them inside torch's "
+            f"AdamW step itself, {r['step_syncs_outside_adamw']:.0f} outside), {r['step_collectives']:.0f} "
+            f"collectives ({r['collective_s']:.2f} s; the gradient reduction with its check {r['reduce_s']:.2f} s)\n"
+            f"    per microbatch: {r['mb_syncs_first']:.0f} host syncs (the last of {r['microbatches']:.0f}, with the "
+            f"request's tail: {r['mb_syncs_last']:.0f}), {r['mb_collectives_first']:.0f} collectives\n"
+            f"    optim_step {r['optim_step_s']:.2f} s, less the reduction and collectives {r['optimizer_s']:.2f} s = "
+            f"{r['optimizer_over_adamw_in_step']:.2f} x its AdamW step ({r['adamw_in_step_s']:.2f} s; "
+            f"{r['without_replica_check']:.2f} x without the replica check's {r['replica_check_s']:.2f} s); "
+            f"{r['optimizer_over_plain']:.2f} x a plain AdamW step after it ({r['plain_adamw_s']:.2f} s)\n"
+            f"    host syncs of the last optim_step by call site: {r['sites']}"
+        )
+
+
+if __name__ == "__main__":
+    main()

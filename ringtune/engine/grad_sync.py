@@ -1,0 +1,157 @@
+"""How the accumulated gradients become the global SUM, and their norm and finite check: one strategy object per
+parameter layout, behind one interface (:class:`GradientSync`), picked by :func:`gradient_sync_for`.
+
+- :class:`ReplicatedSync` (``shard_params="none"``, no EP): every rank holds every gradient; at ``optim_step``
+  they are SUMmed over the DP×CP group in flat buckets (:func:`~ringtune.engine.gradients.reduce_gradients`)
+  together with the gradient invariant's canary;
+- :class:`ExpertParallelSync` (EP > 1, replicated): the non-expert gradients SUM over DP×CP, the expert
+  gradients over the expert replica group (both canaries checked); the norm adds the EP group's expert norms;
+- :class:`FsdpSync` (``dp`` / ``dp_cp``): FSDP2 reduce-scattered the gradients during backward; only the canary
+  is reduced and checked; the norm is the local shards' squares SUMmed over the shard group.
+
+Every method is collective over the groups it names, and none reads a value back to the host: the norm and the
+finite verdicts are device tensors, read by the caller together with the other figures of the step (one host
+sync per step, one per microbatch). Gradients are plain tensors or, under FSDP, DTensors (their local shards
+are used). float64 accumulation everywhere a norm is formed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ringtune.engine import expert_parallel, sharding
+from ringtune.engine.gradients import GradientInvariant
+from ringtune.engine.tensor_norms import count_non_finite, local, sum_of_squares
+from ringtune.parallel.mesh import ParallelMesh
+
+
+def _device(params: list[torch.nn.Parameter]) -> torch.device:
+    return local(params[0].detach()).device if params else torch.device("cpu")
+
+
+def _local_grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    return [local(p.grad) for p in params if p.grad is not None]
+
+
+class GradientSync:
+    """The interface (and the replicated strategy's local finite check, which EP shares).
+
+    Subclasses implement :meth:`reduce` and :meth:`norm`; :meth:`grads_finite` is local unless overridden.
+    """
+
+    name = "replicated"
+
+    def reduce(self, params: list[torch.nn.Parameter]) -> None:
+        """SUM the accumulated ``.grad`` of ``params`` (every one set) over the layout's groups, in place, and
+        check the gradient invariant (GradientInvariantError). Collective."""
+        raise NotImplementedError
+
+    def norm(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
+        """The L2 norm of the whole reduced gradient as a float64 0-d device tensor (inf / NaN when an element
+        is). Collective where the gradient is spread over ranks; call after :meth:`reduce`."""
+        raise NotImplementedError
+
+    def grads_finite(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
+        """A bool 0-d device tensor: every ``.grad`` accumulated so far is finite (this rank's, which under
+        replication is the whole local gradient). One fused reduction; no collective here."""
+        grads = _local_grads(params)
+        return count_non_finite(grads, _device(params)) == 0
+
+
+class ReplicatedSync(GradientSync):
+    """Every rank holds the whole model: SUM over DP×CP in flat buckets (with the canary), norm local."""
+
+    def __init__(self, invariant: GradientInvariant) -> None:
+        self.invariant = invariant
+
+    def reduce(self, params: list[torch.nn.Parameter]) -> None:
+        self.invariant.reduce_and_check([p.grad for p in params])
+
+    def norm(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
+        return sum_of_squares(_local_grads(params), _device(params)).sqrt()
+
+
+class ExpertParallelSync(GradientSync):
+    """EP > 1 with replicated parameters: non-expert gradients SUM over DP×CP, experts over their replica group;
+    the norm adds the expert squares of the whole EP group (one all-reduce over ``mesh.ep_group``)."""
+
+    name = "expert_parallel"
+
+    def __init__(self, invariant: GradientInvariant, names: dict[int, str], mesh: ParallelMesh) -> None:
+        self.invariant, self.names, self.mesh = invariant, names, mesh
+
+    def reduce(self, params: list[torch.nn.Parameter]) -> None:
+        self.invariant.reduce_and_check(*expert_parallel.split(params, self.names))
+
+    def norm(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
+        dense, expert = expert_parallel.split(params, self.names)
+        device = _device(params)
+        experts = sum_of_squares(expert, device)
+        dist.all_reduce(experts, group=self.mesh.ep_group)
+        return (sum_of_squares(dense, device) + experts).sqrt()
+
+
+class FsdpSync(GradientSync):
+    """FSDP2 (``dp`` / ``dp_cp``): gradients were SUMmed into their shards during backward; the canary is still
+    reduced and checked, every unit resharded, and the norm SUMs the shards' squares over the shard group."""
+
+    name = "fsdp"
+
+    def __init__(self, invariant: GradientInvariant, units: list, shard_group: Callable[[], dist.ProcessGroup]):
+        self.invariant, self.units, self.shard_group = invariant, units, shard_group
+
+    def reduce(self, params: list[torch.nn.Parameter]) -> None:
+        self.invariant.reduce_and_check([])
+        sharding.reshard_all(self.units)
+
+    def norm(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
+        total = sum_of_squares(_local_grads(params), _device(params))
+        dist.all_reduce(total, group=self.shard_group())
+        return total.sqrt()
+
+    def grads_finite(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
+        """One verdict per DeviceMesh of the gradients, agreed over its sharded dimensions' groups (a non-finite
+        value reduce-scattered into another rank's shard flags this rank's row too, as the DP×CP shards of
+        one gradient and, under EP, the expert replicas); one all-reduce per such group."""
+        by_mesh: dict[int, list[torch.Tensor]] = {}
+        groups: dict[int, list[dist.ProcessGroup]] = {}
+        for p in params:
+            g = p.grad
+            if g is None:
+                continue
+            key = id(getattr(g, "device_mesh", None))
+            by_mesh.setdefault(key, []).append(local(g))
+            if isinstance(g, DTensor) and key not in groups:
+                groups[key] = [g.device_mesh.get_group(d) for d, pl in enumerate(g.placements) if pl.is_shard()]
+        device = _device(params)
+        bad = []
+        for key, grads in by_mesh.items():
+            count = count_non_finite(grads, device)
+            for group in groups.get(key, []):
+                dist.all_reduce(count, group=group)
+            bad.append(count)
+        return torch.stack(bad).sum() == 0 if bad else torch.ones((), dtype=torch.bool, device=device)
+
+
+def gradient_sync_for(
+    *,
+    invariant: GradientInvariant,
+    mesh: ParallelMesh | None,
+    shard_params: str,
+    fsdp_units: list,
+    names: dict[int, str],
+) -> GradientSync:
+    """The strategy of a trainer's layout: FSDP when ``fsdp_units`` (sharded), EP when the mesh's EP size > 1
+    (replicated), else replicated. The shard group is read from the mesh at each use (it is not rebuilt under
+    FSDP, but the mesh is the one authority)."""
+    if fsdp_units:
+        assert mesh is not None  # sharding needs a mesh (the trainer refused None)
+        return FsdpSync(invariant, fsdp_units, lambda: sharding.shard_group(mesh, shard_params).group)
+    if expert_parallel.ep_size(mesh) > 1:
+        assert mesh is not None
+        return ExpertParallelSync(invariant, names, mesh)
+    return ReplicatedSync(invariant)

@@ -1,0 +1,56 @@
+"""Fused reductions over lists of tensors that stay on the device (no host sync): the optimizer step's grad norm,
+finite checks and update guard read them back together, once.
+
+Every function takes plain tensors (a DTensor's local shard: the caller passes ``to_local()``) on one device and
+returns a tensor on that device; ``device`` is used when the list is empty. ``torch._foreach_norm`` runs one
+kernel per device and dtype group instead of one reduction and one ``float()`` per tensor (on CUDA; on CPU the
+maxima take ``torch.aminmax``, see :func:`max_abs`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP-sharded parameter, gradient or moment); ``t`` otherwise."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def sum_of_squares(tensors: list[torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Σ_t Σ_i t_i², a float64 0-d tensor: each tensor's L2 norm accumulated in float64 (``_foreach_norm`` with
+    ``dtype=float64``), squared and summed. Non-finite elements give inf / NaN. 0 for an empty list."""
+    nonempty = [t.detach() for t in tensors if t.numel() > 0]
+    if not nonempty:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch._foreach_norm(nonempty, 2, dtype=torch.float64)
+    return torch.stack([n.to(nonempty[0].device) for n in norms]).square().sum()
+
+
+def max_abs(tensors: list[torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Per tensor, max |t_i| as float64 ``[len(tensors)]`` (0 for an empty tensor); NaN where the tensor holds a
+    NaN and inf where it holds an inf (the max propagates both), so ``isfinite`` of it is the tensor's finite check.
+
+    On CUDA one ``_foreach_norm(ord=inf)`` per device and dtype group; on CPU, where that op is not vectorised
+    (about 15x slower than a float32 L2 norm), ``torch.aminmax`` per tensor (one vectorised pass each).
+    """
+    out = torch.zeros(len(tensors), dtype=torch.float64, device=device)
+    where = [i for i, t in enumerate(tensors) if t.numel() > 0]
+    if not where:
+        return out
+    chosen = [tensors[i].detach() for i in where]
+    if all(t.device.type == "cuda" for t in chosen):
+        maxima = list(torch._foreach_norm(chosen, float("inf")))
+    else:
+        maxima = []
+        for t in chosen:
+            low, high = torch.aminmax(t)
+            maxima.append(torch.maximum(-low, high))
+    out[torch.tensor(where, device=device)] = torch.stack([m.to(device, torch.float64) for m in maxima])
+    return out
+
+
+def count_non_finite(tensors: list[torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
+    """How many of ``tensors`` hold a NaN or an inf: a float64 0-d tensor (a count, exact; summable over ranks)."""
+    return (~torch.isfinite(max_abs(tensors, device))).sum(dtype=torch.float64)

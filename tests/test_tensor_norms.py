@@ -1,0 +1,40 @@
+"""Fused reductions (engine/tensor_norms.py) against per-tensor float64 references, empty tensors included; and
+the replicated gradient buckets (engine/gradients.py gradient_buckets)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ringtune.engine.gradients import gradient_buckets
+from ringtune.engine.tensor_norms import count_non_finite, max_abs, sum_of_squares
+
+
+def test_sum_of_squares_is_the_float64_sum() -> None:
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(33, 7, generator=gen), torch.zeros(0), torch.randn(5, generator=gen) * 1e20]
+    want = sum(float(t.double().pow(2).sum()) for t in tensors)
+    got = float(sum_of_squares(tensors))
+    assert math.isclose(got, want, rel_tol=1e-14)  # accumulated in float64: 1e20² does not overflow as in float32
+    assert float(sum_of_squares([])) == 0.0
+    assert math.isinf(float(sum_of_squares([torch.tensor([1.0, math.inf])])))
+    assert math.isnan(float(sum_of_squares([torch.tensor([1.0, math.nan])])))
+
+
+def test_max_abs_propagates_nan_and_inf_and_counts_them() -> None:
+    tensors = [torch.tensor([-4.0, 2.0]), torch.zeros(0), torch.tensor([math.nan, 1.0]), torch.tensor([-math.inf])]
+    got = max_abs(tensors)
+    assert got.dtype == torch.float64 and got[:2].tolist() == [4.0, 0.0]
+    assert math.isnan(float(got[2])) and math.isinf(float(got[3]))
+    assert float(count_non_finite(tensors)) == 2.0 and float(count_non_finite(tensors[:2])) == 0.0
+
+
+def test_gradient_buckets_keep_order_dtype_and_size() -> None:
+    f32 = [torch.zeros(256) for _ in range(5)]  # 1 KiB each
+    f64 = torch.zeros(8, dtype=torch.float64)
+    big = torch.zeros(4096)
+    buckets = gradient_buckets([*f32, f64, big, f32[0]], bucket_bytes=2048)
+    assert [len(b) for b in buckets] == [2, 2, 1, 1, 1, 1]
+    assert [id(t) for b in buckets for t in b] == [id(t) for t in (*f32, f64, big, f32[0])]
+    assert all(len({t.dtype for t in b}) == 1 for b in buckets)
