@@ -128,7 +128,7 @@ def _from_list(value: Sequence, field: str, integer: bool) -> torch.Tensor:
         if integer and not isinstance(item, Integral):
             raise UserInputError(f"{field}: holds {_describe(item)}; expected integer token ids")
     try:
-        return torch.tensor(value, dtype=torch.int64 if integer else torch.float64)
+        return torch.tensor(value, dtype=torch.int64 if integer else torch.float64, device="cpu")  # request values
     except (ValueError, TypeError, RuntimeError, OverflowError) as exc:
         raise UserInputError(f"{field}: not a rectangular array of numbers ({exc})") from None
 
@@ -225,7 +225,7 @@ def _complete(inputs: dict[str, torch.Tensor], keys: tuple[str, ...], loss: Loss
         if key in inputs:
             out[key] = inputs[key]
         else:
-            out[key] = torch.full((n,), input_default(loss, key), dtype=torch.float64)
+            out[key] = torch.full((n,), input_default(loss, key), dtype=torch.float64, device="cpu")
     if all(k in out for k in CLIP_KEYS):
         above = out["clip_low_threshold"] > out["clip_high_threshold"]
         if bool(above.any()):

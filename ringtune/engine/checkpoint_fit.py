@@ -212,7 +212,7 @@ def _empty(entry: Any, like: Any = None) -> torch.Tensor | None:
         if isinstance(like, DTensor) and tuple(like.shape) == size:
             local = torch.empty(like.to_local().shape, dtype=dtype, device=like.to_local().device)
             return DTensor.from_local(local, like.device_mesh, like.placements, shape=like.shape, stride=like.stride())
-        return torch.empty(size, dtype=dtype)
+        return torch.empty(size, dtype=dtype, device="cpu")  # read on the host, copied into the live tensor
     if isinstance(entry, BytesStorageMetadata):
         return None
     raise UserInputError(f"unsupported DCP entry type {type(entry).__name__}")

@@ -87,9 +87,11 @@ class GradientInvariant:
         *,
         fault: str | None = None,
         expert_group: Callable[[], dist.ProcessGroup | None] | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         """``group()`` gives the DP×CP group at the time of each reduction (the mesh may rebuild it);
-        ``expert_group()`` the expert replica group (None: no expert-parallel parameters)."""
+        ``expert_group()`` the expert replica group (None: no expert-parallel parameters); ``device``: the
+        parameters' (the canary's gradient is reduced with theirs, over the data groups: NCCL on CUDA)."""
         if fault not in FAULTS:
             raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
         self._group = group
@@ -99,7 +101,7 @@ class GradientInvariant:
         expert = None if expert_group is None else expert_group()
         self.expert_group_size = 1 if expert is None else dist.get_world_size(expert)
         self.fault = fault
-        self.canary = torch.zeros((), dtype=torch.float64, requires_grad=True)
+        self.canary = torch.zeros((), dtype=torch.float64, device=device, requires_grad=True)
         self.expected = 0
 
     def loss_term(self) -> torch.Tensor:
@@ -141,7 +143,9 @@ class GradientInvariant:
         over the expert replica group, then require each canary == microbatches x its group's size."""
         if expert_grads and self._expert_group is None:
             raise ValueError("expert_grads given but this invariant has no expert_group")
-        canary = self.canary.grad if self.canary.grad is not None else torch.zeros((), dtype=torch.float64)
+        canary = self.canary.grad
+        if canary is None:
+            canary = torch.zeros((), dtype=torch.float64, device=self.canary.device)
         canary = canary.detach().clone()
         expert_canary = canary.clone()
         reduce_gradients([*grads, canary], self._group(), fault=self.fault)

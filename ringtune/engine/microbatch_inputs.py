@@ -84,20 +84,22 @@ def microbatch_inputs(
     if any(d.routing is not None for d in members):  # routing replay: zigzag-sliced like the tokens
         shard = replace(shard, replay_experts=replay_shards(model, members, plan, device))
     if batch.adapter_of_datum is not None:  # several LoRA runs in one pass: each token's run, zigzag-sliced
-        runs = torch.tensor([batch.adapter_of_datum[i] for i in row], dtype=torch.int64)
-        per_token = torch.repeat_interleave(runs, torch.tensor(lens, dtype=torch.int64))
+        runs = torch.tensor([batch.adapter_of_datum[i] for i in row], dtype=torch.int64, device="cpu")
+        per_token = torch.repeat_interleave(runs, torch.tensor(lens, dtype=torch.int64, device="cpu"))
         shard = replace(shard, adapter_index=zigzag_slice(per_token, plan, pad_value=-1).to(device))
     k_shape = () if batch.target_k is None else (batch.target_k,)
     per_target = {"target_tokens", *PER_TARGET_KEYS.get(batch.loss.loss_fn, ())}
 
     def column(key: str, dtype: torch.dtype) -> torch.Tensor:
-        empty = torch.zeros((0, *(k_shape if key in per_target else ())), dtype=dtype)
+        empty = torch.zeros((0, *(k_shape if key in per_target else ())), dtype=dtype, device="cpu")
         return torch.cat([empty, *(d.inputs[key] for d in members)])
 
-    ids = torch.cat([torch.zeros(0, dtype=torch.int64), *(d.tokens for d in members)])
+    ids = torch.cat([torch.zeros(0, dtype=torch.int64, device="cpu"), *(d.tokens for d in members)])
     targets = column("target_tokens", torch.int64)
     values = {k: column(k, torch.float64) for k in batch.input_keys if k != "target_tokens"}
-    datum_index = torch.repeat_interleave(torch.arange(len(row)), torch.tensor(lens, dtype=torch.int64))
+    datum_index = torch.repeat_interleave(
+        torch.arange(len(row), device="cpu"), torch.tensor(lens, dtype=torch.int64, device="cpu")
+    )
     return MicrobatchInputs(
         row=row,
         lens=lens,

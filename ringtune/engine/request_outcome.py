@@ -65,9 +65,10 @@ def non_finite_datums(full: torch.Tensor, row: tuple[int, ...], lens: list[int])
     from one count per datum read back together."""
     total = sum(lens)
     bad = (~torch.isfinite(full[:total].flatten(start_dim=1)).all(dim=-1)).to(torch.int64)
-    ends = torch.tensor(lens, dtype=torch.int64).cumsum(0)
-    counts = torch.cat([torch.zeros(1, dtype=torch.int64), bad.cumsum(0)])
-    per_datum = (counts[ends] - counts[ends - torch.tensor(lens, dtype=torch.int64)]).tolist()
+    sizes = torch.tensor(lens, dtype=torch.int64, device=full.device)
+    ends = sizes.cumsum(0)
+    counts = torch.cat([torch.zeros(1, dtype=torch.int64, device=full.device), bad.cumsum(0)])
+    per_datum = (counts[ends] - counts[ends - sizes]).tolist()
     return {i for i, k in zip(row, per_datum, strict=True) if k}
 
 

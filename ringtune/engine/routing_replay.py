@@ -33,8 +33,11 @@ def replay_shards(
         raise ValueError("replay_shards: the model has no MoE layer")
     layers, k, _ = shape
     full = torch.cat(
-        [torch.full((0, layers, k), -1, dtype=torch.int64)]
-        + [d.routing if d.routing is not None else torch.full((d.num_tokens, layers, k), -1) for d in members]
+        [torch.full((0, layers, k), -1, dtype=torch.int64, device="cpu")]  # host records, sliced then moved
+        + [
+            d.routing if d.routing is not None else torch.full((d.num_tokens, layers, k), -1, device="cpu")
+            for d in members
+        ]
     )
     local = zigzag_slice(full, plan, pad_value=-1)
     moe_index = iter(range(layers))

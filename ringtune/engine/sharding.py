@@ -249,7 +249,8 @@ def _probe_gradients(model: CausalLM, attention: str, gated_delta: str) -> dict[
     ``hidden_states``, then ``output_weight``, then the chunked head).
     """
     vocab = model.config.vocab_size
-    ids = (torch.arange(PROBE_TOKENS, dtype=torch.int64) * 7 + 3) % vocab
+    device = model.model.embed_tokens.weight.device
+    ids = (torch.arange(PROBE_TOKENS, dtype=torch.int64, device=device) * 7 + 3) % vocab
     labels = torch.roll(ids, -1)
     labels[-1] = IGNORE_INDEX
     shard = shard_of((PROBE_TOKENS,), attention=attention, gated_delta=gated_delta, pad_multiplier=8)
@@ -259,7 +260,9 @@ def _probe_gradients(model: CausalLM, attention: str, gated_delta: str) -> dict[
     for name, p in model.named_parameters():
         if p.requires_grad:
             g = p.grad
-            grads[name] = torch.zeros(0) if g is None else (g.to_local() if isinstance(g, DTensor) else g).detach()
+            grads[name] = (
+                torch.zeros(0, device=device) if g is None else (g.to_local() if isinstance(g, DTensor) else g).detach()
+            )
             p.grad = None
     return grads
 
@@ -291,7 +294,10 @@ def _check_sum(
     for i, unit in enumerate(units):  # experts, then layers: the root's (and a layer's) parameters() include theirs
         for p in unit.parameters():
             owner.setdefault(id(p), i)
-    sums = torch.zeros(len(units), 4, dtype=torch.float64)  # <got, want>, <want, want>, |got - W·want|², |W·want|²
+    device = model.model.embed_tokens.weight.device  # the data groups' device (NCCL on CUDA)
+    sums = torch.zeros(
+        len(units), 4, dtype=torch.float64, device=device
+    )  # <got, want>, <want, want>, |got - W·want|², |W·want|²
     for name, p in model.named_parameters():
         if name not in local:
             continue

@@ -166,7 +166,10 @@ class Trainer:
         self.adamw_kernel = adamw_kernel
         self.optimizer = new_adamw(self.params, adamw_kernel)
         expert_group = (lambda: self.mesh.expert_replica_group) if expert_parallel.ep_size(mesh) > 1 else None
-        self.invariant = GradientInvariant(lambda: self.dp_cp_group, fault=fault, expert_group=expert_group)
+        device = model.model.embed_tokens.weight.device  # every parameter's (one device authority: mesh.device)
+        self.invariant = GradientInvariant(
+            lambda: self.dp_cp_group, fault=fault, expert_group=expert_group, device=device
+        )
         self.invariant.startup_check()
         self.grad_sync = gradient_sync_for(
             invariant=self.invariant, mesh=mesh, shard_params=self.shard_params, fsdp_units=self.fsdp_units,
