@@ -16,6 +16,7 @@ import pathlib
 import pytest
 import torch
 
+from ringtune.debug_faults import FaultHooks
 from ringtune.engine.gradients import GradientInvariant, GradientInvariantError
 from ringtune.layout import zigzag_slice
 from ringtune.models.checkpoints.hf import load_hf
@@ -150,7 +151,9 @@ def ep_accounting_case(ctx, *, root: str) -> dict[str, float]:
     distinct = sum(len(set(row[row != mesh.ep_rank].tolist())) for row in owner)  # remote ranks per token
     sent = meter.by_op.get("expert_dispatch", 0) + meter.by_op.get("expert_combine", 0)
     invariant = GradientInvariant(
-        lambda: mesh.dp_cp_group, expert_group=lambda: mesh.expert_replica_group, fault="experts_over_dp_cp"
+        lambda: mesh.dp_cp_group,
+        expert_group=lambda: mesh.expert_replica_group,
+        faults=FaultHooks(name="experts_over_dp_cp"),
     )
     invariant.loss_term().backward()  # one microbatch's canary
     invariant.count(1)

@@ -20,23 +20,25 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ringtune.engine import faults
-
-FAULTS = (None, "average_over_group", "scale_by_microbatches", "fsdp_default_divide", "experts_over_dp_cp")
-"""Fault injection for negative controls only (the last one acts in :mod:`ringtune.engine.sharding`)."""
+from ringtune.debug_faults import NO_FAULTS, FaultHooks
 
 
 class GradientInvariantError(RuntimeError):
     """A gradient reduction scaled what must be a plain SUM (a bug, never a user error)."""
 
 
-def reduce_gradients(tensors: list[torch.Tensor], group: dist.ProcessGroup | None, *, fault: str | None = None) -> None:
-    """In place: SUM each tensor over ``group`` (the DP×CP group); None or size 1 = nothing to do."""
+def reduce_gradients(
+    tensors: list[torch.Tensor], group: dist.ProcessGroup | None, *, faults: FaultHooks = NO_FAULTS
+) -> None:
+    """In place: SUM each tensor over ``group`` (the DP×CP group); None or size 1 = nothing to do.
+
+    ``faults``: the ``average_over_group`` negative control divides by the group size (:mod:`ringtune.debug_faults`).
+    """
     if group is None or dist.get_world_size(group) == 1:
         return
     for t in tensors:
         dist.all_reduce(t, group=group)
-        if fault == "average_over_group":
+        if faults.active("average_over_group"):  # DEBUG-FAULT HOOK (negative control; no-op)
             t /= dist.get_world_size(group)
 
 
@@ -47,20 +49,20 @@ class GradientInvariant:
         self,
         group: Callable[[], dist.ProcessGroup | None],
         *,
-        fault: str | None = None,
+        faults: FaultHooks = NO_FAULTS,
         expert_group: Callable[[], dist.ProcessGroup | None] | None = None,
     ) -> None:
         """``group()`` gives the DP×CP group at the time of each reduction (the mesh may rebuild it);
-        ``expert_group()`` the expert replica group (None: no expert-parallel parameters)."""
-        if fault not in FAULTS:
-            raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
+        ``expert_group()`` the expert replica group (None: no expert-parallel parameters). ``faults``: the
+        debug-fault hooks (:mod:`ringtune.debug_faults`) of the negative controls that act here
+        (``average_over_group``, ``scale_by_microbatches``, ``experts_over_dp_cp``, ``gradients_averaged``)."""
         self._group = group
         self._expert_group = expert_group
         current = group()
         self.group_size = 1 if current is None else dist.get_world_size(current)
         expert = None if expert_group is None else expert_group()
         self.expert_group_size = 1 if expert is None else dist.get_world_size(expert)
-        self.fault = fault
+        self.faults = faults
         self.canary = torch.zeros((), dtype=torch.float64, requires_grad=True)
         self.expected = 0
 
@@ -70,7 +72,7 @@ class GradientInvariant:
 
     def scale_loss(self, loss: torch.Tensor, microbatches: int) -> torch.Tensor:
         """The loss as backpropagated: itself (a fault may scale it, to show the check catches it)."""
-        return loss / microbatches if self.fault == "scale_by_microbatches" else loss
+        return loss / microbatches if self.faults.active("scale_by_microbatches") else loss  # DEBUG-FAULT HOOK
 
     def count(self, microbatches_per_rank: int) -> None:
         """Record that every rank of the group ran ``microbatches_per_rank`` microbatches."""
@@ -106,11 +108,12 @@ class GradientInvariant:
         canary = self.canary.grad if self.canary.grad is not None else torch.zeros((), dtype=torch.float64)
         canary = canary.detach().clone()
         expert_canary = canary.clone()
-        reduce_gradients([*grads, canary], self._group(), fault=self.fault)
+        reduce_gradients([*grads, canary], self._group(), faults=self.faults)
         checks = [(float(canary), float(self.expected), "DP·CP ranks")]
         if self._expert_group is not None:
-            group = self._group() if self.fault == "experts_over_dp_cp" else self._expert_group()
-            reduce_gradients([*expert_grads, expert_canary], group, fault=self.fault)
+            wrong = self.faults.active("experts_over_dp_cp")  # DEBUG-FAULT HOOK (negative control; no-op)
+            group = self._group() if wrong else self._expert_group()
+            reduce_gradients([*expert_grads, expert_canary], group, faults=self.faults)
             want = self.expected // self.group_size * self.expert_group_size
             checks.append((float(expert_canary), float(want), "expert replicas ((DP·CP)/EP ranks)"))
         self.canary.grad = None
@@ -122,7 +125,7 @@ class GradientInvariant:
                     f"{ranks}); a reduction averaged over the group, ran over the wrong group, or the loss was "
                     "scaled by the microbatch count"
                 )
-        faults.scale_reduced_gradients(grads, self.group_size)  # DEBUG-FAULT HOOK (parity negative control; no-op)
+        self.faults.scale_reduced_gradients(grads, self.group_size)  # DEBUG-FAULT HOOK (parity negative control; no-op)
 
     def startup_check(self) -> None:
         """Run two canary-only microbatches through backward and the reduction; raises if it is not a SUM."""

@@ -35,10 +35,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringtune.engine import expert_parallel, faults, sharding
+from ringtune.debug_faults import check_fault, fault_hooks
+from ringtune.engine import expert_parallel, sharding
 from ringtune.engine.batch import MAX_TARGET_K, Batch, TrainDatum, build_batch
 from ringtune.engine.checkpoint import export_hf_weights, load_checkpoint, save_checkpoint
-from ringtune.engine.gather import gather_row
 from ringtune.engine.grad_stash import GradientStash, drop_gradients
 from ringtune.engine.gradients import GradientInvariant
 from ringtune.engine.memory import peak_memory_bytes
@@ -74,6 +74,7 @@ from ringtune.parallel.control import (
 )
 from ringtune.parallel.expert_dispatch import gather_expert_state
 from ringtune.parallel.mesh import ParallelMesh, rebuild_mesh
+from ringtune.parallel.row_gather import gather_row
 
 SHARDED_GROUPS_LOST = "a rank failed mid-request and FSDP-sharded parameters cannot move to new groups"
 """Why a sharded trainer is broken once the mesh's data groups were rebuilt (its DeviceMesh holds the old ones)."""
@@ -92,9 +93,10 @@ class Trainer:
             model's heads here, at build time).
         pad_multiplier: the per-rank stream is padded to a multiple of this.
         max_target_k: cap on K of ``[N, K]`` targets.
-        fault: negative controls only (see :mod:`ringtune.engine.gradients`).
-        debug_fault: a parity negative control from :data:`ringtune.engine.faults.DEBUG_FAULTS` (``ringtune serve
-            --debug-fault``, hidden); None in normal use.
+        fault: a unit-test negative control from :data:`ringtune.debug_faults.TEST_FAULTS` (the gradient
+            invariant's, and ``fsdp_default_divide`` in :mod:`ringtune.engine.sharding`); None in normal use.
+        debug_fault: a parity negative control from :data:`ringtune.debug_faults.DEBUG_FAULTS` (``ringtune serve
+            --debug-fault``, hidden); None in normal use. At most one of ``fault`` and ``debug_fault``.
         shard_params: a name of :data:`ringtune.engine.sharding.SHARDINGS`: ``"none"`` (replicated), ``"dp"``
             (FSDP2 over DP, replicated over CP) or ``"dp_cp"`` (FSDP2 over all DP×CP ranks); ``False``/``True``
             mean ``"none"``/``"dp"`` (as before the registry). Sharded: parameters, gradients and AdamW state are
@@ -148,7 +150,9 @@ class Trainer:
         self.recompute = recompute
         self.model = model
         self.router_aux_loss_coef = router_stats.check_aux_coef(model, router_aux_loss_coef)
-        self.debug_fault = faults.check_fault(debug_fault)
+        self.debug_fault = check_fault(debug_fault)
+        if fault is not None and debug_fault is not None:
+            raise ValueError(f"fault={fault!r} and debug_fault={debug_fault!r}: inject at most one")
         self.mesh = mesh
         self.dp_size, self.dp_rank = (mesh.dp_size, mesh.dp_rank) if mesh else (1, 0)
         self.cp_size, self.cp_rank = (mesh.cp_size, mesh.cp_rank) if mesh else (1, 0)
@@ -176,7 +180,9 @@ class Trainer:
         self.adamw_kernel = adamw_kernel
         self.optimizer = new_adamw(self.params, adamw_kernel)
         expert_group = (lambda: self.mesh.expert_replica_group) if expert_parallel.ep_size(mesh) > 1 else None
-        self.invariant = GradientInvariant(lambda: self.dp_cp_group, fault=fault, expert_group=expert_group)
+        # The one debug-fault hooks object of this trainer (:mod:`ringtune.debug_faults`; NO_FAULTS in normal use).
+        self.faults = fault_hooks(check_fault(debug_fault or fault), cp_size=self.cp_size, cp_rank=self.cp_rank)
+        self.invariant = GradientInvariant(lambda: self.dp_cp_group, faults=self.faults, expert_group=expert_group)
         self.invariant.startup_check()
         self.replicas = ReplicaCheck(mesh, self.shard_params)  # replicas compared after every optim_step
         self.step = 0
@@ -361,8 +367,10 @@ class Trainer:
         local_datum = zigzag_slice(datum_index, plan, pad_value=-1).to(device)
         bad_loss: set[int] = set()
         bad_grad: set[int] = set()
-        injected = faults.injecting(self.debug_fault, cp_size=self.cp_size, cp_rank=self.cp_rank, plan=plan)
-        with torch.set_grad_enabled(backward), injected:  # DEBUG-FAULT HOOK: a no-op without --debug-fault
+        faults = fault_hooks(self.debug_fault, cp_size=self.cp_size, cp_rank=self.cp_rank, plan=plan)
+        if self.debug_fault is not None:  # DEBUG-FAULT HOOK: the layers hand shard.faults to their ops
+            shard = replace(shard, faults=faults)
+        with torch.set_grad_enabled(backward):
             # A loss whose gradient in lp is known now (cross_entropy): the head makes its gradients in its forward.
             upstream = None
             saved = faults.unscored_grads(self.params, local_targets, local_inputs)  # DEBUG-FAULT HOOK (no-op)
@@ -460,11 +468,10 @@ class Trainer:
                 sharding.reshard_all(self.fsdp_units)
                 norm = sharding.sharded_grad_norm(self.params, sharding.shard_group(self.mesh, self.shard_params).group)
             else:
-                with faults.injecting(self.debug_fault, cp_size=self.cp_size, cp_rank=self.cp_rank):  # DEBUG-FAULT HOOK
-                    if expert_parallel.ep_size(self.mesh) > 1:  # experts SUM over their replica group
-                        self.invariant.reduce_and_check(*expert_parallel.split(self.params, self.names))
-                    else:
-                        self.invariant.reduce_and_check([p.grad for p in self.params])
+                if expert_parallel.ep_size(self.mesh) > 1:  # experts SUM over their replica group
+                    self.invariant.reduce_and_check(*expert_parallel.split(self.params, self.names))
+                else:
+                    self.invariant.reduce_and_check([p.grad for p in self.params])
                 if expert_parallel.ep_size(self.mesh) > 1:
                     norm = expert_parallel.grad_norm(self.params, self.names, self.mesh)
                 else:
@@ -502,7 +509,7 @@ class Trainer:
         except BaseException:
             drop_gradients(self.params, self.invariant)
             raise
-        faults.skip_weight_decay(self.debug_fault, self.cp_rank, self.optimizer)  # DEBUG-FAULT HOOK (no-op without)
+        self.faults.skip_weight_decay(self.optimizer)  # DEBUG-FAULT HOOK (no-op without)
         apply_step(self.optimizer)
         self.step += 1
         self.weights_version += 1

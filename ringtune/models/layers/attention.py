@@ -106,9 +106,12 @@ class Attention(nn.Module):
         ``cache`` (a prefill for decoding) receives the keys and values decoding continues from (gathered
         over the CP group at CP > 1).
         """
-        q, k, v, gate = self._project(x, shard.positions)
+        positions = shard.faults.shift_positions(shard.positions)  # DEBUG-FAULT HOOK (parity negative control; no-op)
+        q, k, v, gate = self._project(x, positions)
         mode = shard.attention if shard.cp_size > 1 else "ring"  # the ring at size 1 is the local kernel
-        out, _ = cp_attention_fn(mode)(q.contiguous(), k.contiguous(), v, shard.plan, shard.group, scale=self.scale)
+        out, _ = cp_attention_fn(mode)(
+            q.contiguous(), k.contiguous(), v, shard.plan, shard.group, scale=self.scale, faults=shard.faults
+        )
         if cache is not None:
             cache.record_attention(k, v)
         return self._output(out, gate)

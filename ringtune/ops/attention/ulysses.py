@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ringtune.debug_faults import NO_FAULTS, FaultHooks
 from ringtune.errors import ParallelConfigError
 from ringtune.layout.contiguous import rank_major_to_global
 from ringtune.layout.zigzag import ZigzagPlan
@@ -52,6 +53,7 @@ def ulysses_attention(
     *,
     scale: float | None = None,
     kernel: str | None = None,
+    faults: FaultHooks = NO_FAULTS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal varlen attention of one zigzag-sharded row by all-to-all over ``group``.
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ringtune.debug_faults import NO_FAULTS, FaultHooks
 from ringtune.errors import ParallelConfigError
 from ringtune.layout.contiguous import global_segment_bounds, rank_major_to_global
 from ringtune.layout.zigzag import ZigzagPlan
@@ -51,6 +52,7 @@ def headwise_gated_delta(
     group: dist.ProcessGroup,
     *,
     scale: float | None = None,
+    faults: FaultHooks = NO_FAULTS,
 ) -> torch.Tensor:
     """GDN core of one zigzag-sharded row by head shards over ``group`` (the CP group).
 
@@ -61,6 +63,7 @@ def headwise_gated_delta(
         o [T_local, Hv, Dv], zigzag shard. Differentiable; every rank of ``group`` must call it.
         The conv weight's gradient on one rank covers its heads only: the SUM over the CP group is
         the full gradient (the replicated-parameter rule).
+    ``faults``: the shared signature's debug-fault hooks; no fault acts in this mode.
     """
     size, rank = plan.cp_size, plan.cp_rank
     T, hk, dk = k.shape
