@@ -58,7 +58,14 @@ from ringtune.layout.zigzag import zigzag_slice
 from ringtune.losses import PER_TARGET_KEYS, fixed_logprob_gradient, local_token_losses
 from ringtune.models.decoder import CausalLM
 from ringtune.models.layers import moe_router_stats as router_stats
-from ringtune.models.layers.moe import is_expert_parameter, moe_blocks, moe_shape, set_expert_parallel
+from ringtune.models.layers.moe import (
+    gather_expert_state,
+    is_expert_parameter,
+    moe_blocks,
+    moe_shape,
+    named_moe_blocks,
+    set_expert_parallel,
+)
 from ringtune.models.logprob_head import IGNORE_INDEX
 from ringtune.models.precision import check_compute_dtype, export_dtype, set_compute_dtype
 from ringtune.models.recompute import DEFAULT_RECOMPUTE, check_recompute_mode, set_recompute
@@ -72,7 +79,6 @@ from ringtune.parallel.control import (
     all_gather_objects,
     gather_object_to,
 )
-from ringtune.parallel.expert_dispatch import gather_expert_state
 from ringtune.parallel.mesh import ParallelMesh, rebuild_mesh
 from ringtune.parallel.row_gather import gather_row
 
@@ -149,7 +155,7 @@ class Trainer:
         self.export_dtype = export_dtype(model, self.compute_dtype)
         self.recompute = recompute
         self.model = model
-        self.router_aux_loss_coef = router_stats.check_aux_coef(model, router_aux_loss_coef)
+        self.router_aux_loss_coef = router_stats.check_aux_coef(moe_blocks(model), router_aux_loss_coef)
         self.debug_fault = check_fault(debug_fault)
         if fault is not None and debug_fault is not None:
             raise ValueError(f"fault={fault!r} and debug_fault={debug_fault!r}: inject at most one")
@@ -278,7 +284,7 @@ class Trainer:
                     batch, row, local_len, backward=not forward_only, flagged=bool(grad_bad)
                 )
                 mine.update(out)
-                loads = router_stats.add_counts(loads, router_stats.layer_counts(self.model))
+                loads = router_stats.add_counts(loads, router_stats.layer_counts(named_moe_blocks(self.model)))
                 loss_bad |= bad_loss
                 grad_bad |= bad_grad
         except NOT_CAUGHT:
@@ -384,7 +390,9 @@ class Trainer:
             if backward:
                 loss = elementwise.sum().to(torch.float64) + self.invariant.loss_term()
                 if self.router_aux_loss_coef:  # the row's load-balancing term (CP-invariant; collective over CP)
-                    loss = loss + self.router_aux_loss_coef * router_stats.router_aux_loss(self.model, self.cp_group)
+                    loss = loss + self.router_aux_loss_coef * router_stats.router_aux_loss(
+                        moe_blocks(self.model), self.cp_group
+                    )
                 self.invariant.scale_loss(loss, batch.plan.microbatches_per_rank).backward()
                 faults.skip_unscored_backward(self.params, saved)  # DEBUG-FAULT HOOK (parity negative control; no-op)
                 if not flagged and not self._gradients_finite():

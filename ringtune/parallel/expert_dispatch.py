@@ -71,25 +71,3 @@ def routed_experts_ep(
     # 4. one summed row per pair back home, added to its token.
     back = all_to_all(summed, group, rp, sp, op="expert_combine", back_op="expert_combine_grad")
     return x.new_zeros(x.shape).index_add(0, pair_token, back)
-
-
-def gather_expert_state(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """``state`` (default ``model.state_dict()``) with every MoE layer's experts whole, on every EP rank.
-
-    Collective over each expert-parallel block's ``ep_group`` (all EP ranks call it together); the expert
-    shards are equal-sized, so one all-gather per tensor puts them back in expert order.
-    """
-    from ringtune.models.layers.moe import SparseMoE
-
-    state = dict(model.state_dict() if state is None else state)
-    for name, module in model.named_modules():
-        if not isinstance(module, SparseMoE) or module.ep_group is None:
-            continue
-        group = module.ep_group
-        for proj in ("gate_up_proj", "down_proj"):
-            key = f"{name}.experts.{proj}"
-            local = state[key].detach().contiguous()
-            pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(pieces, local, group=group)
-            state[key] = torch.cat(pieces)
-    return state

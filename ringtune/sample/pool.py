@@ -22,9 +22,9 @@ import torch
 from ringtune.engine.sharding import full_state_dict
 from ringtune.errors import UserInputError
 from ringtune.models.decoder import CausalLM
+from ringtune.models.layers.moe import gather_expert_state
 from ringtune.models.lora_snapshot import LoraSnapshot
 from ringtune.models.precision import compute_like_trainer, layers_compute_dtype, layers_exact
-from ringtune.parallel.expert_dispatch import gather_expert_state
 from ringtune.sample.mesh_prompts import PromptForward
 from ringtune.sample.params import SamplingParams
 from ringtune.sample.sampler import Generation, PromptSamples, start_generation
