@@ -16,9 +16,9 @@ from ringtune.debug_faults import NO_FAULTS, FaultHooks
 from ringtune.errors import ParallelConfigError
 from ringtune.layout.contiguous import global_segment_bounds, rank_major_to_global
 from ringtune.layout.zigzag import ZigzagPlan
-from ringtune.ops.attention.ulysses import heads_to_sequence
 from ringtune.ops.gated_delta.core import gated_delta_core
 from ringtune.parallel.collectives import all_to_all
+from ringtune.parallel.relayout import heads_to_sequence
 
 
 def check_headwise_heads(num_k_heads: int, num_v_heads: int, cp_size: int, tp_size: int = 1) -> None:
