@@ -24,15 +24,26 @@ assignment) and ``expert_counts`` (2·N int64); the backward's under the same na
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ringtune.parallel.collectives import all_to_all, all_to_all_raw
 
 
+class LocalExperts(Protocol):
+    """This rank's routed experts as the dispatch calls them (:class:`~ringtune.models.layers.moe.Experts`)."""
+
+    num_experts: int  # E, over the whole EP group
+
+    def __call__(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows [n, hidden] grouped by local expert (``counts`` int64 [E/N]) -> [n, hidden]."""
+        ...
+
+
 def routed_experts_ep(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: nn.Module, group: dist.ProcessGroup
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: LocalExperts, group: dist.ProcessGroup
 ) -> torch.Tensor:
     """The routed experts' output [T, hidden] over the EP ``group`` (see the module doc).
 

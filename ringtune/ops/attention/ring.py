@@ -104,6 +104,7 @@ def ring_backward(
             _add_key_grads(dkv, grads)
             del grads
             dkv = faults.dkv_exchange(dkv, q_h.dtype)  # DEBUG-FAULT HOOK (parity negative control; no-op)
+            assert ring is not None  # step >= 1 only happens at size > 1
             pending_dkv = ring.start(dkv, tag=DKV_TAG)
         if pending_kv is not None:
             kv = RingExchange.finish(pending_kv)
