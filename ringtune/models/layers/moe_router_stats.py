@@ -66,10 +66,10 @@ def router_aux_loss(blocks: Sequence[RoutedBlock], cp_group: dist.ProcessGroup |
     """
     if not blocks:
         return torch.zeros((), dtype=torch.float64)
-    stats = [b.router_stats for b in blocks]
-    if any(s is None or s.prob_sums is None for s in stats):
+    stats = [b.router_stats for b in blocks if b.router_stats is not None]
+    prob_sums = [s.prob_sums for s in stats if s.prob_sums is not None]
+    if len(prob_sums) != len(blocks):
         raise RuntimeError("router_aux_loss: a MoE block has no recorded router probabilities (track_probs off)")
-    stats = [s for s in stats if s is not None]
     device = stats[0].counts.device
     counts = torch.stack([s.counts for s in stats]).sum(0)
     local = torch.cat([counts, torch.tensor([float(sum(s.tokens for s in stats))], device=device)])
@@ -78,7 +78,7 @@ def router_aux_loss(blocks: Sequence[RoutedBlock], cp_group: dist.ProcessGroup |
     n = float(local[-1])
     if n == 0:
         return torch.zeros((), dtype=torch.float64, device=device)
-    sums = torch.stack([s.prob_sums.to(torch.float64) for s in stats if s.prob_sums is not None]).sum(0)
+    sums = torch.stack([p.to(torch.float64) for p in prob_sums]).sum(0)
     return counts.numel() * (local[:-1] * sums).sum() / (n * n)
 
 
