@@ -37,6 +37,9 @@ matrix --faults`` serves each and ``ringtune parity compare`` must fail it):
                                    CP=2 (a ring of two has one neighbour), wrong from CP=4
 =================================  ===========================================================================
 
+Failure injection (the all-or-nothing tests): :attr:`FaultHooks.before_microbatch`, a callable the trainer
+calls with each microbatch's index before running it (it raises, or kills the process, on the rank it chooses).
+
 Unit-test faults (:data:`TEST_FAULTS`, the same hooks; the op, engine and sharding tests inject them through
 ``Trainer(fault=NAME)`` or straight into the op):
 
@@ -53,6 +56,7 @@ Unit-test faults (:data:`TEST_FAULTS`, the same hooks; the op, engine and shardi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -109,6 +113,8 @@ class FaultHooks:
         cp_size, cp_rank: this rank's CP group size and rank.
         local_starts, chunk_lens: the row's plan (``ZigzagPlan.local_starts`` / ``chunk_lens``); empty when the
             hooks are not for one row (the optimizer step).
+        before_microbatch: failure injection (tests): called with the microbatch index on this rank before each
+            microbatch of a request; None: nothing.
     """
 
     name: str | None = None
@@ -116,6 +122,7 @@ class FaultHooks:
     cp_rank: int = 0
     local_starts: tuple[int, ...] = ()
     chunk_lens: tuple[int, ...] = ()
+    before_microbatch: Callable[[int], None] | None = None
 
     def __post_init__(self) -> None:
         check_fault(self.name)
@@ -126,6 +133,11 @@ class FaultHooks:
 
     def _on_last_cp_rank(self, name: str) -> bool:
         return self.name == name and self.cp_rank == self.cp_size - 1
+
+    def microbatch_started(self, index: int) -> None:
+        """Before microbatch ``index`` of a request: :attr:`before_microbatch` (failure injection), if set."""
+        if self.before_microbatch is not None:
+            self.before_microbatch(index)
 
     def shift_positions(self, positions: torch.Tensor) -> torch.Tensor:
         """Before rotary: positions + 1 on the local tokens of zigzag chunk ``C`` (``position_off_by_one``).
@@ -218,5 +230,8 @@ def fault_hooks(name: str | None, *, cp_size: int, cp_rank: int, plan: RowLayout
     for the row of ``plan`` (None: not one row's). ValueError for an unknown name."""
     if name is None:
         return NO_FAULTS
-    rows = {} if plan is None else {"local_starts": plan.local_starts, "chunk_lens": plan.chunk_lens}
-    return FaultHooks(name=name, cp_size=cp_size, cp_rank=cp_rank, **rows)
+    if plan is None:
+        return FaultHooks(name=name, cp_size=cp_size, cp_rank=cp_rank)
+    return FaultHooks(
+        name=name, cp_size=cp_size, cp_rank=cp_rank, local_starts=plan.local_starts, chunk_lens=plan.chunk_lens
+    )

@@ -27,6 +27,13 @@ def test_no_faults_is_the_identity_and_the_default_of_a_shard():
     assert torch.equal(grads[0], x)
     assert shard_of((5, 3)).faults is NO_FAULTS
     assert fault_hooks(None, cp_size=4, cp_rank=3) is NO_FAULTS
+    NO_FAULTS.microbatch_started(0)  # no failure injected
+
+
+def test_before_microbatch_is_called_with_each_index():
+    seen = []
+    FaultHooks(before_microbatch=seen.append).microbatch_started(3)
+    assert seen == [3]
 
 
 def test_unknown_fault_names_are_refused_with_the_choices():

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -124,8 +124,8 @@ class Trainer:
             CUDA, torch's default on CPU.
 
     Attributes:
-        microbatch_hook: a test/debug seam, ``hook(microbatch_index)`` called on this rank before each
-            microbatch of a request (fault injection raises from it). None in normal use.
+        faults: this rank's debug-fault hooks (:class:`~ringtune.debug_faults.FaultHooks`; ``NO_FAULTS`` in normal
+            use); a test injects a failure with ``replace(trainer.faults, before_microbatch=hook)``.
     """
 
     def __init__(
@@ -193,7 +193,6 @@ class Trainer:
         self.replicas = ReplicaCheck(mesh, self.shard_params)  # replicas compared after every optim_step
         self.step = 0
         self.weights_version = 0  # bumped whenever the weights change (a sampler snapshot of them is then stale)
-        self.microbatch_hook: Callable[[int], None] | None = None
         self.broken: str | None = None
 
     def view(self, *, model: nn.Module, params: list[torch.nn.Parameter], invariant: Any) -> Trainer:
@@ -278,8 +277,7 @@ class Trainer:
         rows = zip(batch.plan.rows[self.dp_rank], batch.plan.local_lens[self.dp_rank], strict=True)
         try:
             for m, (row, local_len) in enumerate(rows):
-                if self.microbatch_hook is not None:
-                    self.microbatch_hook(m)
+                self.faults.microbatch_started(m)  # DEBUG-FAULT HOOK (failure injection in tests; no-op)
                 out, bad_loss, bad_grad = self._microbatch(
                     batch, row, local_len, backward=not forward_only, flagged=bool(grad_bad)
                 )
