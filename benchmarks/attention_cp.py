@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +34,10 @@ from ringtune.layout.zigzag import ZigzagPlan, zigzag_plan, zigzag_slice
 from ringtune.ops.attention import cp_attention_fn, ring_attention
 from ringtune.ops.attention.schedule import contiguous_split_work, ring_work
 from ringtune.parallel import measure_comm, spawn
-from ringtune.testing.profiled_memory import tensor_peak_bytes
+
+# tests/support holds test helpers outside the ringtune package: importable once tests/ is on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.profiled_memory import tensor_peak_bytes
 
 MIB = 1024 * 1024
 QUICK_TOKENS = 4096

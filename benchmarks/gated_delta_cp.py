@@ -23,6 +23,7 @@ import gc
 import sys
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,7 +35,10 @@ from ringtune.layout.zigzag import ZigzagPlan, zigzag_plan
 from ringtune.ops.gated_delta.cp import gdn_cp_fn
 from ringtune.ops.gated_delta.inputs import compute_dtype
 from ringtune.parallel import all_gather, measure_comm, spawn
-from ringtune.testing.profiled_memory import tensor_peak_bytes
+
+# tests/support holds test helpers outside the ringtune package: importable once tests/ is on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.profiled_memory import tensor_peak_bytes
 
 QUICK_TOKENS = 4096
 MMAP_THRESHOLD = 4 * 1024 * 1024

@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from attention_cp import MIB, _quiet_stderr, verdict
@@ -36,7 +37,10 @@ from long_rows import MODEL, build_model, describe_model
 from ringtune.models.layers.gated_deltanet import GatedDeltaNet
 from ringtune.ops.gated_delta.chunked import chunk_scan_fn
 from ringtune.ops.gated_delta.core import gated_delta_core
-from ringtune.testing.profiled_memory import allocation_events
+
+# tests/support holds test helpers outside the ringtune package: importable once tests/ is on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.profiled_memory import allocation_events
 
 SCANS = ("autograd", "recompute")
 SAVED_GOAL, PEAK_GOAL, TIME_GOAL = 0.25, 0.5, 1.5

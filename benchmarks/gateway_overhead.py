@@ -47,7 +47,10 @@ from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.local import LocalBackend
 from ringtune.gateway.server import ServerThread
 from ringtune.models.checkpoints.load import load_model
-from ringtune.testing.tiny_models import hf_config
+
+# tests/support holds test helpers outside the ringtune package: importable once tests/ is on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.tiny_models import hf_config
 
 API_KEY = "tml-bench"
 RATIO_GOAL = 1.1

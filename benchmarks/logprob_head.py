@@ -17,6 +17,7 @@ import argparse
 import gc
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -29,7 +30,10 @@ from ringtune.models.logprob_head import (
     plan_tiles,
     reference_label_logprobs,
 )
-from ringtune.testing.profiled_memory import tensor_peak_bytes
+
+# tests/support holds test helpers outside the ringtune package: importable once tests/ is on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.profiled_memory import tensor_peak_bytes
 
 MIB = 1024 * 1024
 QWEN35_VOCAB = 248_320

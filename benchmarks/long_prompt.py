@@ -22,6 +22,7 @@ import argparse
 import gc
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,10 @@ from ringtune.parallel import spawn
 from ringtune.parallel.mesh import build_mesh
 from ringtune.sample.mesh_prompts import MeshLayout, prompts_forward
 from ringtune.sample.prefill import prefill
-from ringtune.testing.profiled_memory import tensor_peak_bytes
+
+# tests/support holds test helpers outside the ringtune package: importable once tests/ is on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.profiled_memory import tensor_peak_bytes
 
 GOAL = 0.5
 """CP=4 ``compute_logprobs`` per-rank peak over the one-rank prefill's."""

@@ -28,6 +28,7 @@ import gc
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,7 +42,10 @@ from ringtune.models.recompute import RECOMPUTE_MODES, set_recompute
 from ringtune.models.shard import shard_of
 from ringtune.ops.cp_modes import GATED_DELTA_MODES
 from ringtune.parallel import spawn
-from ringtune.testing.profiled_memory import allocation_events
+
+# tests/support holds test helpers outside the ringtune package: importable once tests/ is on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.profiled_memory import allocation_events
 
 MODEL: dict[str, Any] = {
     "model_type": "qwen3_5_text",

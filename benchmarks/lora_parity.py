@@ -15,9 +15,8 @@ import tempfile
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
 import test_lora  # the cases the tests assert on (tests/ is not a package)
-
-from ringtune.testing.harness import RankPool
-from ringtune.testing.tiny_models import hf_model
+from support.harness import RankPool
+from support.tiny_models import hf_model
 
 
 def main() -> int:

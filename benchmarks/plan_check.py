@@ -23,6 +23,7 @@ import argparse
 import gc
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,7 +44,11 @@ from ringtune.models.precision import check_precision
 from ringtune.parallel import spawn
 from ringtune.parallel.mesh import build_mesh
 from ringtune.plan.estimate import Layout, estimate
-from ringtune.testing.profiled_memory import allocation_events
+
+# tests/support holds test helpers outside the ringtune package: importable once tests/ is on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.profiled_memory import allocation_events
+
 from ringtune.worker.executor import trainer_dtype_options
 
 GOAL = 0.10

@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from ringtune.engine.replica_check import ReplicaCheck, checksums
 from ringtune.models.checkpoints.load import EMBEDDED_DEFAULT, load_model
-from ringtune.testing.harness import RankPool
+
+# tests/support holds test helpers outside the ringtune package: importable once tests/ is on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.harness import RankPool
 
 
 def _median_ms(fn, repeats: int) -> float:

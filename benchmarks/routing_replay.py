@@ -2,7 +2,7 @@
 
 Run ``python benchmarks/routing_replay.py [--prompts 16] [--tokens 48] [--samples 2] [--dtype bfloat16]``.
 
-A random Qwen3.5-MoE (``ringtune.testing.tiny_models``, widened by ``--hidden`` and ``--experts``; routers drawn
+A random Qwen3.5-MoE (``support.tiny_models``, widened by ``--hidden`` and ``--experts``; routers drawn
 at std 0.5 so that routing differs per token) is loaded in ``--dtype``. The real sampler
 (:func:`ringtune.sample.generate`, ``record_routing=True``) draws ``--samples`` sequences of ``--tokens`` tokens
 at temperature 1 for ``--prompts`` random prompts, recording the experts each MoE layer chose for every token
@@ -16,6 +16,7 @@ Per sampled token ``d = lp_trainer - lp_sampler``; printed per arm: ``k1 = mean(
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 from pathlib import Path
 
@@ -30,7 +31,10 @@ from ringtune.models.layers.moe import capturing_routing
 from ringtune.models.shard import shard_of
 from ringtune.parity.sampler_kl import kl_estimates
 from ringtune.sample import SamplingParams, generate
-from ringtune.testing.tiny_models import hf_config
+
+# tests/support holds test helpers outside the ringtune package: importable once tests/ is on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.tiny_models import hf_config
 
 
 def random_moe(path: Path, hidden: int, experts: int, seed: int) -> None:

@@ -51,7 +51,10 @@ import tinker
 import torch
 
 from ringtune.gateway.serve_process import ServeProcess
-from ringtune.testing.tiny_models import hf_model
+
+# tests/support holds test helpers outside the ringtune package: importable once tests/ is on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.tiny_models import hf_model
 
 API_KEY = "tml-load"
 BUDGET = 256

@@ -15,7 +15,7 @@ from ringtune.probes.attention_parity import AttentionShape
 from ringtune.probes.attention_parity_run import AttentionParityConfig, run_attention_parity
 from ringtune.probes.layer_probe import ProbeSizes
 from ringtune.probes.layer_probe_run import LayerProbeConfig, run_layer_probe
-from ringtune.testing.scenarios import SCENARIOS
+from ringtune.probes.scenarios import SCENARIOS
 
 
 def _csv(text: str) -> tuple[str, ...]:

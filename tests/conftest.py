@@ -6,8 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-
-from ringtune.testing.harness import RankPool
+from support.harness import RankPool
 
 
 @pytest.fixture(scope="module")

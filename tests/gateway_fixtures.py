@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from support.tiny_models import hf_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.local import LocalBackend
 from ringtune.gateway.server import ServerThread
-from ringtune.testing.tiny_models import hf_model
 
 API_KEY = "tml-test"
 MODEL_NAME = "tiny/qwen3.5-random"

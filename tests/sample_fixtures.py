@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from ringtune.testing.tiny_models import hf_model
+from support.tiny_models import hf_model
 
 SCALE = 10.0
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.tiny_models import hf_config
 
 from ringtune.gateway.serve_process import ServeProcess
 from ringtune.models.checkpoints.tokenizers import SMOLLM2_VOCAB, smollm2_tokenizer_dir
-from ringtune.testing.tiny_models import hf_config
 
 
 def tiny_smollm_dir(dest: Path, *, seed: int = 0) -> Path:

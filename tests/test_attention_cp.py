@@ -14,7 +14,7 @@ from ringtune.errors import ParallelConfigError
 from ringtune.layout import zigzag_plan
 from ringtune.ops.attention import cp_attention_fn
 from ringtune.probes.attention_parity import FIELDS, AttentionShape, compare_attention
-from ringtune.testing.scenarios import SCENARIOS
+from ringtune.probes.scenarios import SCENARIOS
 
 MODES = ["ring", "allgather", "alltoall"]
 

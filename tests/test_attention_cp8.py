@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ringtune.probes.attention_parity import FIELDS, AttentionShape, compare_attention
-from ringtune.testing.scenarios import SCENARIOS
+from ringtune.probes.scenarios import SCENARIOS
 
 
 def cp8_case(ctx, *, mode: str):

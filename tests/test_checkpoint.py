@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from support.tiny_models import packed_tokens
 
 from ringtune.engine.checkpoint import export_hf_weights, list_checkpoints, load_checkpoint, save_checkpoint
 from ringtune.errors import UserInputError
@@ -30,7 +31,6 @@ from ringtune.models.config import DecoderConfig
 from ringtune.models.decoder import CausalLM
 from ringtune.models.shard import shard_of
 from ringtune.parallel.launch import free_port, init_process_group
-from ringtune.testing.tiny_models import packed_tokens
 
 LENS = (5, 9, 3, 7)
 VOCAB = 48

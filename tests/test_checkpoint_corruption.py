@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.harness import RankPool
 
 from ringtune.engine.checkpoint import export_hf_weights, load_checkpoint, save_checkpoint
 from ringtune.engine.checkpoint_manifest import assign_files, hash_file
@@ -25,7 +26,6 @@ from ringtune.engine.checkpoint_root import KINDS, CheckpointRoot
 from ringtune.errors import UserInputError
 from ringtune.models.checkpoints.hf import load_hf
 from ringtune.models.decoder import CausalLM
-from ringtune.testing.harness import RankPool
 
 RECORD = "ringtune.json"
 DISTCP = "__0_0.distcp"
@@ -102,8 +102,7 @@ def differences(a: dict, b: dict) -> list[str]:
 def hf_dirs(tmp_path_factory) -> dict[str, str]:
     """HF directories: the source and target Qwen3.5 models, one with other MLP shapes, a Llama (other keys)."""
     import transformers
-
-    from ringtune.testing.tiny_models import hf_config, hf_model
+    from support.tiny_models import hf_config, hf_model
 
     base = tmp_path_factory.mktemp("hf")
     dirs = {}

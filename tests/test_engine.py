@@ -8,13 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from support.tiny_models import hf_model
 
 from ringtune.engine.gradients import GradientInvariantError
 from ringtune.engine.optimizer import AdamParams
 from ringtune.engine.trainer import TrainDatum, Trainer
 from ringtune.errors import UserInputError
 from ringtune.models.checkpoints.hf import load_hf
-from ringtune.testing.tiny_models import hf_model
 
 LAYOUTS = ((1, 1), (1, 2), (2, 1), (2, 2), (1, 4))
 BUDGETS = (48, 256)  # per-rank tokens: 48 splits the request into several microbatches at CP 1

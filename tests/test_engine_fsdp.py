@@ -15,6 +15,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from support.tiny_models import hf_model
 from test_engine import ADAM, make_data, max_diff
 from torch.distributed.tensor import DTensor
 
@@ -25,7 +26,6 @@ from ringtune.engine.trainer import Trainer
 from ringtune.errors import UserInputError
 from ringtune.models.checkpoints.hf import load_hf
 from ringtune.sample.pool import snapshot_of
-from ringtune.testing.tiny_models import hf_model
 from ringtune.worker.executor import ModelSpec, RankExecutor
 
 # (DP, CP, shard_params) per loss; (1, 1) unsharded is the reference. True is the legacy name of "dp". The

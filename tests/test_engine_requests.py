@@ -15,6 +15,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from support.harness import RankPool
+from support.tiny_models import hf_model
 
 from ringtune.engine.batch import MAX_TARGET_K
 from ringtune.engine.grad_stash import drop_gradients
@@ -23,8 +25,6 @@ from ringtune.engine.trainer import TrainDatum, Trainer
 from ringtune.errors import NonFiniteError, UserInputError
 from ringtune.models.checkpoints.hf import load_hf
 from ringtune.parallel.control import RankFailedError
-from ringtune.testing.harness import RankPool
-from ringtune.testing.tiny_models import hf_model
 
 BUDGET = 48  # per-rank tokens: several microbatches per request
 LENS = (5, 17, 3, 11, 2, 9, 13, 7)

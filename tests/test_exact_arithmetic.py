@@ -15,6 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from support.lora import randomize_adapters
+from support.tiny_models import hf_model
 from test_engine import ADAM, make_data
 from test_mixed_precision import _full
 
@@ -27,8 +29,6 @@ from ringtune.models.precision import PRECISIONS, check_precision, frozen_rounde
 from ringtune.sample.params import SamplingParams
 from ringtune.sample.pool import snapshot_of
 from ringtune.sample.sampler import generate
-from ringtune.testing.lora import randomize_adapters
-from ringtune.testing.tiny_models import hf_model
 from ringtune.worker.executor import trainer_dtype_options
 
 HEAD_ATOL = 1e-5  # float32 head rounding only (module docstring)

@@ -20,7 +20,7 @@ from ringtune.ops.gated_delta import gdn_gates
 from ringtune.ops.gated_delta.core import gated_delta_core
 from ringtune.ops.gated_delta.cp import gdn_cp_fn
 from ringtune.ops.gated_delta.cp_chunkwise import _halo_mask
-from ringtune.testing.scenarios import SCENARIOS
+from ringtune.probes.scenarios import SCENARIOS
 
 HK, HV, DK, DV, K = 4, 8, 8, 8, 4
 ROWS = {

@@ -7,8 +7,7 @@ import os
 
 import pytest
 import torch
-
-from ringtune.testing.harness import RankPool
+from support.harness import RankPool
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,7 @@
 """Tests of ringtune.layout: the zigzag THD layout, scored targets, budget and contiguous relayout.
 
 Single process, pure index math. Every property is checked against a reference built here directly
-from the contract (docs/layout.md, ../shared/docs/context-parallel.md section 1), not from the plan's
+from the contract (docs/layout.md, docs/context-parallel.md section 1), not from the plan's
 own index tensors: the global padded stream is assembled from ``ceil(T/(2C))`` by hand and each
 rank's local stream is cut out of it with the doc's chunk formula.
 """

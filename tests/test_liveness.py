@@ -19,11 +19,11 @@ import time
 
 import pytest
 import torch.distributed as dist
+from support.harness import RankPool
 
 from ringtune.errors import RankFailedError
 from ringtune.parallel import liveness
 from ringtune.parallel.store_exchange import broadcast_from, exchange_objects, gather_objects_to
-from ringtune.testing.harness import RankPool
 
 STOP_S = 5.0
 TIMEOUT_S = 1.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.tiny_models import hf_model
 
 from ringtune.engine import trainer as trainer_module
 from ringtune.engine.trainer import TrainDatum, Trainer
@@ -14,7 +15,6 @@ from ringtune.losses.config import parse_loss_config
 from ringtune.models import logprob_head
 from ringtune.models.checkpoints.hf import load_hf
 from ringtune.models.logprob_head import label_logprobs, plan_tiles, reference_label_logprobs, takes_one_pass
-from ringtune.testing.tiny_models import hf_model
 
 T, D, V = 29, 16, 53
 IGNORE = -100

@@ -16,6 +16,8 @@ import pathlib
 import pytest
 import torch
 import torch.distributed as dist
+from support.lora import randomize_adapters
+from support.tiny_models import hf_model, hf_row_logprobs, next_token_labels, packed_tokens
 
 from ringtune.engine.lora_trainer import LoraTrainer
 from ringtune.engine.optimizer import AdamParams
@@ -27,8 +29,6 @@ from ringtune.models.lora import LoraModel, LoraSpec
 from ringtune.models.lora_merge import merged_model
 from ringtune.models.lora_peft import write_peft_adapter
 from ringtune.models.shard import shard_of
-from ringtune.testing.lora import randomize_adapters
-from ringtune.testing.tiny_models import hf_model, hf_row_logprobs, next_token_labels, packed_tokens
 
 PEFT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]
 LENS = (5, 17, 3, 40, 9)
@@ -267,21 +267,23 @@ def test_spec_checks():
 
 
 def load_hf_model_moe():
+    from support.tiny_models import hf_config
+
     from ringtune.models.config import DecoderConfig
     from ringtune.models.decoder import CausalLM
-    from ringtune.testing.tiny_models import hf_config
 
     return CausalLM(DecoderConfig.from_hf(hf_config("qwen3_moe").to_dict()))
 
 
 def test_admission_counts_memory():
     """``max_live_runs`` in full-run equivalents: four full runs as before, many LoRA runs on the shared base."""
+    from support.tiny_models import hf_config
+
     from ringtune.gateway.backend import BackendInfo
     from ringtune.gateway.run_memory import check_admission
     from ringtune.models.config import DecoderConfig
     from ringtune.models.decoder import CausalLM
     from ringtune.models.lora import lora_params_per_rank
-    from ringtune.testing.tiny_models import hf_config
 
     with torch.device("meta"):
         model = CausalLM(DecoderConfig.from_hf(hf_config("llama").to_dict()))

@@ -15,6 +15,8 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.distributed as dist
+from support.lora import randomize_adapters
+from support.tiny_models import hf_model
 
 from ringtune.engine.lora_batch import forward_backward_many
 from ringtune.engine.lora_trainer import LoraTrainer
@@ -23,8 +25,6 @@ from ringtune.engine.trainer import TrainDatum
 from ringtune.errors import UserInputError
 from ringtune.models.checkpoints.hf import load_hf
 from ringtune.models.lora import LoraModel, LoraSpec
-from ringtune.testing.lora import randomize_adapters
-from ringtune.testing.tiny_models import hf_model
 
 LAYOUTS = (
     (1, 1, "none", "headwise"),

@@ -19,6 +19,8 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+from support.lora import randomize_adapters
+from support.tiny_models import hf_model, hf_row_logprobs, next_token_labels, packed_tokens
 from test_lora_batch import make_data  # importance-sampling datums (tests/ is on the path, as for the fixtures)
 
 from ringtune.engine.lora_batch import forward_backward_many
@@ -33,8 +35,6 @@ from ringtune.models.lora_peft import PREFIX, peft_tensors, write_peft_adapter
 from ringtune.models.lora_snapshot import LoraSnapshot
 from ringtune.models.shard import shard_of
 from ringtune.sample.shared_decode import decode_base
-from ringtune.testing.lora import randomize_adapters
-from ringtune.testing.tiny_models import hf_model, hf_row_logprobs, next_token_labels, packed_tokens
 
 RANK = 4
 LENS = (5, 17, 3, 40, 9)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.lora import randomize_adapters
+from support.tiny_models import hf_model
 
 from ringtune.engine.lora_trainer import LoraTrainer
 from ringtune.engine.optimizer import AdamParams
@@ -22,8 +24,6 @@ from ringtune.models.lora_snapshot import LoraSnapshot
 from ringtune.models.shard import shard_of
 from ringtune.sample import SamplingParams, generate
 from ringtune.sample.pool import SamplerPool, SamplerSource
-from ringtune.testing.lora import randomize_adapters
-from ringtune.testing.tiny_models import hf_model
 
 PROMPTS = [[3, 17, 42, 8, 5], [9], [11, 2, 60, 61, 7, 7, 1, 30]]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, stop=[])

@@ -29,7 +29,7 @@ from ringtune.losses import (
     reference_losses,
     required_inputs,
 )
-from ringtune.testing.scenarios import SCENARIOS
+from ringtune.probes.scenarios import SCENARIOS
 
 # Rows: the shared scenarios (1-17 token rows, lengths not divisible by 2C, a long datum spanning
 # every rank, a pad-only row with no local token) plus a pad-only row that still holds a budget of

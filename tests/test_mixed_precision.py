@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
+from support.tiny_models import hf_model
 from test_engine import ADAM, make_data
 from torch.distributed.tensor import DTensor
 
@@ -24,7 +25,6 @@ from ringtune.models.checkpoints.hf import load_hf
 from ringtune.models.precision import PRECISIONS, check_compute_dtype, check_precision, set_compute_dtype
 from ringtune.models.shard import shard_of
 from ringtune.sample.pool import snapshot_of
-from ringtune.testing.tiny_models import hf_model
 from ringtune.worker.executor import DTYPES, ModelSpec, RankExecutor, trainer_dtype_options
 
 LENS = (2, 17, 5, 40, 3, 9, 2, 13)

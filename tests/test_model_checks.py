@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from support.tiny_models import hf_model, next_token_labels
 
 from ringtune.errors import ParallelConfigError, UserInputError
 from ringtune.layout import zigzag_plan
@@ -16,7 +17,6 @@ from ringtune.models.shard import PackedShard, shard_of
 from ringtune.ops.attention import CP_ATTENTION, cp_attention_fn
 from ringtune.ops.cp_modes import ATTENTION_MODES, GATED_DELTA_MODES, check_attention_mode, check_gated_delta_mode
 from ringtune.ops.gated_delta.cp import GDN_CP, gdn_cp_fn
-from ringtune.testing.tiny_models import hf_model, next_token_labels
 
 transformers = pytest.importorskip("transformers")
 

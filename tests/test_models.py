@@ -13,12 +13,12 @@ import json
 
 import pytest
 import torch
+from support.tiny_models import LENGTHS, hf_model, next_token_labels, packed_tokens
 
 from ringtune.errors import ParallelConfigError, UserInputError
 from ringtune.layout import zigzag_slice
 from ringtune.models.checkpoints.hf import load_hf, save_hf
 from ringtune.models.shard import PackedShard, shard_of
-from ringtune.testing.tiny_models import LENGTHS, hf_model, next_token_labels, packed_tokens
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.tiny_models import LENGTHS, hf_model, next_token_labels, packed_tokens
 
 from ringtune.layout import zigzag_slice
 from ringtune.models.checkpoints.hf import load_hf
 from ringtune.models.decoder import CausalLM
 from ringtune.models.shard import shard_of
-from ringtune.testing.tiny_models import LENGTHS, hf_model, next_token_labels, packed_tokens
 
 ROWS = {"many_datums": LENGTHS, "lone_short": (1,), "mixed": (2, 3, 17, 30)}
 

@@ -14,13 +14,13 @@ import pathlib
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from support.tiny_models import LENGTHS, hf_model, next_token_labels, packed_tokens
 
 from ringtune.errors import UserInputError
 from ringtune.layout import zigzag_slice
 from ringtune.models.checkpoints.hf import load_hf, save_hf
 from ringtune.models.layers.moe import GROUPED_LINEAR, TopKRouter, moe_blocks
 from ringtune.models.shard import shard_of
-from ringtune.testing.tiny_models import LENGTHS, hf_model, next_token_labels, packed_tokens
 
 transformers = pytest.importorskip("transformers")
 

@@ -15,6 +15,7 @@ import pathlib
 
 import pytest
 import torch
+from support.tiny_models import LENGTHS, hf_model, next_token_labels, packed_tokens
 
 from ringtune.debug_faults import FaultHooks
 from ringtune.engine.gradients import GradientInvariant, GradientInvariantError
@@ -23,7 +24,6 @@ from ringtune.models.checkpoints.hf import load_hf
 from ringtune.models.layers.moe import is_expert_parameter, moe_blocks, set_expert_parallel
 from ringtune.models.recompute import set_recompute
 from ringtune.models.shard import shard_of
-from ringtune.testing.tiny_models import LENGTHS, hf_model, next_token_labels, packed_tokens
 
 pytest.importorskip("transformers")
 

@@ -7,9 +7,9 @@ import pathlib
 
 import pytest
 import torch
+from support.tiny_models import hf_model
 
 from ringtune.models.checkpoints.hf import load_hf
-from ringtune.testing.tiny_models import hf_model
 
 pytest.importorskip("transformers")
 COEF = 0.5

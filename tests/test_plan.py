@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from support.profiled_memory import tensor_peak_bytes
 
 from ringtune.cli import main
 from ringtune.engine.batch import TrainDatum
@@ -19,7 +20,6 @@ from ringtune.models.shard import shard_of
 from ringtune.plan import activations as act
 from ringtune.plan.estimate import Layout, estimate, layer_parameters, root_parameters
 from ringtune.plan.search import plan_layouts
-from ringtune.testing.profiled_memory import tensor_peak_bytes
 from ringtune.worker.executor import trainer_dtype_options
 
 # Distinct sizes so that a term counted with the wrong dimension shows (no two of them equal, none = 64).

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from support.tiny_models import hf_model
 
 from ringtune.errors import UserInputError
 from ringtune.models.decoder import CausalLM
 from ringtune.plan.estimate import Layout, estimate
 from ringtune.plan.search import plan_layouts
-from ringtune.testing.tiny_models import hf_model
 
 pytest.importorskip("transformers")
 

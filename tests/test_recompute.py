@@ -12,6 +12,7 @@ import pathlib
 
 import pytest
 import torch
+from support.tiny_models import LENGTHS, hf_model, next_token_labels, packed_tokens
 
 from ringtune.errors import UserInputError
 from ringtune.layout import zigzag_slice
@@ -20,7 +21,6 @@ from ringtune.models.decoder import CausalLM
 from ringtune.models.recompute import RECOMPUTE_MODES, check_recompute_mode, set_recompute
 from ringtune.models.shard import shard_of
 from ringtune.ops.cp_modes import ATTENTION_MODES, GATED_DELTA_MODES
-from ringtune.testing.tiny_models import LENGTHS, hf_model, next_token_labels, packed_tokens
 
 ROWS = {"many_datums": LENGTHS, "mixed": (2, 3, 17, 30)}
 LIMIT = 1e-12

@@ -13,13 +13,13 @@ from dataclasses import replace
 
 import pytest
 import torch
+from support.tiny_models import hf_model
 from test_engine import ADAM, make_data
 
 from ringtune.engine.replica_check import ReplicaCheck, ReplicaDivergedError, checksums
 from ringtune.engine.trainer import Trainer
 from ringtune.errors import UserInputError
 from ringtune.models.checkpoints.hf import load_hf
-from ringtune.testing.tiny_models import hf_model
 
 LENS = (2, 17, 5, 40, 3, 9, 2, 13)
 BUDGET = 48

@@ -15,6 +15,7 @@ import pathlib
 
 import pytest
 import torch
+from support.tiny_models import hf_model
 
 from ringtune.engine.batch import TrainDatum
 from ringtune.engine.trainer import Trainer
@@ -24,7 +25,6 @@ from ringtune.models.checkpoints.hf import load_hf
 from ringtune.models.layers.moe import capturing_routing, moe_shape
 from ringtune.models.shard import shard_of
 from ringtune.sample import SamplingParams, generate
-from ringtune.testing.tiny_models import hf_model
 
 pytest.importorskip("transformers")
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.tiny_models import hf_model
 
 from ringtune.errors import UserInputError
 from ringtune.models.checkpoints.hf import load_hf
@@ -25,7 +26,6 @@ from ringtune.sample.params import SamplingParams
 from ringtune.sample.pool import SampleRequest
 from ringtune.sample.prefill import prefill
 from ringtune.sample.sampler import generate
-from ringtune.testing.tiny_models import hf_model
 from ringtune.worker.commands import Command
 from ringtune.worker.executor import ModelSpec, RankExecutor
 

@@ -9,9 +9,9 @@ import sys
 import time
 
 import pytest
+from support.tiny_models import hf_config
 
 from ringtune.errors import UserInputError
-from ringtune.testing.tiny_models import hf_config
 from ringtune.worker.preflight import ServeSettings, preflight
 
 HEADWISE_REFUSAL = "gated_delta mode headwise needs linear_num_key_heads=2 divisible by TP·CP=4; use chunkwise"

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.lora import randomize_adapters
+from support.tiny_models import hf_model
 
 from ringtune.models.checkpoints.hf import load_hf
 from ringtune.models.lora import LoraModel, LoraSpec
@@ -21,8 +23,6 @@ from ringtune.sample import SamplingParams, generate
 from ringtune.sample.pool import SampleRequest, SamplerPool, SamplerSource
 from ringtune.sample.sampler import start_generation
 from ringtune.sample.shared_decode import SharedDecodes
-from ringtune.testing.lora import randomize_adapters
-from ringtune.testing.tiny_models import hf_model
 
 PROMPTS = [[3, 17, 42, 8, 5], [9], [11, 2, 60, 61, 7, 7, 1, 30]]
 SPECS = [  # different ranks and target sets: each hooked module sees a different subset of the runs

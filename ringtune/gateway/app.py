@@ -1,4 +1,4 @@
-"""FastAPI routes of the Tinker API (../shared/docs/tinker-protocol.md sections 5 and 17); routes only.
+"""FastAPI routes of the Tinker API (docs/protocol.md, "Routes" and "Errors"); routes only.
 
 Every error is JSON ``{"error", "category", "detail"}`` with a 4xx status for what the client got wrong
 (never an empty-body 400, never 402 or 409, never 5xx for a deterministic user error). An ASGI guard in

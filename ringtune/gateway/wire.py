@@ -1,4 +1,4 @@
-"""Pydantic bodies of the JSON routes, as SDK 0.38 sends them (../shared/docs/tinker-protocol.md section 6).
+"""Pydantic bodies of the JSON routes, as SDK 0.38 sends them (docs/protocol.md, "Routes").
 
 Unknown fields are ignored (the SDK adds fields over time); only what the gateway reads is declared, with
 the SDK's defaults. Values are checked further in :mod:`ringtune.gateway.translate`.

@@ -1,7 +1,7 @@
 """The zigzag THD layout: which tokens of a packed row each CP rank holds.
 
 Pure index math (torch tensors of int64, no torch.distributed). See docs/layout.md and
-../shared/docs/context-parallel.md section 1.
+docs/context-parallel.md sections 1 and 2.
 
 A packed row is ``sum(seq_lens)`` tokens: the sequences back to back. For CP size ``C`` and a
 sequence of ``T`` tokens, ``c = ceil(T / (2C))``; the sequence is padded at its tail to ``2C·c`` and

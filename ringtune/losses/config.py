@@ -2,7 +2,7 @@
 
 Everything here runs where a request enters (the engine, before any forward), and raises
 :class:`~ringtune.errors.UserInputError` naming the field, the value and what is allowed. See
-../shared/docs/tinker-protocol.md section 9 for the losses and their SDK names.
+docs/protocol.md ("Losses") for the losses and their SDK names.
 
 Choices this module makes (the SDK and the docs leave them open):
 

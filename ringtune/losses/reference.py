@@ -1,6 +1,6 @@
 """The plain single-process Tinker losses over full-length per-datum vectors: the oracle.
 
-Written straight from the formulas (../shared/docs/tinker-protocol.md section 9), one datum at a
+Written straight from the formulas (docs/protocol.md, "Losses"), one datum at a
 time, sharing no code with :mod:`ringtune.losses.token_losses`; the CP tests compare the two.
 """
 

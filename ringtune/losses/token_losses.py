@@ -1,7 +1,7 @@
 """Tinker losses on one CP rank's zigzag shard: per-token terms whose sum is the rank's loss.
 
 With ``lp`` = log p(target) of this pass, ``q`` = sampler logprob (``logprobs``), ``A`` = advantage,
-``w`` = weight and ``r = exp(lp - q)`` (see ../shared/docs/tinker-protocol.md section 9):
+``w`` = weight and ``r = exp(lp - q)`` (see docs/protocol.md, "Losses"):
 
 =====================  ==============================================================
 cross_entropy          ``-w·lp``  (``w`` any real; ``[T, K]`` lp with ``[T, K]`` weights)

@@ -16,7 +16,8 @@ from ringtune.debug_faults import DEBUG_FAULTS
 from ringtune.parity.client import load_dump, run_parity
 from ringtune.parity.compare import Comparison, compare_dumps
 from ringtune.parity.plot import plot_deltas
-from ringtune.parity.servers import API_KEY, ServeSpec, moe_specs, row_budget_specs, running_server, tiny_qwen35_dir
+from ringtune.parity.servers import API_KEY, ServeSpec, moe_specs, row_budget_specs, running_server
+from ringtune.parity.tiny_checkpoint import tiny_qwen35_dir
 
 FAULT_LAYOUTS: dict[str, tuple[int, str, str]] = {
     "position_off_by_one": (2, "headwise", "float32"),

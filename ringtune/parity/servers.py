@@ -1,9 +1,8 @@
-"""Start ``ringtune serve`` as a subprocess on a free loopback port (the parity matrix and its tests), and build
-the tiny random Qwen3.5 checkpoint the CPU matrix serves."""
+"""Start ``ringtune serve`` as a subprocess on a free loopback port (the parity matrix and its tests), and the
+server specs of the matrix's layouts."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -67,39 +66,6 @@ def running_server(spec: ServeSpec, workdir: Path, *, timeout_s: float = 300.0) 
         yield server.url
     finally:
         server.stop()
-
-
-BF16_EXACT_MARK = "bf16-exact-weights"
-"""File in the tiny model's folder saying its float32 weights are bfloat16 values (see :func:`tiny_qwen35_dir`)."""
-
-
-def tiny_qwen35_dir(dest: Path, *, seed: int = 0, family: str = "qwen3_5") -> Path:
-    """A random tiny Qwen3.5 (``ringtune.testing.tiny_models.hf_model``; ``family="qwen3_5_moe"``: the MoE hybrid,
-    routers that differ per token) saved to ``dest`` with a 96-word word-level tokenizer (``w0`` .. ``w95``);
-    reused when ``dest`` already holds one.
-
-    Its float32 weights are rounded to bfloat16 once, so a bfloat16 server loads exactly the weights a float32 or
-    float64 server holds (every dtype of the matrix computes from the same model).
-    """
-    if all((dest / name).is_file() for name in ("config.json", "tokenizer.json", BF16_EXACT_MARK)):
-        return dest
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    from ringtune.testing.tiny_models import hf_model
-
-    model = hf_model(family, seed=seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16).to(p.dtype))
-    model.save_pretrained(dest)
-    (dest / BF16_EXACT_MARK).write_text("every weight is a bfloat16 value stored as float32\n")
-    tokenizer = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(96)}, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.save(str(dest / "tokenizer.json"))
-    config = {"tokenizer_class": "TokenizersBackend", "eos_token": "w95", "pad_token": "w94", "unk_token": "w0"}
-    (dest / "tokenizer_config.json").write_text(json.dumps(config))
-    return dest
 
 
 MAX_MATRIX_RANKS = 4

@@ -14,7 +14,7 @@ from ringtune.ops.cp_modes import ATTENTION_MODES
 from ringtune.parallel.launch import init_from_env, spawn
 from ringtune.parallel.mesh import build_mesh
 from ringtune.probes.attention_parity import FIELDS, AttentionShape, compare_attention
-from ringtune.testing.scenarios import SCENARIOS
+from ringtune.probes.scenarios import SCENARIOS
 
 # Limits the probe enforces per dtype (same reasoning as tests/test_attention_cp.py).
 TOLERANCE = {"float64": 1e-10, "float32": 2e-5, "bfloat16": 3e-2}

@@ -1,4 +1,4 @@
-"""The catalogue of packed-row scenarios that every CP test draws from.
+"""The catalogue of packed-row scenarios that ``ringtune attention-parity`` runs and every CP test draws from.
 
 Each scenario is a tuple of sequence lengths for one packed row, chosen for a hard case of the
 zigzag layout: rows of 1-17 tokens (some rank holds no real token of a sequence), lengths not
@@ -21,7 +21,3 @@ SCENARIOS: dict[str, tuple[int, ...]] = {
     # No sequence: a pad-only row (every rank holds only the stream pad).
     "pad_only": (),
 }
-
-
-def scenario_names() -> list[str]:
-    return list(SCENARIOS)

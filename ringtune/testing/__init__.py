@@ -1,1 +1,0 @@
-"""Test support shipped with the package: the multi-rank harness and the sequence-length catalogue."""
