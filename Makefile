@@ -21,6 +21,8 @@ demo: $(STAMP)
 	$(VENV)/bin/ringtune demo --cp 2 --out runs/demo $(DEMO_ARGS)
 
 # ruff walks the whole tree (minus .gitignore'd paths); the count check proves it saw every tracked Python file.
+# lint-imports checks the layer order and the import contracts of pyproject.toml's [tool.importlinter] (no ignores);
+# mypy type-checks the packages listed in [tool.mypy] `files` (docs/architecture.md, "Layers").
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -28,6 +30,8 @@ lint: $(STAMP)
 	 tracked=$$(git ls-files --cached --others --exclude-standard '*.py' | wc -l); \
 	 echo "ruff checked $$checked Python files; the tree has $$tracked"; \
 	 test "$$checked" -eq "$$tracked"
+	$(VENV)/bin/lint-imports --no-logo
+	$(VENV)/bin/mypy
 
 test: lint
 	$(VENV)/bin/python -m pytest -q

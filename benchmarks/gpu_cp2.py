@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ringtune.engine.gather import gather_row
 from ringtune.layout.zigzag import zigzag_slice
 from ringtune.models.config import DecoderConfig
 from ringtune.models.decoder import CausalLM
@@ -32,6 +31,7 @@ from ringtune.models.precision import set_compute_dtype
 from ringtune.models.shard import shard_of
 from ringtune.parallel import spawn
 from ringtune.parallel.collectives import all_reduce_
+from ringtune.parallel.row_gather import gather_row
 from ringtune.parity.compare import LIMITS
 
 SEQ_LENS = (1, 37, 160, 5, 301)

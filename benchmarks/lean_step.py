@@ -9,7 +9,7 @@ Counted on every rank, per step (median over the steps after the first, which cr
   ``__bool__`` / ``__float__`` / ``__int__``; on CUDA each is a device sync; on CPU ``cpu()`` of a CPU tensor is
   counted too, as it would sync on GPU), per optim_step (those inside torch's own AdamW step shown apart: on CPU its
   per-tensor loop reads each step count back; fused on CUDA reads none) and per microbatch (between two calls of the
-  trainer's ``microbatch_hook``; the last microbatch also carries the request's tail);
+  trainer's ``faults.before_microbatch``; the last microbatch also carries the request's tail);
 - collectives: calls of ``torch.distributed`` collectives (outermost only: an ``all_gather_object`` counts once) and
   of the control plane's store exchanges (:data:`STORE_EXCHANGES`), per optim_step and per microbatch, with the
   seconds spent in them;
@@ -35,6 +35,8 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -43,7 +45,10 @@ from ringtune.engine.optimizer import AdamParams
 from ringtune.engine.trainer import TrainDatum, Trainer
 from ringtune.models.checkpoints.load import EMBEDDED_DEFAULT, load_model
 from ringtune.parallel import control
-from ringtune.testing.harness import RankPool
+
+# tests/support holds test helpers outside the ringtune package: importable once tests/ is on sys.path.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.harness import RankPool
 
 SYNC_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__")
 """Tensor methods that read a value back to the host (a device sync on CUDA)."""
@@ -183,7 +188,7 @@ def measure(ctx, *, cp: int, tokens: int, steps: int) -> dict[str, float]:
     # the gradient SUM with its invariant check (collectives, bucket packing, canary): communication, not optimizer
     trainer.invariant.reduce_and_check = _timed(trainer.invariant.reduce_and_check, "reduce", inside, counts)
     marks: list[tuple[int, int, float]] = []
-    trainer.microbatch_hook = lambda m: marks.append(counts.total())
+    trainer.faults = replace(trainer.faults, before_microbatch=lambda m: marks.append(counts.total()))
     rows: list[dict[str, float]] = []
     for step in range(steps):
         data = _data(model.config.vocab_size, lens, seed=step)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ringtune.engine.faults import DEBUG_FAULTS
+from ringtune.debug_faults import DEBUG_FAULTS
 from ringtune.ops.cp_modes import ATTENTION_MODES, GATED_DELTA_MODES
 from ringtune.parallel.mesh import DEFAULT_TIMEOUT_S
 from ringtune.probes.attention_parity import AttentionShape
@@ -201,7 +201,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-body-mb", type=int, default=d.max_body_bytes // 2**20)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    # Parity negative controls only (ringtune.engine.faults): hidden from --help, never for real training.
+    # Parity negative controls only (ringtune.debug_faults): hidden from --help, never for real training.
     p.add_argument("--debug-fault", default=None, choices=DEBUG_FAULTS, help=argparse.SUPPRESS)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -404,7 +405,8 @@ def fault_case(ctx, *, root: str, kill: bool = False):
                 os.kill(os.getpid(), signal.SIGKILL)
             raise RuntimeError("injected fault in microbatch 1")
 
-    trainer.microbatch_hook = hook
+    clean = trainer.faults
+    trainer.faults = replace(clean, before_microbatch=hook)
     start = time.monotonic()
     try:
         trainer.forward_backward(datums("cross_entropy", vocab, lens=LENS * 4, seed=9), "cross_entropy")
@@ -412,7 +414,7 @@ def fault_case(ctx, *, root: str, kill: bool = False):
     except Exception as exc:
         outcome = (type(exc).__name__, str(exc))
     elapsed = time.monotonic() - start
-    trainer.microbatch_hook = None
+    trainer.faults = clean
     changed = differences(before, snapshot(trainer))
     if kill:
         return outcome, elapsed, changed

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ringtune.debug_faults import fault_hooks
 from ringtune.errors import ParallelConfigError
 from ringtune.layout import zigzag_plan, zigzag_slice
 from ringtune.ops.gated_delta import gdn_gates
@@ -82,8 +83,8 @@ def gdn_case(ctx, *, mode: str, cp: int, fault: str | None = None, rows=None):
         plan = zigzag_plan(seq_lens, cp_size=cp, cp_rank=mesh.cp_rank, pad_multiplier=multiple, pad_to=pad_to)
         loc_t = {n: zigzag_slice(t, plan).requires_grad_() for n, t in tokens.items()}
         loc_p = {n: p.clone().requires_grad_() for n, p in params.items()}
-        kwargs = {"fault": fault} if fault else {}
-        out = fn(*core_inputs(loc_t, loc_p), plan, mesh.cp_group, **kwargs)
+        faults = fault_hooks(fault, cp_size=cp, cp_rank=mesh.cp_rank, plan=plan)
+        out = fn(*core_inputs(loc_t, loc_p), plan, mesh.cp_group, faults=faults)
         (out * zigzag_slice(dout, plan)).sum().backward()
 
         real = plan.is_real
@@ -123,7 +124,7 @@ def test_float64_equals_single_process(pool4, mode, cp):
         assert any(row["partial_halo"] for res in per_rank for row in res.values())
 
 
-@pytest.mark.parametrize("fault", ["drop_state", "drop_halo"])
+@pytest.mark.parametrize("fault", ["gdn_state_dropped", "gdn_halo_dropped"])
 def test_negative_control_chunkwise_without_handoff_fails(pool4, fault):
     rows = {"long_mixed": SCENARIOS["long_mixed"]}
     per_rank = pool4.run(gdn_case, mode="chunkwise", cp=4, fault=fault, rows=rows)

@@ -17,6 +17,7 @@ import pytest
 import torch
 from support.tiny_models import LENGTHS, hf_model, next_token_labels, packed_tokens
 
+from ringtune.debug_faults import FaultHooks
 from ringtune.engine.gradients import GradientInvariant, GradientInvariantError
 from ringtune.layout import zigzag_slice
 from ringtune.models.checkpoints.hf import load_hf
@@ -150,7 +151,9 @@ def ep_accounting_case(ctx, *, root: str) -> dict[str, float]:
     distinct = sum(len(set(row[row != mesh.ep_rank].tolist())) for row in owner)  # remote ranks per token
     sent = meter.by_op.get("expert_dispatch", 0) + meter.by_op.get("expert_combine", 0)
     invariant = GradientInvariant(
-        lambda: mesh.dp_cp_group, expert_group=lambda: mesh.expert_replica_group, fault="experts_over_dp_cp"
+        lambda: mesh.dp_cp_group,
+        expert_group=lambda: mesh.expert_replica_group,
+        faults=FaultHooks(name="experts_over_dp_cp"),
     )
     invariant.loss_term().backward()  # one microbatch's canary
     invariant.count(1)
@@ -226,7 +229,7 @@ def trainer_case(ctx, *, root: str, out: str) -> dict[str, float]:
     """The Trainer at EP layouts against the one-process Trainer: loss, log-probs, grad norm, post-step weights."""
     from ringtune.engine.optimizer import AdamParams
     from ringtune.engine.trainer import Trainer
-    from ringtune.parallel.expert_dispatch import gather_expert_state
+    from ringtune.models.layers.moe import gather_expert_state
 
     adam = AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01, grad_clip_norm=0.0)
     path = pathlib.Path(root) / "qwen3_5_moe"
@@ -257,7 +260,7 @@ def trainer_checkpoint_case(ctx, *, root: str, ckpt: str) -> dict[str, float]:
     bit-exact; the checkpoint loads at EP4 and into the one-process Trainer with every expert exactly as saved."""
     from ringtune.engine.optimizer import AdamParams
     from ringtune.engine.trainer import Trainer
-    from ringtune.parallel.expert_dispatch import gather_expert_state
+    from ringtune.models.layers.moe import gather_expert_state
 
     adam = AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01, grad_clip_norm=0.0)
     path = pathlib.Path(root) / "qwen3_5_moe"
@@ -395,7 +398,7 @@ def fsdp_case(ctx, *, root: str, ckpt: str, out: str) -> dict[str, float]:
     from ringtune.engine.sharding import full_state_dict
     from ringtune.engine.trainer import Trainer
     from ringtune.errors import ParallelConfigError
-    from ringtune.parallel.expert_dispatch import gather_expert_state
+    from ringtune.models.layers.moe import gather_expert_state
 
     adam = AdamParams(learning_rate=1e-2, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01, grad_clip_norm=1.0)
     path = pathlib.Path(root) / "qwen3_5_moe"

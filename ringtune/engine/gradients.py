@@ -20,10 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from ringtune.engine import faults
-
-FAULTS = (None, "average_over_group", "scale_by_microbatches", "fsdp_default_divide", "experts_over_dp_cp")
-"""Fault injection for negative controls only (the last one acts in :mod:`ringtune.engine.sharding`)."""
+from ringtune.debug_faults import NO_FAULTS, FaultHooks
 
 
 class GradientInvariantError(RuntimeError):
@@ -56,14 +53,15 @@ def reduce_gradients(
     tensors: list[torch.Tensor],
     group: dist.ProcessGroup | None,
     *,
-    fault: str | None = None,
+    faults: FaultHooks = NO_FAULTS,
     bucket_bytes: int = BUCKET_BYTES,
 ) -> None:
     """In place: SUM each tensor over ``group`` (the DP×CP group); None or size 1 = nothing to do.
 
     The tensors travel in flat buckets (:func:`gradient_buckets`): one all-reduce per bucket, not per tensor.
     Each element is still the plain SUM of its ranks' values (an elementwise reduction of a concatenation), so
-    replicas receive identical bits, as with one all-reduce per tensor.
+    replicas receive identical bits, as with one all-reduce per tensor. ``faults``: the ``average_over_group``
+    negative control divides by the group size (:mod:`ringtune.debug_faults`).
     """
     if group is None or dist.get_world_size(group) == 1:
         return
@@ -71,7 +69,7 @@ def reduce_gradients(
         single = len(bucket) == 1 and bucket[0].is_contiguous()
         flat = bucket[0] if single else torch.cat([t.reshape(-1) for t in bucket])
         dist.all_reduce(flat, group=group)
-        if fault == "average_over_group":
+        if faults.active("average_over_group"):  # DEBUG-FAULT HOOK (negative control; no-op)
             flat /= dist.get_world_size(group)
         if not single:
             for t, part in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
@@ -85,22 +83,22 @@ class GradientInvariant:
         self,
         group: Callable[[], dist.ProcessGroup | None],
         *,
-        fault: str | None = None,
+        faults: FaultHooks = NO_FAULTS,
         expert_group: Callable[[], dist.ProcessGroup | None] | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
         """``group()`` gives the DP×CP group at the time of each reduction (the mesh may rebuild it);
         ``expert_group()`` the expert replica group (None: no expert-parallel parameters); ``device``: the
-        parameters' (the canary's gradient is reduced with theirs, over the data groups: NCCL on CUDA)."""
-        if fault not in FAULTS:
-            raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
+        parameters' (the canary's gradient is reduced with theirs, over the data groups: NCCL on CUDA). ``faults``:
+        the debug-fault hooks (:mod:`ringtune.debug_faults`) of the negative controls that act here
+        (``average_over_group``, ``scale_by_microbatches``, ``experts_over_dp_cp``, ``gradients_averaged``)."""
         self._group = group
         self._expert_group = expert_group
         current = group()
         self.group_size = 1 if current is None else dist.get_world_size(current)
         expert = None if expert_group is None else expert_group()
         self.expert_group_size = 1 if expert is None else dist.get_world_size(expert)
-        self.fault = fault
+        self.faults = faults
         self.canary = torch.zeros((), dtype=torch.float64, device=device, requires_grad=True)
         self.expected = 0
 
@@ -110,7 +108,7 @@ class GradientInvariant:
 
     def scale_loss(self, loss: torch.Tensor, microbatches: int) -> torch.Tensor:
         """The loss as backpropagated: itself (a fault may scale it, to show the check catches it)."""
-        return loss / microbatches if self.fault == "scale_by_microbatches" else loss
+        return loss / microbatches if self.faults.active("scale_by_microbatches") else loss  # DEBUG-FAULT HOOK
 
     def count(self, microbatches_per_rank: int) -> None:
         """Record that every rank of the group ran ``microbatches_per_rank`` microbatches."""
@@ -148,11 +146,12 @@ class GradientInvariant:
             canary = torch.zeros((), dtype=torch.float64, device=self.canary.device)
         canary = canary.detach().clone()
         expert_canary = canary.clone()
-        reduce_gradients([*grads, canary], self._group(), fault=self.fault)
+        reduce_gradients([*grads, canary], self._group(), faults=self.faults)
         checks = [(float(canary), float(self.expected), "DP·CP ranks")]
         if self._expert_group is not None:
-            group = self._group() if self.fault == "experts_over_dp_cp" else self._expert_group()
-            reduce_gradients([*expert_grads, expert_canary], group, fault=self.fault)
+            wrong = self.faults.active("experts_over_dp_cp")  # DEBUG-FAULT HOOK (negative control; no-op)
+            group = self._group() if wrong else self._expert_group()
+            reduce_gradients([*expert_grads, expert_canary], group, faults=self.faults)
             want = self.expected // self.group_size * self.expert_group_size
             checks.append((float(expert_canary), float(want), "expert replicas ((DP·CP)/EP ranks)"))
         self.canary.grad = None
@@ -164,7 +163,7 @@ class GradientInvariant:
                     f"{ranks}); a reduction averaged over the group, ran over the wrong group, or the loss was "
                     "scaled by the microbatch count"
                 )
-        faults.scale_reduced_gradients(grads, self.group_size)  # DEBUG-FAULT HOOK (parity negative control; no-op)
+        self.faults.scale_reduced_gradients(grads, self.group_size)  # DEBUG-FAULT HOOK (parity negative control; no-op)
 
     def startup_check(self) -> None:
         """Run two canary-only microbatches through backward and the reduction; raises if it is not a SUM."""

@@ -11,21 +11,22 @@ and, with backward, one read of the gradient's finite verdict (a fused reduction
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringtune.engine import faults
+from ringtune.debug_faults import fault_hooks
 from ringtune.engine.batch import Batch
-from ringtune.engine.gather import gather_row
 from ringtune.engine.grad_sync import GradientSync
 from ringtune.engine.microbatch_inputs import microbatch_inputs
 from ringtune.engine.pass_target import PassInvariant, PassTarget
 from ringtune.engine.request_outcome import non_finite_datums, split_row
 from ringtune.losses import fixed_logprob_gradient, local_token_losses
 from ringtune.models.layers import moe_router_stats as router_stats
+from ringtune.models.layers.moe import moe_blocks
+from ringtune.parallel.row_gather import gather_row
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,8 +69,10 @@ class MicrobatchRun:
         plan, shard, lens = mb.shard.plan, mb.shard, mb.lens
         local_ids, local_targets, local_inputs, local_datum = mb.ids, mb.targets, mb.inputs, mb.datum
         bad_grad: set[int] = set()
-        injected = faults.injecting(self.debug_fault, cp_size=self.cp_size, cp_rank=self.cp_rank, plan=plan)
-        with torch.set_grad_enabled(backward), injected:  # DEBUG-FAULT HOOK: a no-op without --debug-fault
+        faults = fault_hooks(self.debug_fault, cp_size=self.cp_size, cp_rank=self.cp_rank, plan=plan)
+        if self.debug_fault is not None:  # DEBUG-FAULT HOOK: the layers hand shard.faults to their ops
+            shard = replace(shard, faults=faults)
+        with torch.set_grad_enabled(backward):
             # A loss whose gradient in lp is known now (cross_entropy): the head makes its gradients in its forward.
             upstream = None
             saved = faults.unscored_grads(self.params, local_targets, local_inputs)  # DEBUG-FAULT HOOK (no-op)
@@ -83,7 +86,9 @@ class MicrobatchRun:
             if backward:
                 loss = elementwise.sum().to(torch.float64) + self.invariant.loss_term()
                 if self.router_aux_loss_coef:  # the row's load-balancing term (CP-invariant; collective over CP)
-                    loss = loss + self.router_aux_loss_coef * router_stats.router_aux_loss(self.model, self.cp_group)
+                    loss = loss + self.router_aux_loss_coef * router_stats.router_aux_loss(
+                        moe_blocks(self.model), self.cp_group
+                    )
                 self.invariant.scale_loss(loss, batch.plan.microbatches_per_rank).backward()
                 faults.skip_unscored_backward(self.params, saved)  # DEBUG-FAULT HOOK (parity negative control; no-op)
                 if not flagged and not bool(self.grad_sync.grads_finite(self.params)):

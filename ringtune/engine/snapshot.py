@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from ringtune.engine.sharding import full_state_dict
 from ringtune.models.decoder import CausalLM
+from ringtune.models.layers.moe import gather_expert_state
 from ringtune.models.precision import compute_like_trainer, layers_compute_dtype, layers_exact
-from ringtune.parallel.expert_dispatch import gather_expert_state
+
+DEFAULT_MAX_SNAPSHOTS = 4
+"""Snapshots (weight copies) a rank's sampler pool holds by default (what ``ringtune plan`` counts by default)."""
 
 
 def snapshot_of(model: CausalLM) -> CausalLM:

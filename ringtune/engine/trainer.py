@@ -34,13 +34,14 @@ verdict) and a few times per optimizer step (benchmarks/lean_step.py counts them
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ringtune.engine import expert_parallel, faults, sharding
+from ringtune.debug_faults import check_fault, fault_hooks
+from ringtune.engine import expert_parallel, sharding
 from ringtune.engine.batch import MAX_TARGET_K, Batch, TrainDatum, build_batch
 from ringtune.engine.checkpoint import export_hf_weights, load_checkpoint, save_checkpoint
 from ringtune.engine.grad_stash import GradientStash
@@ -57,12 +58,18 @@ from ringtune.engine.update_guard import read_step_figures, unsafe_updates
 from ringtune.errors import ParallelConfigError
 from ringtune.models.decoder import CausalLM
 from ringtune.models.layers import moe_router_stats as router_stats
-from ringtune.models.layers.moe import is_expert_parameter, moe_blocks, moe_shape, set_expert_parallel
+from ringtune.models.layers.moe import (
+    gather_expert_state,
+    is_expert_parameter,
+    moe_blocks,
+    moe_shape,
+    named_moe_blocks,
+    set_expert_parallel,
+)
 from ringtune.models.precision import check_compute_dtype, export_dtype, set_compute_dtype
 from ringtune.models.recompute import DEFAULT_RECOMPUTE, check_recompute_mode, set_recompute
 from ringtune.ops.cp_modes import DEFAULT_ATTENTION, DEFAULT_GATED_DELTA
 from ringtune.parallel.control import NOT_CAUGHT, RankFailedError, agreed_call, all_gather_objects, gather_object_to
-from ringtune.parallel.expert_dispatch import gather_expert_state
 from ringtune.parallel.mesh import ParallelMesh, rebuild_mesh
 
 SHARDED_GROUPS_LOST = "a rank failed mid-request and FSDP-sharded parameters cannot move to new groups"
@@ -82,9 +89,10 @@ class Trainer:
             model's heads here, at build time).
         pad_multiplier: the per-rank stream is padded to a multiple of this.
         max_target_k: cap on K of ``[N, K]`` targets.
-        fault: negative controls only (see :mod:`ringtune.engine.gradients`).
-        debug_fault: a parity negative control from :data:`ringtune.engine.faults.DEBUG_FAULTS` (``ringtune serve
-            --debug-fault``, hidden); None in normal use.
+        fault: a unit-test negative control from :data:`ringtune.debug_faults.TEST_FAULTS` (the gradient
+            invariant's, and ``fsdp_default_divide`` in :mod:`ringtune.engine.sharding`); None in normal use.
+        debug_fault: a parity negative control from :data:`ringtune.debug_faults.DEBUG_FAULTS` (``ringtune serve
+            --debug-fault``, hidden); None in normal use. At most one of ``fault`` and ``debug_fault``.
         shard_params: a name of :data:`ringtune.engine.sharding.SHARDINGS`: ``"none"`` (replicated), ``"dp"``
             (FSDP2 over DP, replicated over CP) or ``"dp_cp"`` (FSDP2 over all DP×CP ranks); ``False``/``True``
             mean ``"none"``/``"dp"`` (as before the registry). Sharded: parameters, gradients and AdamW state are
@@ -106,8 +114,8 @@ class Trainer:
             CUDA, torch's default on CPU.
 
     Attributes:
-        microbatch_hook: a test/debug seam, ``hook(microbatch_index)`` called on this rank before each
-            microbatch of a request (fault injection raises from it). None in normal use.
+        faults: this rank's debug-fault hooks (:class:`~ringtune.debug_faults.FaultHooks`; ``NO_FAULTS`` in normal
+            use); a test injects a failure with ``replace(trainer.faults, before_microbatch=hook)``.
     """
 
     def __init__(
@@ -137,8 +145,10 @@ class Trainer:
         self.export_dtype = export_dtype(model, self.compute_dtype)
         self.recompute = recompute
         self.model = model
-        self.router_aux_loss_coef = router_stats.check_aux_coef(model, router_aux_loss_coef)
-        self.debug_fault = faults.check_fault(debug_fault)
+        self.router_aux_loss_coef = router_stats.check_aux_coef(moe_blocks(model), router_aux_loss_coef)
+        self.debug_fault = check_fault(debug_fault)
+        if fault is not None and debug_fault is not None:
+            raise ValueError(f"fault={fault!r} and debug_fault={debug_fault!r}: inject at most one")
         self.mesh = mesh
         self.dp_size, self.dp_rank = (mesh.dp_size, mesh.dp_rank) if mesh else (1, 0)
         self.cp_size, self.cp_rank = (mesh.cp_size, mesh.cp_rank) if mesh else (1, 0)
@@ -167,8 +177,10 @@ class Trainer:
         self.optimizer = new_adamw(self.params, adamw_kernel)
         expert_group = (lambda: self.mesh.expert_replica_group) if expert_parallel.ep_size(mesh) > 1 else None
         device = model.model.embed_tokens.weight.device  # every parameter's (one device authority: mesh.device)
+        # The one debug-fault hooks object of this trainer (:mod:`ringtune.debug_faults`; NO_FAULTS in normal use).
+        self.faults = fault_hooks(check_fault(debug_fault or fault), cp_size=self.cp_size, cp_rank=self.cp_rank)
         self.invariant = GradientInvariant(
-            lambda: self.dp_cp_group, fault=fault, expert_group=expert_group, device=device
+            lambda: self.dp_cp_group, faults=self.faults, expert_group=expert_group, device=device
         )
         self.invariant.startup_check()
         self.grad_sync = gradient_sync_for(
@@ -178,7 +190,6 @@ class Trainer:
         self.replicas = ReplicaCheck(mesh, self.shard_params)  # replicas compared after every optim_step
         self.step = 0
         self.weights_version = 0  # bumped whenever the weights change (a sampler snapshot of them is then stale)
-        self.microbatch_hook: Callable[[int], None] | None = None
         self.broken: str | None = None
 
     @property
@@ -270,13 +281,12 @@ class Trainer:
         )  # fmt: skip
         try:
             for m, (row, local_len) in enumerate(rows):
-                if self.microbatch_hook is not None:
-                    self.microbatch_hook(m)
+                self.faults.microbatch_started(m)  # DEBUG-FAULT HOOK (failure injection in tests; no-op)
                 out, bad_loss, bad_grad = run.run(
                     batch, row, local_len, backward=not forward_only, flagged=bool(grad_bad)
                 )
                 mine.update(out)
-                loads = router_stats.add_counts(loads, router_stats.layer_counts(on.model))
+                loads = router_stats.add_counts(loads, router_stats.layer_counts(named_moe_blocks(on.model)))
                 loss_bad |= bad_loss
                 grad_bad |= bad_grad
         except NOT_CAUGHT:
@@ -337,8 +347,7 @@ class Trainer:
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            with faults.injecting(self.debug_fault, cp_size=self.cp_size, cp_rank=self.cp_rank):  # DEBUG-FAULT HOOK
-                self.grad_sync.reduce(self.params)
+            self.grad_sync.reduce(self.params)
             figures = read_step_figures(self.params, self.optimizer, self.grad_sync.norm(self.params))
             norm = figures.norm
             bad_weights = [self.names[id(self.params[i])] for i in figures.non_finite_weights()]
@@ -354,7 +363,7 @@ class Trainer:
             error, (math.isfinite(norm), bad_weights, bad_update), norm,
             params=self.params, invariant=self.invariant, group=self.control_group,
         )  # fmt: skip
-        faults.skip_weight_decay(self.debug_fault, self.cp_rank, self.optimizer)  # DEBUG-FAULT HOOK (no-op without)
+        self.faults.skip_weight_decay(self.optimizer)  # DEBUG-FAULT HOOK (no-op without)
         apply_step(self.optimizer)
         self.step += 1
         self.weights_version += 1

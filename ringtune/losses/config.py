@@ -262,8 +262,8 @@ def check_datum_inputs(loss_fn: str, index: int, n_tokens: int, inputs: Mapping[
     if all(key in inputs for key in CLIP_KEYS):
         above = inputs["clip_low_threshold"] > inputs["clip_high_threshold"]
         if bool(above.any()):
-            t = int(above.nonzero()[0, 0])
+            at = int(above.nonzero()[0, 0])
             raise UserInputError(
-                f"{where}: loss_fn_inputs clip_low_threshold[{t}]={float(inputs['clip_low_threshold'][t])} > "
-                f"clip_high_threshold[{t}]={float(inputs['clip_high_threshold'][t])}; needs low <= high"
+                f"{where}: loss_fn_inputs clip_low_threshold[{at}]={float(inputs['clip_low_threshold'][at])} > "
+                f"clip_high_threshold[{at}]={float(inputs['clip_high_threshold'][at])}; needs low <= high"
             )

@@ -17,7 +17,7 @@ token, while the real tokens' outputs are those of the training forward (the pad
 
 At CP > 1 (a long prompt prefilled by the whole CP group, :mod:`ringtune.sample.mesh_prompts`) each rank
 holds a zigzag shard. An attention layer's K/V shards are put back in row order by one SUM all-reduce over
-the CP group (:func:`ringtune.engine.gather.gather_row`: each token has one owner, so the sum is exact). A
+the CP group (:func:`ringtune.parallel.row_gather.gather_row`: each token has one owner, so the sum is exact). A
 GatedDeltaNet layer's raw inputs (q, k, v, g, beta before the conv) are gathered the same way and the rank
 runs :func:`gated_delta_prefill` over the sequences it keeps for their final states and conv windows (linear
 in their tokens; the layer's output still comes from its CP mode). Every rank of the group takes part; a rank keeps
@@ -33,10 +33,10 @@ from functools import cached_property
 import torch
 import torch.distributed as dist
 
-from ringtune.engine.gather import gather_row
 from ringtune.errors import ParallelConfigError
 from ringtune.layout.zigzag import ZigzagPlan
 from ringtune.ops.gated_delta.prefill import gated_delta_prefill
+from ringtune.parallel.row_gather import gather_row
 
 
 @dataclass

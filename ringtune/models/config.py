@@ -108,8 +108,8 @@ class DecoderConfig:
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise UserInputError(f"config.model_type={model_type!r}: supported are {SUPPORTED_MODEL_TYPES}")
-        text = dict(hf.get("text_config") or {}) if model_type in VL_MODEL_TYPES else hf
-        rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
+        text: dict[str, Any] = dict(hf.get("text_config") or {}) if model_type in VL_MODEL_TYPES else hf
+        rope: dict[str, Any] = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             raise UserInputError(f"rope type {rope.get('rope_type')!r}: only the default rotary is supported")
         theta = float(rope.get("rope_theta", text.get("rope_theta", 10000.0)))

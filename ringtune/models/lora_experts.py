@@ -9,22 +9,18 @@ those rows of the per-expert matrices).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
 from ringtune.models.layers.moe import grouped_linear
-
-if TYPE_CHECKING:
-    from ringtune.models.lora import LoraAdapters, Target
+from ringtune.models.lora_types import AdapterSet, Target
 
 EXPERT_PROJ = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
 """Each routed-expert adapter and the fused expert tensor it adapts (gate and up are row blocks of gate_up)."""
 
 
 def expert_delta(
-    adapters: LoraAdapters,
+    adapters: AdapterSet,
     module: str,
     proj: str,
     x: torch.Tensor,
@@ -50,7 +46,7 @@ def expert_delta(
     return out + delta.to(out.dtype)
 
 
-def expert_weight_delta(adapters: LoraAdapters, target: Target) -> torch.Tensor:
+def expert_weight_delta(adapters: AdapterSet, target: Target) -> torch.Tensor:
     """``scale · B_e @ A_e`` of expert adapter ``target`` for every expert: [E, out, in] in float64 (merging)."""
     a, b = (m.detach().double() for m in adapters.pair(target.name))
     return (b @ a if target.per_expert == "B" else b[None] @ a) * adapters.scale

@@ -96,7 +96,8 @@ def _selective_attention_layer(layer: nn.Module, x: torch.Tensor, shard: PackedS
 
     def project(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         with layer_params(layer):
-            q, k, v, gate = attn._project(layer.input_layernorm(x), shard.positions)
+            positions = shard.faults.shift_positions(shard.positions)  # DEBUG-FAULT HOOK (as Attention.forward)
+            q, k, v, gate = attn._project(layer.input_layernorm(x), positions)
         return q.contiguous(), k.contiguous(), v, gate
 
     def finish(x: torch.Tensor, out: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
@@ -106,5 +107,5 @@ def _selective_attention_layer(layer: nn.Module, x: torch.Tensor, shard: PackedS
 
     q, k, v, gate = checkpoint(project, x, use_reentrant=False, early_stop=False)
     mode = shard.attention if shard.cp_size > 1 else "ring"  # as Attention.forward: the ring at size 1 is local
-    out, _ = cp_attention_fn(mode)(q, k, v, shard.plan, shard.group, scale=attn.scale)
+    out, _ = cp_attention_fn(mode)(q, k, v, shard.plan, shard.group, scale=attn.scale, faults=shard.faults)
     return checkpoint(finish, x, out, gate, use_reentrant=False, early_stop=False)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ringtune.debug_faults import NO_FAULTS, FaultHooks
 from ringtune.errors import ParallelConfigError
 from ringtune.layout.zigzag import ZigzagPlan, zigzag_plan
 from ringtune.ops.cp_modes import DEFAULT_ATTENTION, DEFAULT_GATED_DELTA, check_attention_mode, check_gated_delta_mode
@@ -33,6 +34,8 @@ class PackedShard:
         adapter_index: several LoRA runs in one pass (:mod:`ringtune.models.lora_mixed`): int64 [local_len],
             the index of the run whose adapters each local token uses (this rank's zigzag shard; −1 on the
             stream pad: no adapter); None: one model for every token.
+        faults: debug-fault hooks the layers hand to their ops (:mod:`ringtune.debug_faults`; parity negative
+            controls only): the trainer's ``--debug-fault`` for this row; :data:`NO_FAULTS` injects nothing.
     """
 
     plan: ZigzagPlan
@@ -42,6 +45,7 @@ class PackedShard:
     gated_delta: str = DEFAULT_GATED_DELTA
     replay_experts: tuple[torch.Tensor | None, ...] | None = None
     adapter_index: torch.Tensor | None = None
+    faults: FaultHooks = NO_FAULTS
 
     def __post_init__(self) -> None:
         check_attention_mode(self.attention)

@@ -46,14 +46,14 @@ def _rank(group: dist.ProcessGroup | None) -> int:
 
 def broadcast_object(obj: Any, group: dist.ProcessGroup | None, *, src: int = 0) -> Any:
     """``obj`` of group rank ``src`` on every rank of ``group`` (others pass anything, e.g. None)."""
-    if _size(group) == 1:
+    if group is None or _size(group) == 1:
         return obj
     return broadcast_from(obj, group, src=src)
 
 
 def gather_object_to(obj: Any, group: dist.ProcessGroup | None, *, dst: int = 0) -> list[Any] | None:
     """Every rank's ``obj`` in group-rank order on ``dst``; None on the other ranks (which do not wait)."""
-    if _size(group) == 1:
+    if group is None or _size(group) == 1:
         return [obj]
     return gather_objects_to(obj, group, dst=dst)
 
@@ -102,7 +102,7 @@ def agree(error: BaseException | None, group: dist.ProcessGroup | None) -> None:
     itself, with its message; anything else becomes a :class:`RankFailedError` naming the rank, the original
     type and message (chained to the local exception where there is one, for its traceback).
     """
-    if _size(group) == 1:
+    if group is None or _size(group) == 1:
         if error is not None:
             raise error
         return
@@ -143,7 +143,7 @@ def run_on_source(fn: Callable[[], T], group: dist.ProcessGroup | None, *, src: 
     if _size(group) == 1:
         if error is not None:
             raise error
-        return value
+        return value  # type: ignore[return-value]  # fn ran without raising: value is its T
     box = broadcast_object((error is None, value if error is None else _portable(error, src)), group, src=src)
     ok, payload = box
     if ok:
@@ -156,6 +156,6 @@ def run_on_source(fn: Callable[[], T], group: dist.ProcessGroup | None, *, src: 
 def all_gather_objects(obj: Any, group: dist.ProcessGroup | None) -> list[Any]:
     """Every rank's small ``obj`` in group-rank order, on every rank (through the store, with liveness:
     :func:`ringtune.parallel.store_exchange.exchange_objects`)."""
-    if _size(group) == 1:
+    if group is None or _size(group) == 1:
         return [obj]
     return exchange_objects(obj, group)

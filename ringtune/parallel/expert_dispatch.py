@@ -24,15 +24,26 @@ assignment) and ``expert_counts`` (2·N int64); the backward's under the same na
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ringtune.parallel.collectives import all_to_all, all_to_all_raw
 
 
+class LocalExperts(Protocol):
+    """This rank's routed experts as the dispatch calls them (:class:`~ringtune.models.layers.moe.Experts`)."""
+
+    num_experts: int  # E, over the whole EP group
+
+    def __call__(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """rows [n, hidden] grouped by local expert (``counts`` int64 [E/N]) -> [n, hidden]."""
+        ...
+
+
 def routed_experts_ep(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: nn.Module, group: dist.ProcessGroup
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: LocalExperts, group: dist.ProcessGroup
 ) -> torch.Tensor:
     """The routed experts' output [T, hidden] over the EP ``group`` (see the module doc).
 
@@ -71,25 +82,3 @@ def routed_experts_ep(
     # 4. one summed row per pair back home, added to its token.
     back = all_to_all(summed, group, rp, sp, op="expert_combine", back_op="expert_combine_grad")
     return x.new_zeros(x.shape).index_add(0, pair_token, back)
-
-
-def gather_expert_state(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """``state`` (default ``model.state_dict()``) with every MoE layer's experts whole, on every EP rank.
-
-    Collective over each expert-parallel block's ``ep_group`` (all EP ranks call it together); the expert
-    shards are equal-sized, so one all-gather per tensor puts them back in expert order.
-    """
-    from ringtune.models.layers.moe import SparseMoE
-
-    state = dict(model.state_dict() if state is None else state)
-    for name, module in model.named_modules():
-        if not isinstance(module, SparseMoE) or module.ep_group is None:
-            continue
-        group = module.ep_group
-        for proj in ("gate_up_proj", "down_proj"):
-            key = f"{name}.experts.{proj}"
-            local = state[key].detach().contiguous()
-            pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(pieces, local, group=group)
-            state[key] = torch.cat(pieces)
-    return state

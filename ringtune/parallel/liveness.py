@@ -141,6 +141,17 @@ def default_store() -> dist.Store:
     return dist.distributed_c10d._get_default_store()
 
 
+def put_bytes(store: dist.Store, key: str, value: bytes) -> None:
+    """``store.set(key, value)`` with bytes (pickles): the binding takes bytes, as ``get`` returns them; torch's
+    type stub says ``str``."""
+    store.set(key, value)  # type: ignore[arg-type]
+
+
+def clone_store(store: dist.Store) -> dist.Store:
+    """A new connection to ``store`` (``Store.clone``: a thread's own client; absent from torch's type stub)."""
+    return store.clone()  # type: ignore[attr-defined]
+
+
 def _alive_key(rank: int) -> str:
     return f"ringtune/alive/{rank}"
 
@@ -170,10 +181,10 @@ def join() -> None:
         if thread is not None and thread.is_alive() and _state["store"] is store:
             return
         rank = dist.get_rank()
-        store.set(_who_key(rank), pickle.dumps(my_identity()))
+        put_bytes(store, _who_key(rank), pickle.dumps(my_identity()))
         _state["generation"] += 1
-        _state.update(store=store, probe=store.clone(), identities={}, beats={}, dead={})
-        beat_args = (store.clone(), rank, _state["generation"])
+        _state.update(store=store, probe=clone_store(store), identities={}, beats={}, dead={})
+        beat_args = (clone_store(store), rank, _state["generation"])
         thread = threading.Thread(target=_beat, args=beat_args, daemon=True, name="ringtune-heartbeat")
         thread.start()
         _state["thread"] = thread

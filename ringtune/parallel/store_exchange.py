@@ -23,7 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ringtune.parallel.liveness import default_store, wait_for_keys
+from ringtune.parallel.liveness import default_store, put_bytes, wait_for_keys
 
 _state: dict[str, Any] = {"store": None, "sequence": {}, "unread": {}}
 """Per world (reset when the default store changes, e.g. a supervisor's new world): the sequence numbers, and
@@ -62,7 +62,7 @@ def exchange_objects(obj: Any, group: dist.ProcessGroup) -> list[Any]:
     name = group.group_name
     seq = next_sequence(f"x/{name}")
     prefix = f"ringtune/x/{name}/{seq}/"
-    store.set(prefix + str(me), pickle.dumps(obj))
+    put_bytes(store, prefix + str(me), pickle.dumps(obj))
     wait_for_keys(store, {r: prefix + str(r) for r in ranks if r != me})
     values = [pickle.loads(store.get(prefix + str(r))) for r in ranks]
     if seq >= 2:  # every rank has read exchange seq-2 before it wrote seq-1, which this rank has now read
@@ -79,7 +79,7 @@ def gather_objects_to(obj: Any, group: dist.ProcessGroup, *, dst: int = 0) -> li
     seq = next_sequence(f"g/{group.group_name}")
     prefix = f"ringtune/g/{group.group_name}/{seq}/"
     if me != root:
-        store.set(prefix + str(me), pickle.dumps(obj))
+        put_bytes(store, prefix + str(me), pickle.dumps(obj))
         return None
     others = {r: prefix + str(r) for r in ranks if r != me}
     wait_for_keys(store, others)
@@ -112,7 +112,7 @@ def broadcast_from(obj: Any, group: dist.ProcessGroup, *, src: int = 0) -> Any:
             store.delete_key(f"{base}{old}")
             store.delete_key(f"{base}{old}/read")
             unread.remove(old)
-    store.set(key, pickle.dumps(obj))
+    put_bytes(store, key, pickle.dumps(obj))
     unread.append(seq)
     return obj
 
@@ -125,7 +125,7 @@ def publish_object(obj: Any, channel: str) -> int:
     """
     store = default_store()
     seq = next_sequence(f"c/{channel}")
-    store.set(f"ringtune/c/{channel}/{seq}", pickle.dumps(obj))
+    put_bytes(store, f"ringtune/c/{channel}/{seq}", pickle.dumps(obj))
     if seq >= 2:
         store.delete_key(f"ringtune/c/{channel}/{seq - 2}")
     return seq

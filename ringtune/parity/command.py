@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from ringtune.engine.faults import DEBUG_FAULTS
+from ringtune.debug_faults import DEBUG_FAULTS
 from ringtune.errors import UserInputError
 
 

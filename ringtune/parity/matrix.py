@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ringtune.engine.faults import DEBUG_FAULTS
+from ringtune.debug_faults import DEBUG_FAULTS
 from ringtune.parity.client import load_dump, run_parity
 from ringtune.parity.compare import Comparison, compare_dumps
 from ringtune.parity.plot import plot_deltas

@@ -10,12 +10,12 @@ import json
 import re
 import sys
 
+from ringtune.engine.snapshot import DEFAULT_MAX_SNAPSHOTS
 from ringtune.errors import UserInputError
 from ringtune.models.recompute import RECOMPUTE_MODES
 from ringtune.plan.estimate import PRECISIONS
 from ringtune.plan.models import KNOWN_MODELS, resolve_model
 from ringtune.plan.search import MARGIN, Planned, plan_layouts
-from ringtune.sample.pool import DEFAULT_MAX_SNAPSHOTS
 
 UNITS = {
     "b": 1,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ringtune.engine import faults
+from ringtune.debug_faults import fault_hooks
 from ringtune.layout import zigzag_plan, zigzag_slice
 from ringtune.ops.attention.blocks import accumulator_dtype, block_grads, default_scale, to_heads_major
 from ringtune.ops.attention.kernels import select_block_kernel
@@ -72,7 +72,7 @@ def ring_accumulation_counts(
     """``{field: (mismatched, elements)}`` of this rank's dq/dk/dv (module docstring), or None when ``dtype``
     is its own accumulator (float32, float64). Collective over ``group`` (the CP group; None at CP = 1).
 
-    ``fault``: the server's debug fault, injected around the ring call as the trainer injects it.
+    ``fault``: the server's debug fault, handed to the ring call as the trainer hands it (:mod:`ringtune.debug_faults`).
     """
     if accumulator_dtype(dtype) == dtype:
         return None
@@ -82,9 +82,9 @@ def ring_accumulation_counts(
     plan = zigzag_plan(seq_lens, cp_size=cp_size, cp_rank=cp_rank, pad_multiplier=pad_multiplier)
     local = [zigzag_slice(x, plan).detach().requires_grad_() for x in (q, k, v)]
     local_dout = zigzag_slice(dout, plan)
-    with faults.injecting(fault, cp_size=cp_size, cp_rank=cp_rank, plan=plan):
-        out, lse = ring_attention(*local, plan, group, scale=shape.scale)  # type: ignore[arg-type]
-        (out * local_dout).sum().backward()
+    faults = fault_hooks(fault, cp_size=cp_size, cp_rank=cp_rank, plan=plan)  # DEBUG-FAULT HOOK: as the trainer's
+    out, lse = ring_attention(*local, plan, group, scale=shape.scale, faults=faults)  # type: ignore[arg-type]
+    (out * local_dout).sum().backward()
     heads = [to_heads_major(x.detach()) for x in (*local, local_dout, out)]
     every = [_gather(x, group, cp_size) for x in heads]
     every_lse = _gather(lse.detach().transpose(0, 1).unsqueeze(0).contiguous(), group, cp_size)

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ringtune.engine.gather import gather_row
 from ringtune.engine.packing import pack_datums
 from ringtune.layout.zigzag import ZigzagPlan, zigzag_slice
 from ringtune.models.cache import PrefillCapture, SequenceCache
@@ -47,6 +46,7 @@ from ringtune.models.decoder import CausalLM
 from ringtune.models.logprob_head import label_logprobs
 from ringtune.models.shard import PackedShard, shard_of
 from ringtune.parallel.mesh import ParallelMesh
+from ringtune.parallel.row_gather import gather_row
 from ringtune.sample.alt_tokens import AltDraws, AltTokens, draw_alt_tokens, row_uniforms
 from ringtune.sample.prefill import IGNORE, output_logits, target_labels, topk_logprobs
 

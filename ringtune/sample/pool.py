@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ringtune.engine.snapshot import snapshot_of
+from ringtune.engine.snapshot import DEFAULT_MAX_SNAPSHOTS, snapshot_of
 from ringtune.errors import UserInputError
 from ringtune.models.decoder import CausalLM
 from ringtune.models.lora_snapshot import LoraSnapshot
@@ -28,9 +28,6 @@ from ringtune.sample.mesh_prompts import PromptForward
 from ringtune.sample.params import SamplingParams
 from ringtune.sample.sampler import Generation, PromptSamples, start_generation
 from ringtune.sample.shared_decode import SharedDecodes
-
-DEFAULT_MAX_SNAPSHOTS = 4
-"""Snapshots (weight copies) held per rank by default."""
 
 DEFAULT_MAX_ADAPTER_SNAPSHOTS = 64
 """LoRA adapter snapshots (on the shared base) held per rank by default."""

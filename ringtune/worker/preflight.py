@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from itertools import product
 from pathlib import Path
 
-from ringtune.engine.faults import check_fault
+from ringtune.debug_faults import check_fault
 from ringtune.engine.packing import MIN_LOCAL_LEN, max_datum_len
 from ringtune.engine.sharding import check_sharding
 from ringtune.errors import ParallelConfigError, UserInputError

@@ -70,7 +70,7 @@ class GGUFTensorInfo:
 class _Cursor:
     """Sequential little-endian reads over a buffer."""
 
-    def __init__(self, buf: memoryview | bytes, pos: int = 0) -> None:
+    def __init__(self, buf: memoryview | bytes | mmap.mmap, pos: int = 0) -> None:
         self.buf = buf
         self.pos = pos
 

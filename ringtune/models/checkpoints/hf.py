@@ -203,7 +203,7 @@ def save_hf(
     ``state``: the tensors to write (whole, keyed like ``model.state_dict()``, e.g. an FSDP model's gathered by
     :func:`ringtune.engine.sharding.full_state_dict`); None: ``model.state_dict()``. MoE experts are written
     per expert, as transformers saves them; an expert-parallel model needs ``state`` with every expert
-    (:func:`ringtune.parallel.expert_dispatch.gather_expert_state`).
+    (:func:`ringtune.models.layers.moe.gather_expert_state`).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

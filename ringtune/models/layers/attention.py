@@ -61,8 +61,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
         if qk_norm is not None:
             zero = qk_norm == "zero_centered"
-            self.q_norm = RMSNorm(head_dim, eps=rms_norm_eps, zero_centered=zero)
-            self.k_norm = RMSNorm(head_dim, eps=rms_norm_eps, zero_centered=zero)
+            self.q_norm: RMSNorm | None = RMSNorm(head_dim, eps=rms_norm_eps, zero_centered=zero)
+            self.k_norm: RMSNorm | None = RMSNorm(head_dim, eps=rms_norm_eps, zero_centered=zero)
         else:
             self.q_norm = self.k_norm = None
         # Not a submodule: the model owns the rotary tables, shared by every layer.
@@ -85,7 +85,7 @@ class Attention(nn.Module):
             gate = gate.reshape(T, self.num_heads * self.head_dim)
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # both or neither (qk_norm)
             q, k = self.q_norm(q), self.k_norm(k)
         if self._rotary:
             cos, sin = self._rotary[0](positions, q.dtype)
@@ -106,9 +106,12 @@ class Attention(nn.Module):
         ``cache`` (a prefill for decoding) receives the keys and values decoding continues from (gathered
         over the CP group at CP > 1).
         """
-        q, k, v, gate = self._project(x, shard.positions)
+        positions = shard.faults.shift_positions(shard.positions)  # DEBUG-FAULT HOOK (parity negative control; no-op)
+        q, k, v, gate = self._project(x, positions)
         mode = shard.attention if shard.cp_size > 1 else "ring"  # the ring at size 1 is the local kernel
-        out, _ = cp_attention_fn(mode)(q.contiguous(), k.contiguous(), v, shard.plan, shard.group, scale=self.scale)
+        out, _ = cp_attention_fn(mode)(
+            q.contiguous(), k.contiguous(), v, shard.plan, shard.group, scale=self.scale, faults=shard.faults
+        )
         if cache is not None:
             cache.record_attention(k, v)
         return self._output(out, gate)

@@ -99,7 +99,7 @@ class GatedDeltaNet(nn.Module):
         q, k, v, g, beta, conv_weight = self._project(x)
         if shard.cp_size > 1:
             fn = gdn_cp_fn(shard.gated_delta)
-            o = fn(q, k, v, g, beta, conv_weight, shard.plan, shard.group)
+            o = fn(q, k, v, g, beta, conv_weight, shard.plan, shard.group, faults=shard.faults)
             if cache is not None:
                 cache.record_gated_delta_inputs(q, k, v, g, beta, conv_weight)
         elif cache is None:

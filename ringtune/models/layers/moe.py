@@ -25,9 +25,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ringtune.errors import UserInputError
+from ringtune.errors import ParallelConfigError, UserInputError
 from ringtune.models.layers.mlp import SwiGLU
 from ringtune.models.layers.moe_router_stats import RouterStats, record
+from ringtune.parallel.expert_dispatch import routed_experts_ep
 
 GroupedLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """(x [n, in], w [G, out, in], counts int64 [G] summing to n; rows grouped by g in order) -> [n, out]."""
@@ -202,8 +203,6 @@ class SparseMoE(nn.Module):
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; ``replay`` int64 [T, top_k] or None (see :class:`TopKRouter`); ``valid``
         bool [T] marks the real tokens (None: all) for ``router_stats``."""
-        from ringtune.parallel.expert_dispatch import routed_experts_ep
-
         if replay is not None:
             self.check_replay(replay, x.shape[0])
         weights, ids, probs = self.gate(x, replay, with_probs=True)
@@ -225,6 +224,12 @@ def moe_blocks(model: nn.Module) -> list[SparseMoE]:
     base = getattr(model, "base", None)
     root = base if isinstance(base, nn.Module) else model
     return [m for m in root.modules() if isinstance(m, SparseMoE)]
+
+
+def named_moe_blocks(model: nn.Module) -> list[tuple[str, SparseMoE]]:
+    """Every :class:`SparseMoE` submodule of ``model`` with its module path, in module order (a LoRA model's
+    frozen base is not a submodule: none of its blocks)."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, SparseMoE)]
 
 
 @contextmanager
@@ -269,8 +274,6 @@ def set_expert_parallel(model: nn.Module, group: dist.ProcessGroup | None) -> No
     blocks = moe_blocks(model)
     if size == 1 or not blocks:
         return
-    from ringtune.errors import ParallelConfigError
-
     rank = dist.get_rank(group)
     for block in blocks:
         experts = block.experts
@@ -286,3 +289,23 @@ def set_expert_parallel(model: nn.Module, group: dist.ProcessGroup | None) -> No
         local = experts.num_experts // size
         experts.keep(rank * local, local)
         block.ep_group = group
+
+
+def gather_expert_state(model: nn.Module, state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """``state`` (default ``model.state_dict()``) with every MoE layer's experts whole, on every EP rank.
+
+    Collective over each expert-parallel block's ``ep_group`` (all EP ranks call it together); the expert
+    shards are equal-sized, so one all-gather per tensor puts them back in expert order.
+    """
+    state = dict(model.state_dict() if state is None else state)
+    for name, module in model.named_modules():
+        if not isinstance(module, SparseMoE) or module.ep_group is None:
+            continue
+        group = module.ep_group
+        for proj in ("gate_up_proj", "down_proj"):
+            key = f"{name}.experts.{proj}"
+            local = state[key].detach().contiguous()
+            pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(pieces, local, group=group)
+            state[key] = torch.cat(pieces)
+    return state

@@ -1,5 +1,7 @@
 """Router statistics of the MoE layers: per-expert load (metrics) and the load-balancing auxiliary loss.
 
+A pure module over the MoE blocks it is given (anything with ``router_stats`` and ``track_probs``, e.g.
+``moe_blocks(model)`` of :mod:`ringtune.models.layers.moe`, which imports this module, never the reverse).
 Each :class:`~ringtune.models.layers.moe.SparseMoE` forward records, over this rank's **real** tokens (padding
 excluded: ``shard.plan.is_real``), ``RouterStats``: the assignments per expert (float64 [E], no gradient), the
 summed router probabilities per expert (float [E], differentiable; only when ``track_probs``) and the token count.
@@ -17,11 +19,14 @@ row's value; the ranks' gradients then SUM (the Trainer's DP×CP rule) to the fu
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from torch import nn
+
+from ringtune.errors import UserInputError
 
 
 @dataclass
@@ -31,6 +36,13 @@ class RouterStats:
     counts: torch.Tensor  # float64 [E]: assignments per expert (top-k slots), no gradient
     prob_sums: torch.Tensor | None  # [E]: Σ over real tokens of softmax probabilities (differentiable) or None
     tokens: int  # real tokens
+
+
+class RoutedBlock(Protocol):
+    """What this module reads and sets of a MoE block (:class:`~ringtune.models.layers.moe.SparseMoE`)."""
+
+    router_stats: RouterStats | None  # the last forward's (real tokens only)
+    track_probs: bool  # record the router probabilities (needed by the aux loss)
 
 
 def record(
@@ -45,19 +57,18 @@ def record(
     return RouterStats(counts=counts, prob_sums=sums, tokens=int(real.shape[0]))
 
 
-def router_aux_loss(model: nn.Module, cp_group: dist.ProcessGroup | None) -> torch.Tensor:
-    """This rank's share of the row's auxiliary loss (float64 scalar, differentiable); see the module doc.
+def router_aux_loss(blocks: Sequence[RoutedBlock], cp_group: dist.ProcessGroup | None) -> torch.Tensor:
+    """This rank's share of the row's auxiliary loss over the MoE ``blocks`` of one model, in layer order (float64
+    scalar, differentiable); see the module doc.
 
     Collective over ``cp_group`` (one all-reduce of every layer's counts; every CP rank calls it together after
     the forward of the same row). Needs every block's last forward recorded with ``track_probs``.
     """
-    from ringtune.models.layers.moe import moe_blocks
-
-    blocks = moe_blocks(model)
     if not blocks:
         return torch.zeros((), dtype=torch.float64)
-    stats = [b.router_stats for b in blocks]
-    if any(s is None or s.prob_sums is None for s in stats):
+    stats = [b.router_stats for b in blocks if b.router_stats is not None]
+    prob_sums = [s.prob_sums for s in stats if s.prob_sums is not None]
+    if len(prob_sums) != len(blocks):
         raise RuntimeError("router_aux_loss: a MoE block has no recorded router probabilities (track_probs off)")
     device = stats[0].counts.device
     counts = torch.stack([s.counts for s in stats]).sum(0)
@@ -67,7 +78,7 @@ def router_aux_loss(model: nn.Module, cp_group: dist.ProcessGroup | None) -> tor
     n = float(local[-1])
     if n == 0:
         return torch.zeros((), dtype=torch.float64, device=device)
-    sums = torch.stack([s.prob_sums.to(torch.float64) for s in stats]).sum(0)
+    sums = torch.stack([p.to(torch.float64) for p in prob_sums]).sum(0)
     return counts.numel() * (local[:-1] * sums).sum() / (n * n)
 
 
@@ -77,13 +88,13 @@ def load_max_over_mean(counts: torch.Tensor) -> float:
     return float(counts.max()) / mean if mean > 0 else 0.0
 
 
-def layer_counts(model: nn.Module) -> dict[str, torch.Tensor]:
-    """{metric prefix ``moe/layer{i}`` (i the decoder layer): the last forward's counts float64 [E] (CPU copy)}."""
-    from ringtune.models.layers.moe import SparseMoE
-
+def layer_counts(named_blocks: Sequence[tuple[str, RoutedBlock]]) -> dict[str, torch.Tensor]:
+    """{metric prefix ``moe/layer{i}`` (i the decoder layer, the last number of the block's module path): the last
+    forward's counts float64 [E] (CPU copy)} of ``named_blocks`` ((module path, MoE block) pairs; a block that
+    has not run yet is left out)."""
     out = {}
-    for name, block in model.named_modules():
-        if isinstance(block, SparseMoE) and block.router_stats is not None:
+    for name, block in named_blocks:
+        if block.router_stats is not None:
             index = next((p for p in reversed(name.split(".")) if p.isdigit()), name)
             out[f"moe/layer{index}"] = block.router_stats.counts.detach().cpu()
     return out
@@ -103,18 +114,15 @@ def load_metrics(parts: list[dict[str, torch.Tensor]]) -> dict[str, float]:
     return {f"{k}/load_max_over_mean:max": load_max_over_mean(v) for k, v in sorted(summed.items())}
 
 
-def check_aux_coef(model: nn.Module, coef: float) -> float:
-    """``coef`` as a float when finite and >= 0; turns on the blocks' probability tracking when > 0.
+def check_aux_coef(blocks: Sequence[RoutedBlock], coef: float) -> float:
+    """``coef`` as a float when finite and >= 0; turns on the probability tracking of the model's MoE ``blocks``
+    when > 0.
 
-    Raises UserInputError naming the value otherwise, or for coef > 0 on a model without MoE layers.
+    Raises UserInputError naming the value otherwise, or for coef > 0 on a model without MoE layers (no blocks).
     """
-    from ringtune.errors import UserInputError
-    from ringtune.models.layers.moe import moe_blocks
-
     value = float(coef)
     if not math.isfinite(value) or value < 0:
         raise UserInputError(f"router_aux_loss_coef must be finite and >= 0; got {coef!r}")
-    blocks = moe_blocks(model)
     if value > 0 and not blocks:
         raise UserInputError(f"router_aux_loss_coef={value} needs a MoE model (this one has no MoE layers)")
     for block in blocks:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ringtune.engine import faults
 from ringtune.errors import UserInputError
 
 
@@ -32,7 +31,6 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions int64 [T] -> (cos, sin), each [T, rotary_dim] in ``dtype``."""
-        positions = faults.shift_positions(positions)  # DEBUG-FAULT HOOK (parity negative control; no-op)
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
         emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)

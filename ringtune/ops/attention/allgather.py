@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ringtune.debug_faults import NO_FAULTS, FaultHooks
 from ringtune.layout.contiguous import rank_major_to_global
 from ringtune.layout.zigzag import ZigzagPlan
 from ringtune.ops.attention.blocks import varlen_block_attention
@@ -27,10 +28,12 @@ def allgather_attention(
     *,
     scale: float | None = None,
     kernel: str | None = None,
+    faults: FaultHooks = NO_FAULTS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal varlen attention of one zigzag-sharded row by all-gathering K/V over ``group``.
 
-    Same contract as :func:`ringtune.ops.attention.ring.ring_attention`.
+    Same contract as :func:`ringtune.ops.attention.ring.ring_attention` (no fault acts in this mode: ``faults``
+    is the shared signature's).
     """
     kv = all_gather(torch.stack([k, v], dim=1), group)  # [C·T_local, 2, Hkv, D], rank-major
     kv = kv.index_select(0, rank_major_to_global(plan).to(kv.device))

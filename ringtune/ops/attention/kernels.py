@@ -34,7 +34,8 @@ from ringtune.ops.attention.flash_cuda import CpuVarlenLoopKernel, CudaVarlenKer
 
 
 class BlockKernel(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...  # read-only: the kernels are frozen dataclasses
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, scale: float

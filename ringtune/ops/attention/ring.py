@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ringtune.engine import faults
+from ringtune.debug_faults import NO_FAULTS, FaultHooks
 from ringtune.layout.zigzag import ZigzagPlan
 from ringtune.ops.attention.blocks import (
     accumulator_dtype,
@@ -41,10 +41,12 @@ def ring_forward(
     *,
     scale: float,
     kernel: BlockKernel,
+    faults: FaultHooks = NO_FAULTS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain forward: ``q_h`` [1, Hq, T, D], ``kv`` = stack(k_h, v_h) [2, 1, Hkv, T, D], zigzag shards.
 
     Returns the merged ``(out, lse)`` accumulators [1, Hq, T, D], [1, Hq, T]. Talks over ``group``.
+    ``faults``: debug-fault hooks (:mod:`ringtune.debug_faults`; the default injects nothing).
     """
     size = plan.cp_size
     ring = RingExchange(group) if size > 1 else None
@@ -77,6 +79,7 @@ def ring_backward(
     *,
     scale: float,
     kernel: BlockKernel,
+    faults: FaultHooks = NO_FAULTS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain backward: returns ``dq`` [1, Hq, T, D] and ``dkv`` [2, 1, Hkv, T, D] in the accumulator dtype."""
     size = plan.cp_size
@@ -101,6 +104,7 @@ def ring_backward(
             _add_key_grads(dkv, grads)
             del grads
             dkv = faults.dkv_exchange(dkv, q_h.dtype)  # DEBUG-FAULT HOOK (parity negative control; no-op)
+            assert ring is not None  # step >= 1 only happens at size > 1
             pending_dkv = ring.start(dkv, tag=DKV_TAG)
         if pending_kv is not None:
             kv = RingExchange.finish(pending_kv)
@@ -111,13 +115,13 @@ def ring_backward(
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan, group, scale, kernel):
+    def forward(ctx, q, k, v, plan, group, scale, kernel, faults):
         q_h = to_heads_major(q)
         kv = stack_heads_major(k, v)
-        out, lse = ring_forward(q_h, kv, plan, group, scale=scale, kernel=kernel)
+        out, lse = ring_forward(q_h, kv, plan, group, scale=scale, kernel=kernel, faults=faults)
         out_h = out.to(q.dtype)
         ctx.save_for_backward(q_h, kv, out_h, lse)
-        ctx.plan, ctx.group, ctx.scale, ctx.kernel = plan, group, scale, kernel
+        ctx.plan, ctx.group, ctx.scale, ctx.kernel, ctx.faults = plan, group, scale, kernel, faults
         lse_t = from_heads_major(lse)
         ctx.mark_non_differentiable(lse_t)
         return from_heads_major(out_h), lse_t
@@ -126,13 +130,17 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q_h, kv, out_h, lse = ctx.saved_tensors
         dq, dkv = ring_backward(
-            to_heads_major(dout), q_h, kv, out_h, lse, ctx.plan, ctx.group, scale=ctx.scale, kernel=ctx.kernel
+            *(to_heads_major(dout), q_h, kv, out_h, lse, ctx.plan, ctx.group),
+            scale=ctx.scale,
+            kernel=ctx.kernel,
+            faults=ctx.faults,
         )
         dtype = q_h.dtype
         return (
             from_heads_major(dq).to(dtype),
             from_heads_major(dkv[0]).to(dtype),
             from_heads_major(dkv[1]).to(dtype),
+            None,
             None,
             None,
             None,
@@ -149,15 +157,17 @@ def ring_attention(
     *,
     scale: float | None = None,
     kernel: str | None = None,
+    faults: FaultHooks = NO_FAULTS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal varlen attention of one zigzag-sharded packed row by the zigzag ring over ``group`` (the CP group).
 
     Args:
         q: [T_local, Hq, D]; k, v: [T_local, Hkv, D], this rank's zigzag shard (``plan.local_len`` tokens).
         plan: this rank's :class:`ZigzagPlan` of the row (same row on every rank of ``group``).
+        faults: debug-fault hooks (:mod:`ringtune.debug_faults`; the default injects nothing).
     Returns:
         ``(out [T_local, Hq, D], lse [T_local, Hq])``; stream-pad rows get out 0 and lse -inf.
         Differentiable in q, k, v; every rank of ``group`` must call it (forward and backward).
     """
     chosen = select_block_kernel(q.device, q.dtype, kernel)
-    return _RingAttention.apply(q, k, v, plan, group, default_scale(q, scale), chosen)
+    return _RingAttention.apply(q, k, v, plan, group, default_scale(q, scale), chosen, faults)

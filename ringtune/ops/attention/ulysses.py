@@ -10,12 +10,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ringtune.debug_faults import NO_FAULTS, FaultHooks
 from ringtune.errors import ParallelConfigError
 from ringtune.layout.contiguous import rank_major_to_global
 from ringtune.layout.zigzag import ZigzagPlan
 from ringtune.ops.attention.blocks import varlen_block_attention
 from ringtune.ops.attention.schedule import causal_pairs
-from ringtune.parallel.collectives import all_to_all, all_to_all_raw
+from ringtune.parallel.relayout import heads_to_sequence, sequence_to_heads
 
 
 def check_ulysses_heads(num_heads: int, num_kv_heads: int, cp_size: int) -> None:
@@ -28,21 +29,6 @@ def check_ulysses_heads(num_heads: int, num_kv_heads: int, cp_size: int) -> None
             )
 
 
-def sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
-    """[T_local, H, ...] sequence shard -> [C·T_local, H/C, ...] head shard, rows rank-major (differentiable)."""
-    T, H = x.shape[:2]
-    blocks = x.reshape(T, size, H // size, *x.shape[2:]).transpose(0, 1).reshape(size * T, H // size, *x.shape[2:])
-    return all_to_all(blocks, group)
-
-
-def heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup, size: int, *, differentiable: bool = True):
-    """Inverse of :func:`sequence_to_heads`: [C·T_local, H/C, ...] -> [T_local, H, ...]."""
-    moved = all_to_all(x, group) if differentiable else all_to_all_raw(x, group)
-    T = x.shape[0] // size
-    h = x.shape[1]
-    return moved.reshape(size, T, h, *x.shape[2:]).transpose(0, 1).reshape(T, size * h, *x.shape[2:])
-
-
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -52,6 +38,7 @@ def ulysses_attention(
     *,
     scale: float | None = None,
     kernel: str | None = None,
+    faults: FaultHooks = NO_FAULTS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal varlen attention of one zigzag-sharded row by all-to-all over ``group``.
 

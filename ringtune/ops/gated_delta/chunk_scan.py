@@ -139,14 +139,14 @@ def scan_steps(
     [R, ...] gradient per step and sum R/C of them (O(T²/C) memory traffic).
     """
     U_s, W_s, k_out_s, gamma_s = (x.split(steps) for x in (pieces.U, pieces.W, pieces.k_out, pieces.gamma))
-    with_q = pieces.q_in is not None and pieces.qk is not None
-    if with_q:
+    q_in_s = qk_s = None
+    if pieces.q_in is not None and pieces.qk is not None:
         q_in_s, qk_s = pieces.q_in.split(steps), pieces.qk.split(steps)
     outs, finished, following = [], [], [*steps[1:], 0]
     for j, a in enumerate(steps):
         S_a = None if S is None else S[:a]
         v_new = U_s[j] if S_a is None else U_s[j] - W_s[j] @ S_a
-        if with_q:
+        if q_in_s is not None and qk_s is not None:
             outs.append(qk_s[j] @ v_new if S_a is None else q_in_s[j] @ S_a + qk_s[j] @ v_new)
         S = k_out_s[j] @ v_new if S_a is None else gamma_s[j] * S_a + k_out_s[j] @ v_new
         if keep_states and following[j] < a:

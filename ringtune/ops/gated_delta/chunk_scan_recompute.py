@@ -141,16 +141,21 @@ def recompute_scan_forward(
     T, H, Dk = k.shape
     Dv = v.shape[-1]
     o = None if q is None else v.new_empty(T, H, Dv)  # every token is in exactly one chunk
-    S, starts, finished = initial_sorted, [], []
+    S = initial_sorted
+    starts: list[torch.Tensor] = []
+    finished: list[torch.Tensor] = []
     for gi, blocks in enumerate(groups):
         if gi:
+            assert S is not None  # the states that left group gi - 1
             starts.append(S)
         ends = []
         for seg in blocks:
             slot = layout.slot[seg.rows]
-            chunks = [None if x is None else segment_chunks(x, slot) for x in (q, k, v, g, beta)]
+            qc = None if q is None else segment_chunks(q, slot)
+            kc, vc, gc, bc = (segment_chunks(x, slot) for x in (k, v, g, beta))
             S_in = None if S is None else S[seg.lo : seg.lo + seg.steps[0]]
-            outs, states = scan_steps(chunk_pieces(*chunks), seg.steps, S_in)
+            outs, states = scan_steps(chunk_pieces(qc, kc, vc, gc, bc), seg.steps, S_in)
+            assert states is not None  # keep_states and every segment has a step
             ends.append(states)
             if o is not None:
                 put_tokens(o, torch.cat(outs), slot)
@@ -177,7 +182,7 @@ def _exit_gradient(
 
 
 def recompute_scan_backward(
-    inputs: tuple[torch.Tensor | None, ...],
+    inputs: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     initial_sorted: torch.Tensor | None,
     starts: list[torch.Tensor],
     layout: ScanLayout,
@@ -198,7 +203,8 @@ def recompute_scan_backward(
     H, Dk = inputs[1].shape[1:]
     like = inputs[2].new_zeros(0, H, Dk, inputs[2].shape[-1])  # a state's shape and dtype
     d_o = None if inputs[0] is None else d_o
-    grads_in = [None if x is None else torch.empty_like(x) for x in inputs]  # every token written once
+    # every token is written once
+    grads_in: list[torch.Tensor | None] = [None if x is None else torch.empty_like(x) for x in inputs]
     d_S = None  # d(state) of the sequences that leave the group being processed for the next one
     for gi in range(len(groups) - 1, -1, -1):
         blocks = groups[gi]
@@ -208,15 +214,19 @@ def recompute_scan_backward(
         d_starts = []
         for seg in blocks:
             slot = layout.slot[seg.rows]
-            leaves = [None if x is None else segment_chunks(x, slot).requires_grad_() for x in inputs]
+            q_leaf = None if inputs[0] is None else segment_chunks(inputs[0], slot).requires_grad_()
+            k_leaf, v_leaf, g_leaf, b_leaf = (segment_chunks(x, slot).requires_grad_() for x in inputs[1:])
+            leaves = [q_leaf, k_leaf, v_leaf, g_leaf, b_leaf]
             S_in = None if start is None else start[seg.lo : seg.lo + seg.steps[0]].detach().requires_grad_()
-            outputs, cotangents = [], []
+            outputs: list[torch.Tensor] = []
+            cotangents: list[torch.Tensor] = []
             with torch.enable_grad():
-                outs, states = scan_steps(chunk_pieces(*leaves), seg.steps, S_in)
+                outs, states = scan_steps(chunk_pieces(q_leaf, k_leaf, v_leaf, g_leaf, b_leaf), seg.steps, S_in)
             if d_o is not None:
                 outputs += outs
                 cotangents += segment_chunks(d_o, slot).split(seg.steps)
             if d_exit is not None:
+                assert states is not None  # keep_states and every segment has a step
                 outputs.append(states)
                 cotangents.append(d_exit[seg.lo : seg.lo + seg.steps[0]])
             wrt = [x for x in (*leaves, S_in) if x is not None]
@@ -226,7 +236,7 @@ def recompute_scan_backward(
                 else [torch.zeros_like(x) for x in wrt]
             )
             for out, leaf in zip(grads_in, leaves, strict=True):
-                if leaf is not None:
+                if out is not None and leaf is not None:  # both None for an absent q
                     put_tokens(out, grads.pop(0), slot)
             if S_in is not None:
                 d_starts.append(grads.pop(0))

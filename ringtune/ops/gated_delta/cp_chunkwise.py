@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
-from ringtune.engine import faults
+from ringtune.debug_faults import NO_FAULTS, FaultHooks
 from ringtune.errors import ParallelConfigError
 from ringtune.layout.contiguous import contiguous_part, global_segment_bounds, relayout_plan
 from ringtune.layout.zigzag import ZigzagPlan
@@ -30,9 +30,6 @@ from ringtune.ops.gated_delta.core import gated_delta_core, pack_qkv, unpack_qkv
 from ringtune.ops.gated_delta.summary import gated_delta_affine_summary
 from ringtune.parallel.collectives import all_gather, ring_shift
 from ringtune.parallel.relayout import contiguous_to_zigzag, zigzag_to_contiguous
-
-FAULTS = (None, "drop_state", "drop_halo")
-"""Fault injection for negative controls only: drop the state hand-off or the conv halo."""
 
 
 def _halo_mask(plan: ZigzagPlan, kernel_minus_one: int) -> torch.Tensor:
@@ -79,16 +76,14 @@ def chunkwise_gated_delta(
     group: dist.ProcessGroup,
     *,
     scale: float | None = None,
-    fault: str | None = None,
+    faults: FaultHooks = NO_FAULTS,
 ) -> torch.Tensor:
     """GDN core of one zigzag-sharded row by contiguous parts and a state hand-off over ``group``.
 
     Same contract as :func:`~ringtune.ops.gated_delta.cp_headwise.headwise_gated_delta`, any head
-    counts. Requires ``local_len >= K-1`` at CP > 1. ``fault`` is for negative controls only.
+    counts. Requires ``local_len >= K-1`` at CP > 1. ``faults``: debug-fault hooks (:mod:`ringtune.debug_faults`:
+    ``gdn_state_dropped``, ``gdn_halo_dropped``, ``gdn_decay_relayout_bf16`` act here; the default injects nothing).
     """
-    fault = faults.gdn_fault(fault)  # DEBUG-FAULT HOOK (parity negative control; no-op)
-    if fault not in FAULTS:
-        raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
     size, rank = plan.cp_size, plan.cp_rank
     T, hk, dk = k.shape
     hv, dv = v.shape[1:]
@@ -110,9 +105,7 @@ def chunkwise_gated_delta(
     context = None
     if size > 1 and halo > 0:
         tail = ring_shift(mixed[T - halo :], group, 1)  # the previous rank's last K-1 raw rows
-        mask = _halo_mask(plan, halo).to(mixed.device)
-        if fault == "drop_halo":
-            mask = torch.zeros_like(mask)
+        mask = faults.halo_mask(_halo_mask(plan, halo).to(mixed.device))  # DEBUG-FAULT HOOK (no-op)
         first = torch.where(mask.unsqueeze(1), tail, torch.zeros_like(tail))
         context = torch.cat([first.unsqueeze(0), mixed.new_zeros(max(n_seg - 1, 0), halo, mixed.shape[1])])
 
@@ -150,8 +143,7 @@ def chunkwise_gated_delta(
             M_j, h_j = summaries[j][..., :dk], summaries[j][..., dk:]
             h_out = (M_j @ h_in if _carries(plan.for_rank(j)) else 0) + h_j
             h_in = h_out if contiguous_part(plan.for_rank(j + 1)).continues else torch.zeros_like(h_in)
-        if fault == "drop_state":
-            h_in = torch.zeros_like(h_in)
+        h_in = faults.handed_state(h_in)  # DEBUG-FAULT HOOK (parity negative control; no-op)
         if n_seg > 0:  # built on every rank, so the all-gather's backward runs on every rank
             first_state = h_in if part.continues else h_in * 0
             initial_state = torch.cat([first_state.unsqueeze(0), h_in.new_zeros(n_seg - 1, hv, dk, dv)])

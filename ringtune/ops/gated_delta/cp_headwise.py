@@ -12,12 +12,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ringtune.debug_faults import NO_FAULTS, FaultHooks
 from ringtune.errors import ParallelConfigError
 from ringtune.layout.contiguous import global_segment_bounds, rank_major_to_global
 from ringtune.layout.zigzag import ZigzagPlan
-from ringtune.ops.attention.ulysses import heads_to_sequence
 from ringtune.ops.gated_delta.core import gated_delta_core
 from ringtune.parallel.collectives import all_to_all
+from ringtune.parallel.relayout import heads_to_sequence
 
 
 def check_headwise_heads(num_k_heads: int, num_v_heads: int, cp_size: int, tp_size: int = 1) -> None:
@@ -51,6 +52,7 @@ def headwise_gated_delta(
     group: dist.ProcessGroup,
     *,
     scale: float | None = None,
+    faults: FaultHooks = NO_FAULTS,
 ) -> torch.Tensor:
     """GDN core of one zigzag-sharded row by head shards over ``group`` (the CP group).
 
@@ -61,6 +63,7 @@ def headwise_gated_delta(
         o [T_local, Hv, Dv], zigzag shard. Differentiable; every rank of ``group`` must call it.
         The conv weight's gradient on one rank covers its heads only: the SUM over the CP group is
         the full gradient (the replicated-parameter rule).
+    ``faults``: the shared signature's debug-fault hooks; no fault acts in this mode.
     """
     size, rank = plan.cp_size, plan.cp_rank
     T, hk, dk = k.shape

@@ -12,6 +12,7 @@ Every check raises ``ValueError`` naming the argument, the expected and the actu
 from __future__ import annotations
 
 import itertools
+from typing import overload
 
 import torch
 
@@ -76,6 +77,32 @@ def check_gated_delta_inputs(
     return bounds
 
 
+@overload
+def prepare_gated_delta_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None,
+    use_qk_l2norm: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def prepare_gated_delta_inputs(
+    q: None,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None,
+    use_qk_l2norm: bool,
+) -> tuple[None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
 def prepare_gated_delta_inputs(
     q: torch.Tensor | None,
     k: torch.Tensor,
@@ -103,5 +130,5 @@ def prepare_gated_delta_inputs(
             x = l2norm(x)
         return x.repeat_interleave(group, dim=1) if group > 1 else x
 
-    q = keys(q) * scale if q is not None else None
-    return q, keys(k), v.to(acc), g.to(acc), beta.to(acc)
+    q_out = keys(q) * scale if q is not None else None
+    return q_out, keys(k), v.to(acc), g.to(acc), beta.to(acc)
