@@ -35,13 +35,16 @@ INTERPRET_VARIABLE = "TRITON_INTERPRET"
 TRITON_PIN = "3.9.0"
 """The Triton release these workarounds were written against (pyproject's ``triton-cpu`` extra pins it)."""
 
+_INTERPRETED: set[str] = set()
+"""Top-level packages (triton, fla, liger_kernel) first imported in this process inside a session."""
+
 
 def missing_reason(*modules: str) -> str | None:
     """Why these kernels cannot run here (a module not installed, or one already imported uninterpreted), or None."""
     absent = [m for m in ("triton", *modules) if importlib.util.find_spec(m) is None]
     if absent:
         return f"{', '.join(absent)} not installed (pip install -e '.[triton-cpu]', as `make install` does)"
-    compiled = [m for m in ("triton", *modules) if m in sys.modules and os.environ.get(INTERPRET_VARIABLE) != "1"]
+    compiled = [m for m in ("triton", *modules) if m in sys.modules and m not in _INTERPRETED]
     if compiled:
         return f"{', '.join(compiled)} already imported without {INTERPRET_VARIABLE}=1 in this process"
     return None
@@ -81,11 +84,14 @@ def interpreter_session() -> Iterator[None]:
 
     Kernel modules imported inside stay interpreted for the rest of the process (they are cached by Python).
     """
+    if "triton" in sys.modules and "triton" not in _INTERPRETED:
+        raise RuntimeError(f"triton was imported without {INTERPRET_VARIABLE}=1 in this process: {missing_reason()}")
     saved_env = os.environ.get(INTERPRET_VARIABLE)
     os.environ[INTERPRET_VARIABLE] = "1"  # before Triton itself is imported: its own library is jit-decorated too
     import triton.runtime.autotuner as autotuner
     import triton.runtime.interpreter as interpreter
 
+    _INTERPRETED.add("triton")
     builder = interpreter.InterpreterBuilder
     compares = [n for n in vars(builder) if n.startswith("create_icmp") or n.startswith("create_fcmp")]
     saved = {
@@ -117,4 +123,9 @@ def interpreted_kernels(*names: str) -> list[ModuleType]:
     """Import the modules ``names`` (call inside :func:`interpreter_session`); their kernels are interpreted."""
     if os.environ.get(INTERPRET_VARIABLE) != "1":
         raise RuntimeError(f"import kernels inside interpreter_session(), with {INTERPRET_VARIABLE}=1")
+    for name in names:
+        top = name.split(".")[0]
+        if top in sys.modules and top not in _INTERPRETED:
+            raise RuntimeError(f"{top} was imported without {INTERPRET_VARIABLE}=1 in this process")
+        _INTERPRETED.add(top)
     return [importlib.import_module(name) for name in names]
