@@ -1,6 +1,7 @@
 """One training step (forward, backward, AdamW) of a Qwen3.5-shaped model, ringtune or transformers (``gpu_check.py``).
 
-``python benchmarks/gpu_step.py --impl ringtune|transformers --tokens N [--model 4b|smoke] [--steps 3]`` prints one
+``python benchmarks/gpu_step.py --impl ringtune|transformers --tokens N [--model 4b|smoke] [--layers L] [--steps 3]``
+(``--layers``: the model's first L layers, a shape that fits a smaller GPU) prints one
 JSON line: tokens/s (median of the timed steps after one warm-up), model FLOPs utilisation against the chip's bf16
 peak, peak device memory, the first loss. Both implementations take the same random weights' *shapes* (not the same
 values: each initialises its own), one sequence of N tokens per row, bf16-mixed (float32 masters, bfloat16 compute):
@@ -110,9 +111,20 @@ def matmul_params(model: torch.nn.Module, cfg: dict[str, Any]) -> int:
     return total + (cfg["vocab_size"] * cfg["hidden_size"] if cfg.get("tie_word_embeddings") else 0)
 
 
-def run_step(impl: str, model_name: str, tokens: int, steps: int, device: torch.device, peak_tflops: float) -> dict:
-    """Build the model, run ``steps`` steps (the first a warm-up), return the figures (module docstring)."""
+def run_step(
+    impl: str,
+    model_name: str,
+    tokens: int,
+    steps: int,
+    device: torch.device,
+    peak_tflops: float,
+    layers: int | None = None,
+) -> dict:
+    """Build the model (``layers``: its first N layers only, None: all), run ``steps`` steps (the first a warm-up),
+    return the figures (module docstring)."""
     cfg = dict(MODELS[model_name])
+    if layers is not None:
+        cfg["num_hidden_layers"] = layers
     torch.manual_seed(0)
     model = _ringtune(cfg, device) if impl == "ringtune" else _transformers(cfg, device)
     fused = device.type == "cuda"
@@ -160,6 +172,7 @@ def run_step(impl: str, model_name: str, tokens: int, steps: int, device: torch.
     return {
         "impl": impl,
         "model": model_name,
+        "layers": cfg["num_hidden_layers"],
         "tokens": tokens,
         "device": str(device),
         "step_s": step_s,
@@ -177,6 +190,7 @@ def main() -> None:
     p.add_argument("--model", choices=sorted(MODELS), default="4b")
     p.add_argument("--tokens", type=int, required=True)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--layers", type=int, default=None, help="the model's first N layers (default: all)")
     p.add_argument("--device", default="cuda")
     p.add_argument("--peak-tflops", type=float, default=None, help="default: by the device's name")
     a = p.parse_args()
@@ -184,10 +198,11 @@ def main() -> None:
     if a.peak_tflops is None:
         a.peak_tflops = peak_bf16_tflops(torch.cuda.get_device_name(device) if device.type == "cuda" else "")
     try:
-        result = run_step(a.impl, a.model, a.tokens, a.steps, device, a.peak_tflops)
+        result = run_step(a.impl, a.model, a.tokens, a.steps, device, a.peak_tflops, a.layers)
     except torch.OutOfMemoryError as exc:
         peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
-        result = {"impl": a.impl, "model": a.model, "tokens": a.tokens, "status": "OOM", "peak_mem_gib": peak}
+        result = {"impl": a.impl, "model": a.model, "layers": a.layers, "tokens": a.tokens, "status": "OOM"}
+        result["peak_mem_gib"] = peak
         result["error"] = str(exc).splitlines()[0][:300]
     print(json.dumps(result), flush=True)
 
