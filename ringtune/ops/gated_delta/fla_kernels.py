@@ -2,8 +2,9 @@
 
 ``fla`` is an optional extra (``pip install 'ringtune[gpu]'``, docs/gpu.md): it is imported lazily inside each
 function, never at module import, so the CPU install (no Triton, no fla) imports this file and the registries
-name its kernels without loading them. Selecting one on CPU, or without fla installed, raises
-:class:`FlaUnavailableError` (a RuntimeError) naming the reason.
+name its kernels without loading them. Selecting one on CPU (outside Triton's interpreter, see
+:mod:`ringtune.ops.triton_device`), or without fla installed, raises :class:`FlaUnavailableError` (a RuntimeError)
+naming the reason.
 
 - :func:`fla_chunk_scan`: a scan of :data:`ringtune.ops.gated_delta.chunked.CHUNK_SCANS` (same signature as
   ``recomputing_chunk_scan``): ``fla.ops.gated_delta_rule.chunk_gated_delta_rule`` over the packed row as one
@@ -17,36 +18,37 @@ name its kernels without loading them. Selecting one on CPU, or without fla inst
 fla's own context parallelism (``fla.ops.cp``, ``FLACPContext`` with its zigzag layout) is the candidate for the
 chunkwise CP mode; the mapping is written down in docs/gpu.md and ringtune's state hand-off stays the default
 until an H200 run has compared them. NOT YET RUN ON A GPU: benchmarks/gpu_check.py compares both kernels with the
-float64 CPU reference when a GPU is at hand; the CPU suite checks only the selection and its errors.
+float64 CPU reference when a GPU is at hand; the CPU suite runs both under Triton's interpreter in float32
+(``tests/test_triton_fla.py``, with the ``triton-cpu`` extra) against the float64 references.
 """
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
+
+from ringtune.ops.triton_device import installed, triton_runs_on
 
 FLA_CHUNK_SIZE = 64
 """fla's chunked kernels work in chunks of 64 tokens (ringtune's scans take any chunk size)."""
 
 
 class FlaUnavailableError(RuntimeError):
-    """An fla kernel was selected where it cannot run (no CUDA tensor, or fla / Triton not installed)."""
+    """An fla kernel was selected where it cannot run (no CUDA tensor outside Triton's interpreter, or fla / Triton
+    not installed)."""
 
 
 def fla_available() -> bool:
     """True when ``fla`` and ``triton`` can be imported and CUDA is available (nothing is imported here)."""
-    return (
-        torch.cuda.is_available()
-        and importlib.util.find_spec("fla") is not None
-        and importlib.util.find_spec("triton") is not None
-    )
+    return torch.cuda.is_available() and installed("fla", "triton")
 
 
 def _require(device: torch.device, what: str) -> None:
-    if device.type != "cuda":
-        raise FlaUnavailableError(f"{what} needs CUDA tensors; got device {device} (CPU uses ringtune's kernel)")
-    if not fla_available():
+    if not triton_runs_on(device):
+        raise FlaUnavailableError(
+            f"{what} needs CUDA tensors; got device {device} (CPU uses ringtune's kernel; fla runs on CPU only "
+            "under Triton's interpreter, TRITON_INTERPRET=1)"
+        )
+    if not installed("fla", "triton"):
         raise FlaUnavailableError(
             f"{what} needs flash-linear-attention and triton (pip install 'ringtune[gpu]', docs/gpu.md)"
         )
