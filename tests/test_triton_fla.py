@@ -14,11 +14,11 @@ import time
 
 import pytest
 import torch
+from support.triton_interpreter import interpreted_kernels, interpreter_session, missing_reason
 
 from ringtune.ops.gated_delta.chunked import chunk_gated_delta_rule, default_chunk_scan
 from ringtune.ops.gated_delta.conv import causal_conv1d, select_conv
 from ringtune.ops.gated_delta.naive import naive_gated_delta_rule
-from support.triton_interpreter import interpreted_kernels, interpreter_session, missing_reason
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SCAN_LIMIT = 1e-4

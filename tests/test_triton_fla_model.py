@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from support.tiny_models import hf_model
 from support.triton_interpreter import missing_reason
 
@@ -24,10 +23,10 @@ beside; measured ~1e-6)."""
 def _row_run(model, lens, cp, rank, group, gated_delta):
     """Log-probs in row order [T] and parameter gradients (summed over the CP group) for a fixed weighted loss."""
     import torch.distributed as dist
+    from support.tiny_models import next_token_labels, packed_tokens
 
     from ringtune.layout import zigzag_slice
     from ringtune.models.shard import shard_of
-    from support.tiny_models import next_token_labels, packed_tokens
 
     ids = packed_tokens(lens, model.config.vocab_size, seed=3)
     labels = next_token_labels(ids, lens)
@@ -50,9 +49,10 @@ def _row_run(model, lens, cp, rank, group, gated_delta):
 def fla_row_case(ctx, *, root: str):
     import contextlib
 
+    from support.triton_interpreter import interpreted_kernels, interpreter_session
+
     from ringtune.models.checkpoints.hf import load_hf
     from ringtune.ops.gated_delta import chunked
-    from support.triton_interpreter import interpreted_kernels, interpreter_session
 
     torch.set_num_threads(1)
     mesh = ctx.mesh(dp=1, cp=2)

@@ -13,10 +13,10 @@ import time
 
 import pytest
 import torch
+from support.triton_interpreter import interpreted_kernels, interpreter_session, missing_reason
 
 from ringtune.models.head_kernels import liger_label_logprobs, select_head
 from ringtune.models.logprob_head import IGNORE_INDEX, reference_label_logprobs
-from support.triton_interpreter import interpreted_kernels, interpreter_session, missing_reason
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LIMIT = 5e-5

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from ringtune.engine import expert_parallel, sharding
 from ringtune.engine.gradients import GradientInvariant
 from ringtune.engine.tensor_norms import count_non_finite, local, sum_of_squares
+from ringtune.parallel.collectives import all_reduce_
 from ringtune.parallel.mesh import ParallelMesh
 
 
@@ -91,7 +92,7 @@ class ExpertParallelSync(GradientSync):
         dense, expert = expert_parallel.split(params, self.names)
         device = _device(params)
         experts = sum_of_squares(expert, device)
-        dist.all_reduce(experts, group=self.mesh.ep_group)
+        all_reduce_(experts, self.mesh.ep_group)
         return (sum_of_squares(dense, device) + experts).sqrt()
 
 
@@ -110,7 +111,7 @@ class FsdpSync(GradientSync):
 
     def norm(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
         total = sum_of_squares(_local_grads(params), _device(params))
-        dist.all_reduce(total, group=self.shard_group())
+        all_reduce_(total, self.shard_group())
         return total.sqrt()
 
     def grads_finite(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -132,7 +133,7 @@ class FsdpSync(GradientSync):
         for key, grads in by_mesh.items():
             count = count_non_finite(grads, device)
             for group in groups.get(key, []):
-                dist.all_reduce(count, group=group)
+                all_reduce_(count, group)
             bad.append(count)
         return torch.stack(bad).sum() == 0 if bad else torch.ones((), dtype=torch.bool, device=device)
 

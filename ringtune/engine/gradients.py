@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ringtune.debug_faults import NO_FAULTS, FaultHooks
+from ringtune.parallel.collectives import all_reduce_
 
 
 class GradientInvariantError(RuntimeError):
@@ -68,7 +69,7 @@ def reduce_gradients(
     for bucket in gradient_buckets(tensors, bucket_bytes):
         single = len(bucket) == 1 and bucket[0].is_contiguous()
         flat = bucket[0] if single else torch.cat([t.reshape(-1) for t in bucket])
-        dist.all_reduce(flat, group=group)
+        all_reduce_(flat, group)
         if faults.active("average_over_group"):  # DEBUG-FAULT HOOK (negative control; no-op)
             flat /= dist.get_world_size(group)
         if not single:

@@ -53,6 +53,7 @@ from ringtune.models.decoder import CausalLM
 from ringtune.models.layers.moe import is_expert_parameter
 from ringtune.models.logprob_head import IGNORE_INDEX, label_logprobs
 from ringtune.models.shard import shard_of
+from ringtune.parallel.collectives import all_reduce_
 from ringtune.parallel.mesh import ParallelMesh
 
 PROBE_TOKENS = 16
@@ -311,7 +312,7 @@ def _check_sum(
         scaled = expected[owner[id(p)]] * want
         terms = [(got * want).sum(), (want * want).sum(), (got - scaled).pow(2).sum(), scaled.pow(2).sum()]
         sums[owner[id(p)]] += torch.stack(terms)
-    dist.all_reduce(sums, group=shards.group)
+    all_reduce_(sums, shards.group)
     for label, want, (cross, norm2, residual2, scale2) in zip(labels, expected, sums.tolist(), strict=True):
         if norm2 == 0:
             raise GradientInvariantError(f"FSDP probe: unit {label} got no gradient from the probe row")

@@ -46,8 +46,8 @@ def loss_metrics(
             ratio = sequence_log_ratio(lp, q, datum["sequence_ratio_mask"]).exp().expand_as(lp)
         else:
             ratio = (lp - q).exp()
-        lo = datum.get("clip_low_threshold", torch.tensor(config.clip_low)).double()
-        hi = datum.get("clip_high_threshold", torch.tensor(config.clip_high)).double()
+        lo = datum.get("clip_low_threshold", torch.tensor(config.clip_low, device=lp.device)).double()
+        hi = datum.get("clip_high_threshold", torch.tensor(config.clip_high, device=lp.device)).double()
         scored = datum["advantages"] != 0
         counted += int(scored.sum())
         clipped += int((scored & ((ratio < lo) | (ratio > hi))).sum())

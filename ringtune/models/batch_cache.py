@@ -103,7 +103,7 @@ class DecodeBatch:
         """A batch of ``caches`` (at least one), with room for ``reserve`` more tokens per row before growing."""
         if not caches:
             raise ValueError("a DecodeBatch needs at least one sequence")
-        lengths = torch.tensor([c.length for c in caches], dtype=torch.int64)
+        lengths = torch.tensor([c.length for c in caches], dtype=torch.int64, device="cpu")
         capacity = _grown(int(lengths.max()) + reserve)
         layers: list[LayerRows] = []
         for i, first in enumerate(caches[0].layers):
@@ -130,7 +130,7 @@ class DecodeBatch:
 
     def keep(self, rows: list[int]) -> None:
         """Keep only ``rows`` (in that order); the others leave the batch."""
-        index = torch.tensor(rows, dtype=torch.int64)
+        index = torch.tensor(rows, dtype=torch.int64, device="cpu")
         self.lengths = self.lengths[index]
         for i, layer in enumerate(self.layers):
             if isinstance(layer, KVRows):

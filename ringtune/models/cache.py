@@ -115,8 +115,8 @@ class LayerCapture:
         if not kept:
             return
         spans = [owner.spans[i] for i in kept]
-        rows = torch.cat([torch.arange(s, e) for s, e in spans]).to(q.device)
-        bounds = torch.tensor([0, *itertools.accumulate(e - s for s, e in spans)])
+        rows = torch.cat([torch.arange(s, e, device=q.device) for s, e in spans]).to(q.device)
+        bounds = torch.tensor([0, *itertools.accumulate(e - s for s, e in spans)], device="cpu")
         q, k, v, g, beta = (x.index_select(0, rows) for x in (q, k, v, g, beta))
         _, final, window = gated_delta_prefill(q, k, v, bounds, g=g, beta=beta, conv_weight=conv_weight)
         for j, i in enumerate(kept):
@@ -167,7 +167,7 @@ class PrefillCapture:
         bounds = [b for span in self.spans for b in span] + [self.plan.real_local_len]
         if self.plan.stream_pad_len:
             bounds.append(self.plan.local_len)
-        return torch.tensor(bounds, dtype=torch.int64)
+        return torch.tensor(bounds, dtype=torch.int64, device="cpu")
 
     def sequences(self) -> list[SequenceCache | None]:
         """One :class:`SequenceCache` per sequence (views into the prefill's tensors), None for one not kept;

@@ -175,7 +175,7 @@ class LoraAdapters(nn.Module):
         gen = torch.Generator().manual_seed(spec.seed)
         for t in self.targets:
             a_shape, b_shape = t.shapes(spec.rank)
-            a = torch.empty(a_shape, dtype=torch.float64)
+            a = torch.empty(a_shape, dtype=torch.float64, device="cpu")
             for matrix in a.reshape(-1, spec.rank, t.in_features):  # each expert's A initialised as a linear's
                 nn.init.kaiming_uniform_(matrix, a=math.sqrt(5), generator=gen)
             self.lora_A[_key(t.name)] = nn.Parameter(a.to(dtype=like.dtype, device=like.device))

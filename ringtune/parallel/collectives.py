@@ -29,10 +29,26 @@ def _size(group: dist.ProcessGroup) -> int:
     return dist.get_world_size(group)
 
 
+def group_device_error(device_type: str, backend: str) -> str | None:
+    """Why a tensor on ``device_type`` cannot go through a group of ``backend`` (None: it can). The rule of the one
+    device authority (docs/gpu.md "Device placement"): an NCCL group moves CUDA tensors only; a gloo group moves CPU
+    tensors, and those of :data:`HOST_STAGED_DEVICES` through host memory."""
+    if backend == "nccl" and device_type != "cuda":
+        return f"a {device_type} tensor on a nccl group: NCCL moves CUDA tensors only (the mesh's device)"
+    if backend == "gloo" and device_type != "cpu" and device_type not in HOST_STAGED_DEVICES:
+        return f"a {device_type} tensor on a gloo group: gloo moves CPU tensors (and stages CUDA ones through the host)"
+    return None
+
+
 def host_staged(x: torch.Tensor, group: dist.ProcessGroup) -> bool:
     """True when ``x`` goes through ``group`` by way of host memory (a gloo group, a device in
-    :data:`HOST_STAGED_DEVICES`)."""
-    return x.device.type in HOST_STAGED_DEVICES and dist.get_backend(group) == dist.Backend.GLOO
+    :data:`HOST_STAGED_DEVICES`). Every collective of this module asks this first, so it also enforces
+    :func:`group_device_error`'s rule: ValueError for a tensor the group cannot move, before any rank sends."""
+    backend = str(dist.get_backend(group))
+    error = group_device_error(x.device.type, backend)
+    if error is not None:
+        raise ValueError(f"{error}; shape {tuple(x.shape)}, dtype {x.dtype}")
+    return x.device.type in HOST_STAGED_DEVICES and backend == dist.Backend.GLOO
 
 
 def _staged(run, x: torch.Tensor, group: dist.ProcessGroup, *args, **kwargs) -> torch.Tensor:

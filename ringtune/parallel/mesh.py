@@ -183,7 +183,7 @@ def build_mesh(
         device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
     rank = dist.get_rank()
     replica = rank // (dp * cp * tp)
-    ranks = torch.arange(replica * dp * cp * tp, (replica + 1) * dp * cp * tp).reshape(dp, cp, tp)
+    ranks = torch.arange(replica * dp * cp * tp, (replica + 1) * dp * cp * tp, device="cpu").reshape(dp, cp, tp)
     local = rank - replica * dp * cp * tp
     coords = (local // (cp * tp), local // tp % cp, local % tp)
     backend = data_backend or default_backend(device_type)

@@ -19,6 +19,7 @@ from ringtune.layout.zigzag import zigzag_slice
 from ringtune.models.layers.moe import is_expert_parameter, set_expert_parallel
 from ringtune.models.shard import shard_of
 from ringtune.ops.cp_modes import ATTENTION_MODES, GATED_DELTA_MODES
+from ringtune.parallel.collectives import all_reduce_
 from ringtune.parallel.launch import init_from_env, spawn
 from ringtune.probes.layer_probe import (
     MOE_MODES,
@@ -105,7 +106,7 @@ def _cp_run(layer, x_row, w_row, mask, seq_lens, cp, rank, group, kind, mode):
             dist.all_gather(parts, g.contiguous(), group=group)
             grads[name] = torch.cat(parts)
         else:
-            dist.all_reduce(g, group=group)
+            all_reduce_(g, group)
     plans = [plan.for_rank(r) for r in range(cp)]
     rows = []
     for local in (out.detach(), x.grad):

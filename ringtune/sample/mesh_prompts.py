@@ -45,6 +45,7 @@ from ringtune.models.cache import PrefillCapture, SequenceCache
 from ringtune.models.decoder import CausalLM
 from ringtune.models.logprob_head import label_logprobs
 from ringtune.models.shard import PackedShard, shard_of
+from ringtune.parallel.collectives import all_reduce_
 from ringtune.parallel.mesh import ParallelMesh
 from ringtune.parallel.row_gather import gather_row
 from ringtune.sample.alt_tokens import AltDraws, AltTokens, draw_alt_tokens, row_uniforms
@@ -212,7 +213,7 @@ def _row_forward(
     slot = torch.searchsorted(last, plan.row_index[owned])
     last_hidden[slot.to(device)] = hidden[owned.to(device)].to(acc)
     if group is not None and plan.cp_size > 1:
-        dist.all_reduce(last_hidden, group=group)
+        all_reduce_(last_hidden, group)
 
     lps: list[float] | None = None
     if prompt_logprobs:

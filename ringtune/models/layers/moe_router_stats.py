@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ringtune.errors import UserInputError
+from ringtune.parallel.collectives import all_reduce_
 
 
 @dataclass
@@ -65,7 +66,7 @@ def router_aux_loss(blocks: Sequence[RoutedBlock], cp_group: dist.ProcessGroup |
     the forward of the same row). Needs every block's last forward recorded with ``track_probs``.
     """
     if not blocks:
-        return torch.zeros((), dtype=torch.float64)
+        return torch.zeros((), dtype=torch.float64, device="cpu")
     stats = [b.router_stats for b in blocks if b.router_stats is not None]
     prob_sums = [s.prob_sums for s in stats if s.prob_sums is not None]
     if len(prob_sums) != len(blocks):
@@ -74,7 +75,7 @@ def router_aux_loss(blocks: Sequence[RoutedBlock], cp_group: dist.ProcessGroup |
     counts = torch.stack([s.counts for s in stats]).sum(0)
     local = torch.cat([counts, torch.tensor([float(sum(s.tokens for s in stats))], device=device)])
     if cp_group is not None and dist.get_world_size(cp_group) > 1:
-        dist.all_reduce(local, group=cp_group)
+        all_reduce_(local, cp_group)
     n = float(local[-1])
     if n == 0:
         return torch.zeros((), dtype=torch.float64, device=device)

@@ -57,7 +57,7 @@ class PackedGroup:
     @classmethod
     def of(cls, pairs: list[BlockPair], device: torch.device) -> PackedGroup:
         def rows(spans):
-            parts = [torch.arange(a, b, dtype=torch.int64) for a, b in spans]
+            parts = [torch.arange(a, b, dtype=torch.int64, device=device) for a, b in spans]
             return torch.cat(parts).to(device)
 
         def cum(lens):

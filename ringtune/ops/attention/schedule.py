@@ -87,6 +87,10 @@ def contiguous_split_work(seq_lens: list[int] | tuple[int, ...], cp_size: int) -
     query at position p of its sequence needs p+1 scores.
     """
     total = sum(seq_lens)
-    pos = torch.cat([torch.arange(n, dtype=torch.int64) for n in seq_lens]) if seq_lens else torch.zeros(0)
+    pos = (
+        torch.cat([torch.arange(n, dtype=torch.int64, device="cpu") for n in seq_lens])
+        if seq_lens
+        else torch.zeros(0, device="cpu")
+    )
     bounds = [total * r // cp_size for r in range(cp_size + 1)]
     return [int((pos[bounds[r] : bounds[r + 1]] + 1).sum()) for r in range(cp_size)]

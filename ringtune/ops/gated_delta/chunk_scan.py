@@ -60,12 +60,12 @@ def scan_layout(bounds: list[int], chunk_size: int, device: torch.device) -> Sca
         while counts[order[a - 1]] <= j:
             a -= 1
         active.append(a)
-    starts = torch.tensor([pairs[i][0] for i in order], dtype=torch.int64)
-    ends = torch.tensor([pairs[i][1] for i in order], dtype=torch.int64)
-    within = torch.arange(C, dtype=torch.int64)
+    starts = torch.tensor([pairs[i][0] for i in order], dtype=torch.int64, device="cpu")
+    ends = torch.tensor([pairs[i][1] for i in order], dtype=torch.int64, device="cpu")
+    within = torch.arange(C, dtype=torch.int64, device="cpu")
     rows = [(starts[:a] + j * C).unsqueeze(1) + within for j, a in enumerate(active)]
-    tok = torch.cat([torch.zeros(0, C, dtype=torch.int64), *rows])
-    end = torch.cat([torch.zeros(0, dtype=torch.int64), *(ends[:a] for a in active)]).unsqueeze(1)
+    tok = torch.cat([torch.zeros(0, C, dtype=torch.int64, device="cpu"), *rows])
+    end = torch.cat([torch.zeros(0, dtype=torch.int64, device="cpu"), *(ends[:a] for a in active)]).unsqueeze(1)
     offsets = list(itertools.accumulate([0, *active]))
     return ScanLayout(order=order, active=active, offsets=offsets, slot=torch.where(tok < end, tok, T).to(device))
 

@@ -85,7 +85,7 @@ def tile_segments(layout: ScanLayout, segment_chunks: int) -> list[list[Segment]
         blocks = []
         for lo in range(0, active[j0], width):
             steps = [c for c in (min(lo + width, a) - lo for a in active[j0:j1]) if c > 0]
-            ranges = [torch.arange(offsets[j] + lo, offsets[j] + lo + c) for j, c in enumerate(steps, j0)]
+            ranges = [torch.arange(offsets[j] + lo, offsets[j] + lo + c, device="cpu") for j, c in enumerate(steps, j0)]
             blocks.append(Segment(j0=j0, lo=lo, steps=steps, rows=torch.cat(ranges).to(device)))
         groups.append(blocks)
         j0 = j1

@@ -36,9 +36,9 @@ def _halo_mask(plan: ZigzagPlan, kernel_minus_one: int) -> torch.Tensor:
     """bool [K-1]: which of the K-1 global positions before this part belong to the crossing sequence."""
     part = contiguous_part(plan)
     if not part.continues:
-        return torch.zeros(kernel_minus_one, dtype=torch.bool)
+        return torch.zeros(kernel_minus_one, dtype=torch.bool, device="cpu")
     seg_start = max(b for b in global_segment_bounds(plan) if b <= part.start)
-    positions = torch.arange(part.start - kernel_minus_one, part.start)
+    positions = torch.arange(part.start - kernel_minus_one, part.start, device="cpu")
     return positions >= seg_start
 
 
@@ -52,7 +52,7 @@ def _last_segment_summary(
 ) -> torch.Tensor:
     """``[M | h_local]`` [Hv, Dk, Dk + Dv] of one segment of raw rows ``mixed`` (conv, L2 norm, affine scan)."""
     hk, dk, hv, dv = heads
-    cu = torch.tensor([0, mixed.shape[0]], dtype=torch.int64)
+    cu = torch.tensor([0, mixed.shape[0]], dtype=torch.int64, device="cpu")
     conv = causal_conv1d(mixed, conv_weight, cu, initial_context=context)
     _, kc, vc = unpack_qkv(conv, hk, dk, hv, dv)
     M, h_local = gated_delta_affine_summary(kc, vc, cu, g=g, beta=beta, use_qk_l2norm=True)

@@ -87,7 +87,7 @@ def headwise_gated_delta(
         qh.reshape(n, hk // size, dk),
         kh.reshape(n, hk // size, dk),
         vh.reshape(n, hv // size, dv),
-        torch.tensor(global_segment_bounds(plan), dtype=torch.int64),
+        torch.tensor(global_segment_bounds(plan), dtype=torch.int64, device="cpu"),
         g=gh,
         beta=bh,
         conv_weight=_conv_rows(conv_weight, rank, size, hk, dk, hv, dv),
