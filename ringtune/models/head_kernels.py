@@ -10,7 +10,7 @@
   H200 run shows it faster at equal memory (docs/gpu.md). NOT YET RUN ON A GPU.
 
 Selecting ``liger`` on CPU (outside Triton's interpreter, :mod:`ringtune.ops.triton_device`: the CPU suite runs it
-there in float32, ``tests/test_triton_liger.py``), without the package, or for a call it cannot serve raises
+there in float32, ``tests/triton_cpu/test_liger.py``), without the package, or for a call it cannot serve raises
 ValueError naming why.
 """
 

@@ -2,7 +2,7 @@
 
 On CUDA tensors, and on CPU tensors while Triton's own interpreter is on (``TRITON_INTERPRET=1``, Triton's switch,
 read here, never set): the interpreter executes a kernel's body with NumPy, which is how the CPU suite runs these
-kernels against ringtune's float64 references (``tests/support/triton_interpreter.py``, ``tests/test_triton_*``).
+kernels against ringtune's float64 references (``tests/support/triton_interpreter.py``, ``tests/triton_cpu``).
 Only an explicit selection can reach them on CPU: every default (``default_chunk_scan``, ``select_conv``,
 ``select_head``) still asks for CUDA, so the CPU path stays ringtune's own kernels whatever is installed.
 """

@@ -43,7 +43,10 @@ def missing_reason(*modules: str) -> str | None:
     """Why these kernels cannot run here (a module not installed, or one already imported uninterpreted), or None."""
     absent = [m for m in ("triton", *modules) if importlib.util.find_spec(m) is None]
     if absent:
-        return f"{', '.join(absent)} not installed (pip install -e '.[triton-cpu]', as `make install` does)"
+        return (
+            f"{', '.join(absent)} not installed (`make test` installs them in .venv/triton-cpu; "
+            "tests/test_triton_cpu.py runs these tests with that folder on the path)"
+        )
     compiled = [m for m in ("triton", *modules) if m in sys.modules and m not in _INTERPRETED]
     if compiled:
         return f"{', '.join(compiled)} already imported without {INTERPRET_VARIABLE}=1 in this process"

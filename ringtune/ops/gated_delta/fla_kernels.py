@@ -19,7 +19,7 @@ fla's own context parallelism (``fla.ops.cp``, ``FLACPContext`` with its zigzag 
 chunkwise CP mode; the mapping is written down in docs/gpu.md and ringtune's state hand-off stays the default
 until an H200 run has compared them. NOT YET RUN ON A GPU: benchmarks/gpu_check.py compares both kernels with the
 float64 CPU reference when a GPU is at hand; the CPU suite runs both under Triton's interpreter in float32
-(``tests/test_triton_fla.py``, with the ``triton-cpu`` extra) against the float64 references.
+(``tests/triton_cpu/test_fla.py``, with the ``triton-cpu`` extra) against the float64 references.
 """
 
 from __future__ import annotations
