@@ -34,6 +34,7 @@ from ringtune.engine.checkpoint_manifest import (
     OPTIM_NONE,
     OPTIM_SAVED,
     CheckpointRecord,
+    names_mismatch,
     optimizer_class_name,
 )
 from ringtune.errors import UserInputError
@@ -85,10 +86,8 @@ def _check_model(path: Path, stored: dict[str, Any], wanted: dict[str, Any]) -> 
     missing = sorted(set(wanted) - set(stored))
     unknown = sorted(set(stored) - set(wanted))
     if missing or unknown:
-        raise UserInputError(
-            f"checkpoint {path} is for a different model: model tensors missing {missing[:_SHOWN]} "
-            f"({len(missing)} in all), unexpected {unknown[:_SHOWN]} ({len(unknown)} in all)"
-        )
+        mismatch = names_mismatch(missing, "model tensors missing", unknown, "unexpected")
+        raise UserInputError(f"checkpoint {path} is for a different model: {mismatch}")
     for name, tensor in wanted.items():
         entry = stored[name]
         if not isinstance(tensor, torch.Tensor):
@@ -163,10 +162,8 @@ def _check_optimizer(
     if set(hyper) != set(fqns) or not set(state) <= set(fqns):
         missing = sorted(set(fqns) - set(hyper))
         unknown = sorted((set(hyper) | set(state)) - set(fqns))
-        raise UserInputError(
-            f"checkpoint {path} is for a different model: optimizer parameters missing {missing[:_SHOWN]} "
-            f"({len(missing)} in all), unexpected {unknown[:_SHOWN]} ({len(unknown)} in all)"
-        )
+        mismatch = names_mismatch(missing, "optimizer parameters missing", unknown, "unexpected")
+        raise UserInputError(f"checkpoint {path} is for a different model: {mismatch}")
     params = dict(zip(fqns, (p for g in optimizer.param_groups for p in g["params"]), strict=True))
     names_of = {id(p): n for n, p in params.items()}
     shapes = {fqn: tuple(p.shape) for fqn, p in params.items()}

@@ -219,6 +219,15 @@ def data_files(directory: Path) -> dict[str, int]:
 # --------------------------------------------------------------------------------------------------- verification
 
 
+def names_mismatch(missing: list[str], missing_what: str, unknown: list[str], unknown_what: str) -> str:
+    """``"<missing_what> [first 8 of missing] (N in all), <unknown_what> [first 8 of unknown] (M in all)"``: the
+    tail of a checkpoint's "these names differ" error message."""
+    return (
+        f"{missing_what} {missing[:_SHOWN]} ({len(missing)} in all), "
+        f"{unknown_what} {unknown[:_SHOWN]} ({len(unknown)} in all)"
+    )
+
+
 def check_file_set(path: Path, directory: Path, files: dict[str, FileRecord]) -> None:
     """Every file in ``directory`` is in the manifest and vice versa, each a regular file of the listed size.
 
@@ -228,10 +237,8 @@ def check_file_set(path: Path, directory: Path, files: dict[str, FileRecord]) ->
     missing = sorted(set(files) - set(present))
     unknown = sorted(set(present) - set(files))
     if missing or unknown:
-        raise UserInputError(
-            f"checkpoint {path} does not match its manifest: missing files {missing[:_SHOWN]} ({len(missing)} in all), "
-            f"unlisted files {unknown[:_SHOWN]} ({len(unknown)} in all)"
-        )
+        mismatch = names_mismatch(missing, "missing files", unknown, "unlisted files")
+        raise UserInputError(f"checkpoint {path} does not match its manifest: {mismatch}")
     for name, record in sorted(files.items()):
         entry = present[name]
         if entry.is_symlink() or not entry.is_file():

@@ -273,7 +273,39 @@ def lora_slot(base: CausalLM) -> LoraSlot:
     return slot
 
 
-class LoraModel(nn.Module):
+class AdaptersOnBase:
+    """What a LoRA run's model and its sampling snapshot share: ``adapters`` hooked into a ``base``'s slot.
+
+    The subclass (an ``nn.Module``) sets ``base``, ``slot`` and ``adapters``, then calls :meth:`hook_adapters`.
+    """
+
+    base: CausalLM
+    slot: LoraSlot
+    adapters: LoraAdapters
+
+    def hook_adapters(self) -> None:
+        """Hook every adapted module of the base into the slot (the slot adds whichever adapters are active)."""
+        for module in self.adapters.by_module:
+            self.slot.hook(module)
+
+    @property
+    def spec(self) -> LoraSpec:
+        return self.adapters.spec
+
+    @property
+    def model(self) -> nn.Module:
+        """The base's ``model.*`` body (layers: recompute and compute dtype are set there, shared by all runs)."""
+        return self.base.model
+
+    def activate(self) -> None:
+        """Make these adapters the ones the base's hooks add (until another run activates its own)."""
+        self.slot.active = self.adapters
+
+    def check_parallel(self, shard: PackedShard) -> None:
+        self.base.check_parallel(shard)
+
+
+class LoraModel(AdaptersOnBase, nn.Module):
     """A LoRA run's model: a frozen, possibly shared ``base`` plus this run's :class:`LoraAdapters`.
 
     Quacks like a :class:`CausalLM` for the trainer (``config``, ``model`` = the base's body, ``output_weight``,
@@ -287,17 +319,7 @@ class LoraModel(nn.Module):
         self.config = base.config
         self.slot = lora_slot(base)
         self.adapters = LoraAdapters(base, spec)
-        for module in self.adapters.by_module:
-            self.slot.hook(module)
-
-    @property
-    def spec(self) -> LoraSpec:
-        return self.adapters.spec
-
-    @property
-    def model(self) -> nn.Module:
-        """The base's ``model.*`` body (layers: recompute and compute dtype are set there, shared by all runs)."""
-        return self.base.model
+        self.hook_adapters()
 
     @property
     def unembed(self) -> Target | None:
@@ -307,13 +329,6 @@ class LoraModel(nn.Module):
     def output_weight(self) -> torch.Tensor:
         """[vocab, hidden]: the base's output weight, plus ``scale · B @ A`` with ``train_unembed``."""
         return self.adapters.output_weight(self.base.output_weight)
-
-    def activate(self) -> None:
-        """Make this run's adapters the ones the base's hooks add (until another run activates its own)."""
-        self.slot.active = self.adapters
-
-    def check_parallel(self, shard: PackedShard) -> None:
-        self.base.check_parallel(shard)
 
     def hidden_states(self, input_ids: torch.Tensor, shard: PackedShard) -> torch.Tensor:
         """:meth:`CausalLM.hidden_states` with this run's adapters (collective over the shard's CP group)."""

@@ -18,11 +18,11 @@ import torch
 from torch import nn
 
 from ringtune.models.decoder import CausalLM
-from ringtune.models.lora import LoraModel, LoraSpec, lora_slot
+from ringtune.models.lora import AdaptersOnBase, LoraModel, lora_slot
 from ringtune.models.shard import PackedShard
 
 
-class LoraSnapshot(nn.Module):
+class LoraSnapshot(AdaptersOnBase, nn.Module):
     """A sampling copy of ``lora``'s adapters on its base (``base`` is a submodule: MoE routing capture and
     device queries see its layers; the snapshot's own tensors are the adapters' copies, no gradient)."""
 
@@ -34,16 +34,7 @@ class LoraSnapshot(nn.Module):
         self.config = self.base.config
         object.__setattr__(self, "slot", lora_slot(self.base))
         self.adapters = copy.deepcopy(lora.adapters).requires_grad_(False)
-        for module in self.adapters.by_module:
-            self.slot.hook(module)
-
-    @property
-    def spec(self) -> LoraSpec:
-        return self.adapters.spec
-
-    @property
-    def model(self) -> nn.Module:
-        return self.base.model
+        self.hook_adapters()
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -54,12 +45,6 @@ class LoraSnapshot(nn.Module):
     def adapter_bytes(self) -> int:
         """Bytes of this snapshot's own tensors (the adapters' copies)."""
         return sum(t.numel() * t.element_size() for t in self.adapters.parameters())
-
-    def activate(self) -> None:
-        self.slot.active = self.adapters
-
-    def check_parallel(self, shard: PackedShard) -> None:
-        self.base.check_parallel(shard)
 
     def hidden_states(self, input_ids: torch.Tensor, shard: PackedShard, **kwargs) -> torch.Tensor:
         """:meth:`CausalLM.hidden_states` with this snapshot's adapters (collective over the shard's CP group)."""

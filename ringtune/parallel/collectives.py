@@ -146,26 +146,18 @@ def _all_to_all(
     return out
 
 
-class _AllGather(torch.autograd.Function):
+class _AdjointPair(torch.autograd.Function):
+    """A collective ``forward_raw(x, group)`` whose backward is its adjoint ``backward_raw(grad, group)``
+    (all-gather <-> reduce-scatter SUM on dim 0)."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return all_gather_raw(x, group)
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, forward_raw, backward_raw) -> torch.Tensor:
+        ctx.group, ctx.backward_raw = group, backward_raw
+        return forward_raw(x, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return reduce_scatter_raw(grad, ctx.group), None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        return reduce_scatter_raw(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return all_gather_raw(grad, ctx.group), None
+        return ctx.backward_raw(grad, ctx.group), None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -193,12 +185,12 @@ class _RingShift(torch.autograd.Function):
 
 def all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Differentiable all-gather on dim 0: [n, ...] -> [size·n, ...]; backward reduce-scatters (SUM)."""
-    return _AllGather.apply(x, group)
+    return _AdjointPair.apply(x, group, all_gather_raw, reduce_scatter_raw)
 
 
 def reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """Differentiable reduce-scatter (SUM) on dim 0: [size·n, ...] -> [n, ...]; backward all-gathers."""
-    return _ReduceScatter.apply(x, group)
+    return _AdjointPair.apply(x, group, reduce_scatter_raw, all_gather_raw)
 
 
 def all_to_all(

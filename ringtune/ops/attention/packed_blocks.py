@@ -72,6 +72,17 @@ class PackedGroup:
         """Rows ``idx`` of heads-major ``x_h`` [1, H, T, D] as a contiguous THD copy [N, H, D]."""
         return x_h[0].index_select(1, idx).transpose(0, 1).contiguous()
 
+    def gather_qkv(
+        self, q_h: torch.Tensor, k_h: torch.Tensor, v_h: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The group's query rows of ``q_h`` [1, Hq, T, D] and key rows of ``k_h``/``v_h`` [1, Hkv, T, D], as THD
+        copies ([Nq, Hq, D], [Nk, Hkv, D], [Nk, Hkv, D]): a varlen kernel's q, k, v."""
+        return self.gather(q_h, self.q_idx), self.gather(k_h, self.k_idx), self.gather(v_h, self.k_idx)
+
+    def varlen_bounds(self) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """``(cu_q, cu_k, max_q, max_k)``: the varlen kernel's sequence bounds (int32 [n+1]) and longest spans."""
+        return self.cu_q, self.cu_k, self.max_q, self.max_k
+
 
 def forward_packed(
     q_h: torch.Tensor,
@@ -89,15 +100,7 @@ def forward_packed(
     for group in varlen_groups(pairs):
         pk = PackedGroup.of(group, q_h.device)
         g_out, g_lse = kernel.forward_varlen(
-            pk.gather(q_h, pk.q_idx),
-            pk.gather(k_h, pk.k_idx),
-            pk.gather(v_h, pk.k_idx),
-            pk.cu_q,
-            pk.cu_k,
-            pk.max_q,
-            pk.max_k,
-            causal=pk.causal,
-            scale=scale,
+            *pk.gather_qkv(q_h, k_h, v_h), *pk.varlen_bounds(), causal=pk.causal, scale=scale
         )
         block_out = g_out.transpose(0, 1).to(out.dtype)  # [H, Nq, D]
         block_lse = g_lse.to(lse.dtype)  # [H, Nq]
@@ -128,15 +131,10 @@ def grads_packed(
         pk = PackedGroup.of(group, q_h.device)
         g_dq, g_dk, g_dv = kernel.backward_varlen(
             pk.gather(dout_h, pk.q_idx),
-            pk.gather(q_h, pk.q_idx),
-            pk.gather(k_h, pk.k_idx),
-            pk.gather(v_h, pk.k_idx),
+            *pk.gather_qkv(q_h, k_h, v_h),
             pk.gather(out_h, pk.q_idx),
             lse_h[0].index_select(1, pk.q_idx),
-            pk.cu_q,
-            pk.cu_k,
-            pk.max_q,
-            pk.max_k,
+            *pk.varlen_bounds(),
             causal=pk.causal,
             scale=scale,
         )
