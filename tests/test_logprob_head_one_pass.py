@@ -8,7 +8,7 @@ import pytest
 import torch
 from support.tiny_models import hf_model
 
-from ringtune.engine import trainer as trainer_module
+from ringtune.engine import microbatch as microbatch_module
 from ringtune.engine.trainer import TrainDatum, Trainer
 from ringtune.losses import FIXED_GRADIENT_LOSSES, LOSS_FNS, fixed_logprob_gradient, local_token_losses
 from ringtune.losses.config import parse_loss_config
@@ -179,7 +179,7 @@ def test_trainer_cross_entropy_takes_one_pass(tmp_path, monkeypatch) -> None:
             if one_pass:
                 no_recompute(m)
             else:
-                m.setattr(trainer_module, "fixed_logprob_gradient", lambda *a, **kw: None)
+                m.setattr(microbatch_module, "fixed_logprob_gradient", lambda *a, **kw: None)
             loss = trainer.forward_backward(data, "cross_entropy").metrics["loss:sum"]
         return {n: p.grad.clone() for n, p in trainer.model.named_parameters()}, loss
 
