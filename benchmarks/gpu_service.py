@@ -34,6 +34,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+# the step benchmark beside this file (on sys.path when run as a script, as gpu_check runs it)
+from gpu_step import SMOKE_MODEL
+
 from ringtune.plan.models import KNOWN_MODELS
 
 API_KEY = "tml-gpu-check"
@@ -78,20 +81,7 @@ GPU_SHAPE = ServiceShape(
     kl_tokens=64,
 )
 SMOKE_SHAPE = ServiceShape(
-    hf={
-        **KNOWN_MODELS["Qwen3.5-4B"],
-        "vocab_size": 512,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-    },
+    hf=SMOKE_MODEL,  # the step part's smoke model (same family and layer pattern)
     context_length=128,
     datums=2,
     datum_tokens=24,

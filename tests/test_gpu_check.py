@@ -121,7 +121,10 @@ def test_gpu_kernels_are_chosen_by_device_and_refuse_cpu():
 
 
 def _load(name: str):
-    """``benchmarks/<name>.py`` as a module (benchmarks is not a package)."""
+    """``benchmarks/<name>.py`` as a module (benchmarks is not a package), its folder on ``sys.path`` as when it
+    runs as a script (it imports the benchmarks beside it)."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # its dataclasses look their module up there
