@@ -57,15 +57,16 @@ SETTING_OPTIONS = {"source": "model", "gated_delta": "linear_cp_mode", "tokenize
 ``--tokenizer``); every other field is the option of its own name."""
 
 
-def serve_settings(args: argparse.Namespace, budget: int) -> ServeSettings:
+def serve_settings(args: argparse.Namespace, budget: int, dtype: str) -> ServeSettings:
     """What ``serve`` was asked for, for :func:`preflight`: every :class:`ServeSettings` field from its option
-    (:data:`SETTING_OPTIONS`), the per-rank token budget ``budget`` resolved already."""
+    (:data:`SETTING_OPTIONS`), the per-rank token budget ``budget`` and the precision ``dtype`` resolved already
+    (``--dtype`` as given, or the device's default)."""
     given = {
         f.name: getattr(args, SETTING_OPTIONS.get(f.name, f.name))
         for f in fields(ServeSettings)
-        if f.name != "max_tokens_per_rank"
+        if f.name not in ("max_tokens_per_rank", "dtype")
     }
-    return ServeSettings(**given, max_tokens_per_rank=budget)
+    return ServeSettings(**given, max_tokens_per_rank=budget, dtype=dtype)
 
 
 def trainer_options(args: argparse.Namespace, checked: Preflight) -> dict[str, Any]:
@@ -166,9 +167,8 @@ def run_serve(args: argparse.Namespace) -> int:
         world_size=ranks_on_this_host(args.dp * args.cp),
         max_tokens_per_rank=budget,
     )
-    args.dtype = device.dtype
     # every setting against the model's config, before any rank starts (exit 2 if it cannot serve)
-    checked = preflight(serve_settings(args, budget))
+    checked = preflight(serve_settings(args, budget, device.dtype))
     spec = ModelSpec(
         source=args.model,
         dtype=device.dtype,
