@@ -43,6 +43,7 @@ from ringtune.losses import (
     parse_loss_config,
     used_inputs,
 )
+from ringtune.models.image_input import ImageInput
 
 MAX_TARGET_K = 128
 """Default cap on K of ``[N, K]`` targets (top-k distillation uses tens); one logits pass serves all K."""
@@ -61,6 +62,8 @@ class TrainDatum:
     tokens: Any
     inputs: Mapping[str, Any]
     routing: Any = None
+    images: tuple[ImageInput, ...] = ()
+    """Images whose pad tokens ``tokens`` holds (vision-language models only), in token order."""
 
 
 @dataclass(frozen=True)
