@@ -34,7 +34,9 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from ringtune.errors import UserInputError
 from ringtune.gateway.futures import FutureStore, Outcome
+from ringtune.gateway.images import ImageDecoder, image_decoder
 from ringtune.gateway.routing_records import RoutingRecords
+from ringtune.gateway.sample_prompt import prompt_input
 from ringtune.gateway.sample_targets import TargetLayout, encode_targets, parse_targets
 from ringtune.sample.alt_tokens import MAX_PROMPT_ALT_TOKENS_K
 from ringtune.sample.params import DEFAULT_MAX_TOKENS, SamplingParams
@@ -83,30 +85,6 @@ def _int(value: Any, field: str, low: int, high: int) -> int:
     return value
 
 
-def prompt_tokens(prompt: dict[str, Any], vocab_size: int) -> list[int]:
-    """The token ids of a JSON ``ModelInput`` (encoded_text chunks only); UserInputError naming the chunk."""
-    chunks = prompt.get("chunks")
-    if not isinstance(chunks, list) or not chunks:
-        raise UserInputError("prompt.chunks: expected a non-empty list of chunks")
-    tokens: list[int] = []
-    for i, chunk in enumerate(chunks):
-        kind = chunk.get("type") if isinstance(chunk, dict) else None
-        if kind != "encoded_text":
-            raise UserInputError(f"prompt.chunks[{i}].type={kind!r}: only encoded_text chunks are supported")
-        ids = chunk.get("tokens")
-        if not isinstance(ids, list):
-            raise UserInputError(f"prompt.chunks[{i}].tokens: expected a list of token ids")
-        for j, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-                raise UserInputError(
-                    f"prompt.chunks[{i}].tokens[{j}]={t!r} is outside the vocabulary [0, {vocab_size})"
-                )
-        tokens.extend(ids)
-    if not tokens:
-        raise UserInputError("prompt: 0 tokens; a prompt needs at least 1")
-    return tokens
-
-
 def _bounded_params(params: dict[str, Any], prompt_len: int, context_length: int) -> dict[str, Any]:
     """The keyword arguments of :class:`SamplingParams`, with ``max_tokens`` bounded by the served context:
     prompt + max_tokens <= ``context_length`` (UserInputError naming both otherwise). A request that leaves
@@ -126,13 +104,14 @@ def _bounded_params(params: dict[str, Any], prompt_len: int, context_length: int
 
 
 def sample_request(
-    body: SampleBody, vocab_size: int, max_prompt_tokens: int
+    body: SampleBody, vocab_size: int, max_prompt_tokens: int, images: ImageDecoder | None = None
 ) -> tuple[SampleRequest, TargetLayout | None]:
     """A validated :class:`SampleRequest` and the layout of its ``target_prompt_logprobs`` (None without);
-    UserInputError naming the field, the value and the limit."""
+    UserInputError naming the field, the value and the limit. ``images``: the served checkpoint's image decoder
+    (None: image chunks refused); a prompt's images count in its length (:mod:`ringtune.gateway.sample_prompt`)."""
     if not isinstance(body.prompt_logprobs, bool):
         raise UserInputError(f"prompt_logprobs={body.prompt_logprobs!r} must be true or false")
-    prompt = prompt_tokens(body.prompt, vocab_size)
+    prompt, prompt_images = prompt_input(body.prompt, vocab_size, images)
     if len(prompt) > max_prompt_tokens:
         raise UserInputError(f"prompt: {len(prompt)} tokens, over the limit of {max_prompt_tokens}")
     last_n = body.prompt_logprobs_last_n
@@ -152,6 +131,7 @@ def sample_request(
         raise UserInputError(f"sampling_params: unknown field(s) {unknown}; known: {sorted(known)}")
     request = SampleRequest(
         prompt=prompt,
+        images=prompt_images,
         params=SamplingParams(**_bounded_params(params, len(prompt), max_prompt_tokens)),
         num_samples=_int(body.num_samples, "num_samples", 1, MAX_NUM_SAMPLES),
         prompt_logprobs=body.prompt_logprobs,
@@ -292,7 +272,8 @@ class SamplingService:
         key = (sampler_id, body.seq_id) if isinstance(body.seq_id, int) else None
         if key is not None and key in self._seen:
             return self._seen[key]
-        request, layout = sample_request(body, self.backend.info().vocab_size, self.max_prompt_tokens)
+        info = self.backend.info()
+        request, layout = sample_request(body, info.vocab_size, self.max_prompt_tokens, image_decoder(info))
         request_id = self.futures.create("sample")
         answer = {
             "request_id": request_id,
@@ -361,8 +342,8 @@ class SamplingService:
             ]
             if self.routing is not None:
                 for res, (request, _, _) in zip(results, items, strict=True):
-                    for seq in res.sequences:
-                        if seq.routing is not None:
+                    for seq in res.sequences:  # image prompts: pad tokens do not identify the images
+                        if seq.routing is not None and not request.images:
                             self.routing.add(request.prompt + seq.tokens[:-1], seq.routing)
         except UserInputError as exc:
             outcomes = [Outcome.error(str(exc), "user")] * len(items)
