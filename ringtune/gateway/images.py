@@ -150,8 +150,10 @@ class ImageDecoder:
             )
         try:
             pil = Image.open(io.BytesIO(data), formats=list(FORMATS.values()))
-        except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError) as exc:
-            raise UserInputError(f"{where}.data: {len(data)} bytes are not a PNG or JPEG image ({exc})") from None
+        except Image.DecompressionBombError as exc:
+            raise UserInputError(f"{where}: {exc}; the limit is {limits.max_image_pixels} pixels") from None
+        except (UnidentifiedImageError, OSError, ValueError):
+            raise UserInputError(f"{where}.data: {len(data)} bytes are not a PNG or JPEG image") from None
         if pil.format != FORMATS[fmt]:
             raise UserInputError(f"{where}.format={fmt!r} but the bytes are a {pil.format} image")
         width, height = pil.size
