@@ -190,7 +190,7 @@ def test_protobuf_chunks_become_train_datums(decoder):
         (22, 9, (1, 18, 2)),
     ]
     assert datum.tokens[:2].tolist() == [3, START] and datum.tokens[-2:].tolist() == [END, 4]
-    bad = chunks[:1] + [tinker.types.ImageChunk(data=png, format="png", expected_tokens=17)] + chunks[2:]
+    bad = [*chunks[:1], tinker.types.ImageChunk(data=png, format="png", expected_tokens=17), *chunks[2:]]
     request.forward_backward_input.data[0] = _datum(bad, 32)
     msg = proto.parse_request(forward_backward_request_to_proto(request).SerializeToString())
     with pytest.raises(UserInputError, match=r"chunks\[1\]\.expected_tokens=17 but the image is 18 tokens"):
