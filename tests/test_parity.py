@@ -278,3 +278,18 @@ def test_a_reference_at_another_row_budget_is_refused(matrix, tmp_path, capsys):
     other["data_digest"] = "0" * 64
     with pytest.raises(ComparisonRefusedError, match="different data"):
         compare_dumps(other, b)
+
+
+def test_image_records_are_compared_when_both_servers_take_images(matrix):
+    """Dumps of servers that take images carry ``forward.images`` (ringtune.parity.image_datums): its deltas give
+    ``lp.images.*``; a text dump has no such figure. The image records here are the lone datum's, relabelled."""
+    config, _ = matrix
+    a = json.loads(_dump(config, "cp1-dp1-float32").read_text())
+    b = json.loads(_dump(config, "cp2-headwise-dp1-float32").read_text())
+    assert not [f for f in compare_dumps(a, b).figures if f.name.startswith("lp.images")]
+    for dump in (a, b):
+        dump["records"]["forward.images"] = copy.deepcopy(dump["records"]["forward.lone"])
+    result = compare_dumps(a, b)
+    assert not result.failures and result.figure("lp.images.mean").value <= LIMITS["float32"].lp_mean
+    b["records"]["forward.images"]["logprobs"][0][3] += 0.01  # an image datum's text position moved
+    assert {f.name for f in compare_dumps(a, b).failures} >= {"lp.images.mean", "lp.images.p99"}

@@ -106,7 +106,8 @@ def server_capabilities(service: GatewayService) -> dict[str, Any]:
     """``GetServerCapabilitiesResponse``: the one served model (trainable and sampleable).
 
     The extra ``ringtune`` key (ignored by the SDK, which drops unknown fields) describes the layout for
-    ``ringtune parity run``: DP, CP, dtype, per-rank token budget, context length, vocabulary and CP modes.
+    ``ringtune parity run``: DP, CP, dtype, per-rank token budget, context length, vocabulary, CP modes and the
+    ``image_dir`` images are decoded with (None: a text model).
     """
     info = service.backend.info()
     layout = {
@@ -117,6 +118,7 @@ def server_capabilities(service: GatewayService) -> dict[str, Any]:
         "max_tokens_per_rank": info.max_tokens_per_rank,
         "context_length": info.context_length,
         "vocab_size": info.vocab_size,
+        "image_dir": info.image_dir,
         **dict(info.modes),
     }
     return {

@@ -13,6 +13,10 @@ Requests, in order, on one fresh training run (LoRA rank 0 = full fine-tuning):
    1/16: every CP rank but 0 holds no scored token) then ``optim_step``.
 4. ``after.main`` / ``after.long``: forwards after the four steps.
 
+On a server that takes images (its capabilities' ``image_dir``), the image datums of
+:mod:`ringtune.parity.image_datums` (text with 1, 2 and 3 PNG images) join as ``forward.images`` (after
+``forward.long``), ``long_step.images`` (in the last step's group) and ``after.images``; the data digest covers them.
+
 The first step is plain AdamW (:data:`ADAM`); the other three add weight decay and gradient clipping
 (:data:`ADAM_DECAY`). Each record keeps per-datum log-probs and summed losses; ``grad_norms`` the four steps'
 ``grad_norm:mean``; ``replica_check`` each step's replica check (milliseconds, tensors compared). A request that
@@ -27,6 +31,7 @@ otherwise the dump records it as skipped, with the reason.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from collections.abc import Sequence
@@ -38,6 +43,13 @@ import numpy as np
 import tinker
 
 from ringtune.parity.datums import DatumSet, ParityDatum, build_datum_set, text_token_stream
+from ringtune.parity.image_datums import (
+    ImageChunkSpec,
+    ImageParityDatum,
+    build_image_datums,
+    image_digest,
+    load_image_side,
+)
 from ringtune.parity.sampler_kl import measure_sampler_kl, sampler_prompts, skipped_sampler_kl
 from ringtune.probes.ring_accumulation import SERVED_PROBES
 
@@ -83,12 +95,23 @@ def _to_tinker(d: ParityDatum, extra: dict[str, list[float]] | None = None) -> t
     return tinker.Datum(model_input=tinker.ModelInput.from_ints(list(d.tokens)), loss_fn_inputs=inputs)
 
 
-def _record(result: Any, datums: Sequence[ParityDatum]) -> dict[str, Any]:
+def _image_to_tinker(d: ImageParityDatum) -> tinker.Datum:
+    chunks: list[Any] = [
+        tinker.types.ImageChunk(data=c.png, format="png", expected_tokens=c.expected_tokens)
+        if isinstance(c, ImageChunkSpec)
+        else tinker.EncodedTextChunk(tokens=list(c))
+        for c in d.chunks
+    ]
+    inputs = {"target_tokens": list(d.targets), "weights": list(d.weights)}
+    return tinker.Datum(model_input=tinker.ModelInput(chunks=chunks), loss_fn_inputs=inputs)
+
+
+def _record(result: Any, datums: Sequence[ParityDatum] | Sequence[ImageParityDatum]) -> dict[str, Any]:
     outputs = result.loss_fn_outputs
     return {
         "datums": [d.name for d in datums],
         "kinds": [d.kind for d in datums],
-        "lengths": [len(d.tokens) for d in datums],
+        "lengths": [len(d.targets) for d in datums],
         "logprobs": [[float(x) for x in o["logprobs"].to_torch().double().tolist()] for o in outputs],
         "losses": [float(o["elementwise_loss"].to_torch().double().sum()) for o in outputs],
         "loss_sum": float(result.metrics["loss:sum"]),
@@ -133,6 +156,10 @@ def run_parity(
         data: DatumSet = build_datum_set(
             seed=seed, vocab_size=vocab, context_length=context, stream=stream, long_context=long_context
         )
+        images: tuple[ImageParityDatum, ...] = ()
+        if layout.get("image_dir"):  # a server that takes images: the image datums too
+            processor, ids = load_image_side(layout["image_dir"])
+            images = build_image_datums(seed=seed, stream=stream, processor=processor, ids=ids)
         rng = np.random.default_rng(seed + 1)
         records: dict[str, Any] = {}
         grad_norms: dict[str, float] = {}
@@ -146,6 +173,14 @@ def run_parity(
             loss_fn = name if inputs is not None else "cross_entropy"
             batch = inputs if inputs is not None else [_to_tinker(d) for d in datums]
             records[name] = _record(tc.forward_backward(batch, loss_fn).result(), datums)
+
+        def forward_images(name: str) -> None:
+            batch = [_image_to_tinker(d) for d in images]
+            records[name] = _record(tc.forward(batch, "cross_entropy").result(), images)
+
+        def train_images(name: str) -> None:
+            batch = [_image_to_tinker(d) for d in images]
+            records[name] = _record(tc.forward_backward(batch, "cross_entropy").result(), images)
 
         def step(name: str, params: dict[str, float]) -> None:
             metrics = tc.optim_step(tinker.AdamParams(**params)).result().metrics
@@ -164,6 +199,7 @@ def run_parity(
             ("forward.main", lambda: forward("forward.main", main)),
             ("forward.lone", lambda: forward("forward.lone", [data.lone])),
             ("forward.long", lambda: forward("forward.long", long)),
+            *([("forward.images", lambda: forward_images("forward.images"))] if images else []),
             ("cross_entropy", lambda: train("cross_entropy", main)),
             ("optim_step cross_entropy", lambda: step("cross_entropy", ADAM)),
             ("importance_sampling", lambda: train("importance_sampling", main, _policy(main))),
@@ -173,9 +209,11 @@ def run_parity(
             ("long_step.lone", lambda: train("long_step.lone", [data.lone])),
             ("long_step.long", lambda: train("long_step.long", list(data.long))),
             ("long_step.tail", lambda: train("long_step.tail", [data.tail])),
+            *([("long_step.images", lambda: train_images("long_step.images"))] if images else []),
             ("optim_step long_step", lambda: step("long_step", ADAM_DECAY)),
             ("after.main", lambda: forward("after.main", main)),
             ("after.long", lambda: forward("after.long", long)),
+            *([("after.images", lambda: forward_images("after.images"))] if images else []),
         ]
         for name, request in requests:
             try:
@@ -206,7 +244,9 @@ def run_parity(
             "adam_decay": ADAM_DECAY,
             "text": "tokenizer" if encode else "bytes",
         },
-        "data_digest": data.digest(),
+        "data_digest": data.digest()
+        if not images
+        else hashlib.sha256((data.digest() + image_digest(images)).encode()).hexdigest(),
         "records": records,
         "grad_norms": grad_norms,
         "replica_check": replica_check,

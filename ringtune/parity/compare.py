@@ -7,6 +7,8 @@ Log-prob deltas ``Δ = lp_B - lp_A`` per scored position. Figures (``value <= li
   starting weights (``forward.*``); ``lp.trimmed_kl``: the mean of ``k3 = e^Δ - 1 - Δ`` (≈ Δ²/2, a per-token
   KL estimate from label log-probs) over the long rows' positions below their 99th percentile (a few flipped
   tokens do not dominate; short rows stay out, they have their own gate);
+- ``lp.images.mean`` / ``lp.images.p99``: the same over the image datums' forward (``forward.images``), when the
+  servers take images; their ``long_step.images`` and ``after.images`` count among the requests after a step;
 - ``lp.short[<datum>].max``: each short row's (and the lone datum's) largest ``|Δ|`` at the starting weights;
 - windows, as the ratio of their mean ``|Δ|`` to the long rows' interior mean (positions near no chunk boundary
   and in no split window): ``lp.chunk[k]`` (zigzag chunk k), ``lp.boundary[k]`` (``[b-2, b+2)`` around the
@@ -51,8 +53,10 @@ POST_STEP = (
     "long_step.lone",
     "long_step.long",
     "long_step.tail",
+    "long_step.images",
     "after.main",
     "after.long",
+    "after.images",
 )
 LOSS_RECORDS = (
     "cross_entropy",
@@ -61,6 +65,7 @@ LOSS_RECORDS = (
     "long_step.lone",
     "long_step.long",
     "long_step.tail",
+    "long_step.images",
 )
 REPLICA_DIVERGED = "replicas diverged"
 """What a server error says when the ranks' replicas came apart (ringtune.engine.replica_check)."""
@@ -170,6 +175,10 @@ def compute_figures(a: Mapping[str, Any], b: Mapping[str, Any], *, window_layout
     everything = np.abs(np.concatenate([d for name in PRE_STEP for d in pre[name]]))
     figures.append(Figure("lp.mean", _stat(everything, "mean"), limits.lp_mean))
     figures.append(Figure("lp.p99", _stat(everything, "p99"), limits.lp_p99))
+    if "forward.images" in ra:  # a server that takes images (ringtune.parity.image_datums)
+        images = np.abs(np.concatenate(_deltas(ra["forward.images"], rb["forward.images"])))
+        figures.append(Figure("lp.images.mean", _stat(images, "mean"), limits.lp_mean))
+        figures.append(Figure("lp.images.p99", _stat(images, "p99"), limits.lp_p99))
 
     # Long rows of the starting-weight forwards: per-position classes under the window layout.
     positions = {
