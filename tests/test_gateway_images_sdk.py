@@ -5,25 +5,34 @@ Qwen3.5-VL checkpoint (transformers' ``save_pretrained``, with its image process
   checkpoint that reports the checkpoint as its ``image_dir`` and records what reaches it: the cookbook's datums
   (1-3 images of different sizes) arrive as ``TrainDatum`` s whose image-pad tokens and ``ImageInput`` s match the
   renderer's chunks, the answer has the datum's length, and bad images are ``category: user`` errors.
-- :func:`test_serve_cp2_end_to_end`: ``ringtune serve --cp 2`` on the same checkpoint (a few SL steps, a sample
-  with an image, ``compute_logprobs``, refusals). It needs the model side of issue 35 (the vision tower loaded
-  as ``CausalLM.model.visual``, MRoPE under CP, the sampler's image prefill) and skips, saying so, without it.
+- The ``serve_cp2`` tests: ``ringtune serve --cp 2`` on the same checkpoint: a few SL steps on the renderer's
+  image conversations (the loss falls), bad images refused as ``user``, the ``vlm_classifier`` recipe's own
+  dataset and the cookbook's supervised train loop, unmodified, on a local image folder; then a sample with an
+  image in the prompt and ``compute_logprobs`` against the trainer. They need the model side of issue 35 (the
+  vision tower loaded as ``CausalLM.model.visual``, MRoPE under CP) and the sampler's image prefill, and skip,
+  naming the missing piece, without them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
+import json
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+import chz
 import pytest
 import tinker
 from image_fixtures import VISION_TOKENS, image_bytes, tiny_vl_dir
 from PIL import Image
 from tinker_cookbook.image_processing_utils import get_image_processor
+from tinker_cookbook.recipes.vlm_classifier.data import ClassifierDataset, ClassifierDatasetConfig
 from tinker_cookbook.renderers import TrainOnWhat, get_renderer
+from tinker_cookbook.supervised import train
 from tinker_cookbook.supervised.common import datum_from_model_input_weights
+from tinker_cookbook.supervised.types import SupervisedDataset, SupervisedDatasetBuilder
 from tinker_cookbook.tokenizer_utils import get_tokenizer
 
 from ringtune.gateway.backend import BackendInfo
@@ -31,6 +40,7 @@ from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.serve_process import ServeProcess
 from ringtune.gateway.server import ServerThread
 from ringtune.models.checkpoints.load import load_model
+from ringtune.sample import pool
 from ringtune.worker.local import LocalBackend
 
 API_KEY = "tml-images"
@@ -94,6 +104,43 @@ def model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def image_folder(tmp_path_factory) -> Path:
+    """A local image-folder dataset (``train/<class>/<i>.png``, 2 classes x 4 images of different sizes) that
+    ``datasets.load_dataset`` reads offline as ``image`` and ``label`` columns, as the recipe's Caltech101 has."""
+    root = tmp_path_factory.mktemp("folder")
+    for c, name in enumerate(("red_fox", "blue_jay")):
+        (root / "train" / name).mkdir(parents=True)
+        for i in range(4):
+            w, h = SIZES[(c + i) % len(SIZES)]
+            (root / "train" / name / f"{i}.png").write_bytes(image_bytes(w, h, seed=10 * c + i))
+    return root
+
+
+def recipe_config(model_dir: Path, folder: Path) -> ClassifierDatasetConfig:
+    """The ``vlm_classifier`` recipe's dataset config on the local folder and the tiny checkpoint."""
+    return ClassifierDatasetConfig(
+        dataset=str(folder),
+        dataset_split="train",
+        model_name_for_tokenizer=str(model_dir),
+        renderer_name="qwen3_5_disable_thinking",
+        batch_size=4,
+        max_length=512,
+        max_image_size=128,
+    )
+
+
+@chz.chz
+class LocalClassifierBuilder(SupervisedDatasetBuilder):
+    """The recipe's ``ClassifierDataset`` as a dataset builder of the cookbook's train loop (no test split)."""
+
+    model_dir: str
+    folder: str
+
+    def __call__(self) -> tuple[SupervisedDataset, SupervisedDataset | None]:
+        return ClassifierDataset(recipe_config(Path(self.model_dir), Path(self.folder))), None
+
+
+@pytest.fixture(scope="module")
 def gateway(model_dir, tmp_path_factory) -> Iterator[dict]:
     backend = RecordingImageBackend(model_dir, max_tokens_per_rank=512, model_name=MODEL_NAME)
     config = GatewayConfig(checkpoint_root=str(tmp_path_factory.mktemp("ckpt")), api_key=API_KEY, poll_timeout_s=5.0)
@@ -103,9 +150,10 @@ def gateway(model_dir, tmp_path_factory) -> Iterator[dict]:
     server.stop()
 
 
-def test_image_datums_reach_the_engine(gateway, model_dir):
+def test_image_datums_reach_the_engine(gateway, model_dir, image_folder):
     renderer = renderer_for(model_dir)
     data = [sl_datum(renderer, conversation(n, f"answer {n}", seed=n)) for n in (1, 2, 3)]
+    data += ClassifierDataset(recipe_config(model_dir, image_folder)).get_batch(0)  # the recipe's own datums
     client = tinker.ServiceClient(base_url=gateway["url"], api_key=API_KEY)
     training = client.create_lora_training_client(MODEL_NAME, rank=0).result()
     out = training.forward(data, "cross_entropy").result()
@@ -129,46 +177,83 @@ def test_image_datums_reach_the_engine(gateway, model_dir):
         print("refused:", err.value)
 
 
-def _vision_tower_loads(model_dir: Path) -> bool:
-    return getattr(load_model(str(model_dir)).model, "visual", None) is not None
+@pytest.fixture(scope="module")
+def served(model_dir, tmp_path_factory) -> Iterator[dict]:
+    """``ringtune serve --cp 2`` on the tiny VL checkpoint (served under its directory's name, as the cookbook's
+    train loop names the model it tokenizes with)."""
+    if getattr(load_model(str(model_dir)).model, "visual", None) is None:
+        pytest.skip("needs issue 35's model side (branch h-vlm): the vision tower loaded as CausalLM.model.visual")
+    root = tmp_path_factory.mktemp("serve-cp2")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HF_HUB_OFFLINE", "1")
+        env.setenv("TINKER_API_KEY", API_KEY)
+        proc = ServeProcess(
+            str(model_dir),
+            checkpoint_root=root / "ckpt",
+            log_path=root / "server.log",
+            api_key=API_KEY,
+            extra_args=["--cp", "2", "--context-length", "1024"],
+        )
+        with proc:
+            yield {"url": proc.url, "root": root}
 
 
-def test_serve_cp2_end_to_end(model_dir, tmp_path):
-    """``serve --cp 2``: SL steps on image conversations (the loss falls), a sample with an image in the prompt,
-    ``compute_logprobs`` equal to the trainer's on the same tokens, bad images refused as ``user``."""
-    if not _vision_tower_loads(model_dir):
-        pytest.skip("needs issue 35's model side (branch h-vlm): the vision tower as CausalLM.model.visual")
+def test_serve_cp2_trains_on_images(served, model_dir, image_folder):
+    """A few SL steps on image conversations (the loss falls), bad images refused as ``user``, and the recipe's
+    dataset in the cookbook's own train loop (two steps, finite NLL)."""
     renderer = renderer_for(model_dir)
     data = [sl_datum(renderer, conversation(n, f"answer {n}", seed=n)) for n in (1, 2, 3)]
-    proc = ServeProcess(
-        str(model_dir),
-        checkpoint_root=tmp_path / "ckpt",
-        log_path=tmp_path / "server.log",
-        api_key=API_KEY,
-        extra_args=["--cp", "2", "--max-tokens-per-rank", "512", "--model-name", MODEL_NAME],
-    )
-    with proc:
-        client = tinker.ServiceClient(base_url=proc.url, api_key=API_KEY)
-        training = client.create_lora_training_client(MODEL_NAME, rank=0).result()
-        losses = []
-        for _ in range(4):
-            out = training.forward_backward(data, "cross_entropy").result()
-            losses.append(out.metrics["loss:sum"])
-            training.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
-        assert losses[-1] < losses[0], losses
-        with pytest.raises(tinker.RequestFailedError) as err:
-            bad = with_image_chunk(data[0], expected_tokens=1)
-            training.forward([bad], "cross_entropy").result()
-        assert err.value.category == tinker.types.RequestErrorCategory.User
+    client = tinker.ServiceClient(base_url=served["url"], api_key=API_KEY)
+    training = client.create_lora_training_client(str(model_dir), rank=0).result()
+    losses = []
+    for _ in range(4):
+        losses.append(training.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
+        training.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
+    assert losses[-1] < losses[0], losses
+    bad = with_image_chunk(data[0], expected_tokens=1)
+    with pytest.raises(tinker.RequestFailedError) as err:
+        training.forward([bad], "cross_entropy").result()
+    assert err.value.category == tinker.types.RequestErrorCategory.User
 
-        sampler = training.save_weights_and_get_sampling_client()
-        prompt = renderer.build_generation_prompt(conversation(1, "")[:1])
-        sample = sampler.sample(prompt, 1, tinker.SamplingParams(max_tokens=4, temperature=0.0)).result()
-        assert len(sample.sequences[0].tokens) >= 1
-        full = data[0].model_input
-        logprobs = sampler.compute_logprobs(full).result()
-        trained = training.forward([data[0]], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
-        targets = data[0].loss_fn_inputs["target_tokens"].tolist()
-        text = [i for i, t in enumerate(targets) if t != 0]  # image positions have target 0 in the cookbook
-        # float32 server: sampler and trainer run different kernels (prefill vs packed training forward)
-        assert all(abs(logprobs[i + 1] - trained[i]) < 1e-4 for i in text[:-1])
+    log_path = served["root"] / "vlm-classifier"
+    config = train.Config(
+        log_path=str(log_path),
+        model_name=str(model_dir),
+        recipe_name="ringtune_vlm_classifier_test",
+        renderer_name="qwen3_5_disable_thinking",
+        dataset_builder=LocalClassifierBuilder(model_dir=str(model_dir), folder=str(image_folder)),
+        learning_rate=1e-3,
+        lr_schedule="constant",
+        lora_rank=0,
+        base_url=served["url"],
+        save_every=0,
+        eval_every=0,
+        infrequent_eval_every=0,
+        max_steps=2,
+    )
+    asyncio.run(train.main(config))
+    rows = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [row["step"] for row in rows] == [0, 1] and all(row["train_mean_nll"] > 0 for row in rows)
+
+
+def test_serve_cp2_samples_with_an_image(served, model_dir):
+    """A sample with an image in the prompt, and ``compute_logprobs`` of an image datum equal to the trainer's."""
+    if hasattr(pool, "check_no_images"):
+        pytest.skip(
+            "needs the sampler's image prefill (ringtune/sample: prefill through the vision tower, decode "
+            "MRoPE positions after images); pool.check_no_images still refuses prompt images"
+        )
+    renderer = renderer_for(model_dir)
+    client = tinker.ServiceClient(base_url=served["url"], api_key=API_KEY)
+    training = client.create_lora_training_client(str(model_dir), rank=0).result()
+    sampler = training.save_weights_and_get_sampling_client()
+    prompt = renderer.build_generation_prompt(conversation(1, "")[:1])
+    sample = sampler.sample(prompt, 1, tinker.SamplingParams(max_tokens=4, temperature=0.0)).result()
+    assert len(sample.sequences[0].tokens) >= 1
+    datum = sl_datum(renderer, conversation(2, "answer", seed=5))
+    logprobs = sampler.compute_logprobs(datum.model_input).result()
+    trained = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    targets = datum.loss_fn_inputs["target_tokens"].tolist()
+    text = [i for i, t in enumerate(targets[:-1]) if t != 0]  # the cookbook's targets are 0 at image positions
+    # float32 server: the sampler's prefill and the packed training forward round differently (docs/sampling.md)
+    assert max(abs(logprobs[i + 1] - trained[i]) for i in text) < 1e-4
