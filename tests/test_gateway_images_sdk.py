@@ -199,8 +199,9 @@ def served(model_dir, tmp_path_factory) -> Iterator[dict]:
 
 
 def test_serve_cp2_trains_on_images(served, model_dir, image_folder):
-    """A few SL steps on image conversations (the loss falls), bad images refused as ``user``, and the recipe's
-    dataset in the cookbook's own train loop (two steps, finite NLL)."""
+    """A few SL steps on image conversations (the loss falls), the image's pixels change the log-probs after it (and
+    only after it), bad images refused as ``user``, and the recipe's dataset in the cookbook's own train loop (two
+    steps, finite NLL)."""
     renderer = renderer_for(model_dir)
     data = [sl_datum(renderer, conversation(n, f"answer {n}", seed=n)) for n in (1, 2, 3)]
     client = tinker.ServiceClient(base_url=served["url"], api_key=API_KEY)
@@ -210,6 +211,12 @@ def test_serve_cp2_trains_on_images(served, model_dir, image_folder):
         losses.append(training.forward_backward(data, "cross_entropy").result().metrics["loss:sum"])
         training.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
     assert losses[-1] < losses[0], losses
+    # the image reaches the model: two images of one size (same tokens) change the log-probs after it, not before
+    one, other = (sl_datum(renderer, conversation(1, "answer", seed=s)) for s in (0, len(SIZES)))
+    start = len(one.model_input.chunks[0].tokens)  # the image's first token
+    lp = [o["logprobs"].tolist() for o in training.forward([one, other], "cross_entropy").result().loss_fn_outputs]
+    assert max(abs(x - y) for x, y in zip(lp[0][: start - 1], lp[1][: start - 1], strict=True)) < 1e-6
+    assert max(abs(x - y) for x, y in zip(lp[0][start:], lp[1][start:], strict=True)) > 1e-4
     bad = with_image_chunk(data[0], expected_tokens=1)
     with pytest.raises(tinker.RequestFailedError) as err:
         training.forward([bad], "cross_entropy").result()
