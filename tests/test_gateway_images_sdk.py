@@ -177,6 +177,24 @@ def test_image_datums_reach_the_engine(gateway, model_dir, image_folder):
         print("refused:", err.value)
 
 
+def test_sample_prompts_with_images_through_the_sdk(gateway, model_dir):
+    """``asample`` JSON with base64 images: decoded off the event loop, a bad image a 400 naming the chunk, and a
+    good one handed to the sampler (which, until it prefills images, refuses it as a ``user`` error)."""
+    renderer = renderer_for(model_dir)
+    client = tinker.ServiceClient(base_url=gateway["url"], api_key=API_KEY)
+    sampler = client.create_sampling_client(base_model=MODEL_NAME)
+    prompt = renderer.build_generation_prompt(conversation(2, "")[:1])
+    params = tinker.SamplingParams(max_tokens=2, temperature=0.0)
+    wrong = with_image_chunk(tinker.Datum(model_input=prompt, loss_fn_inputs={}), expected_tokens=3).model_input
+    with pytest.raises(tinker.BadRequestError, match=r"prompt\.chunks\[\d+\]\.expected_tokens=3 but the image is 2 tokens"):
+        sampler.sample(wrong, 1, params).result()
+    if hasattr(pool, "check_no_images"):  # this branch: the sampler's image prefill is the model side's
+        with pytest.raises(tinker.RequestFailedError, match=r"2 image\(s\); this sampler does not prefill images"):
+            sampler.sample(prompt, 1, params).result()
+    else:
+        assert len(sampler.sample(prompt, 1, params).result().sequences[0].tokens) >= 1
+
+
 @pytest.fixture(scope="module")
 def served(model_dir, tmp_path_factory) -> Iterator[dict]:
     """``ringtune serve --cp 2`` on the tiny VL checkpoint (served under its directory's name, as the cookbook's

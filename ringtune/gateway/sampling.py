@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import struct
@@ -38,6 +39,7 @@ from ringtune.gateway.images import ImageDecoder, image_decoder
 from ringtune.gateway.routing_records import RoutingRecords
 from ringtune.gateway.sample_prompt import prompt_input
 from ringtune.gateway.sample_targets import TargetLayout, encode_targets, parse_targets
+from ringtune.models.image_input import ImageInput
 from ringtune.sample.alt_tokens import MAX_PROMPT_ALT_TOKENS_K
 from ringtune.sample.params import DEFAULT_MAX_TOKENS, SamplingParams
 from ringtune.sample.pool import SampleRequest, SamplerSource
@@ -104,14 +106,19 @@ def _bounded_params(params: dict[str, Any], prompt_len: int, context_length: int
 
 
 def sample_request(
-    body: SampleBody, vocab_size: int, max_prompt_tokens: int, images: ImageDecoder | None = None
+    body: SampleBody,
+    vocab_size: int,
+    max_prompt_tokens: int,
+    images: ImageDecoder | None = None,
+    prompt: tuple[list[int], tuple[ImageInput, ...]] | None = None,
 ) -> tuple[SampleRequest, TargetLayout | None]:
     """A validated :class:`SampleRequest` and the layout of its ``target_prompt_logprobs`` (None without);
     UserInputError naming the field, the value and the limit. ``images``: the served checkpoint's image decoder
-    (None: image chunks refused); a prompt's images count in its length (:mod:`ringtune.gateway.sample_prompt`)."""
+    (None: image chunks refused); a prompt's images count in its length (:mod:`ringtune.gateway.sample_prompt`).
+    ``prompt``: ``prompt_input``'s answer for ``body.prompt`` when the caller already decoded it, else None."""
     if not isinstance(body.prompt_logprobs, bool):
         raise UserInputError(f"prompt_logprobs={body.prompt_logprobs!r} must be true or false")
-    prompt, prompt_images = prompt_input(body.prompt, vocab_size, images)
+    prompt, prompt_images = prompt if prompt is not None else prompt_input(body.prompt, vocab_size, images)
     if len(prompt) > max_prompt_tokens:
         raise UserInputError(f"prompt: {len(prompt)} tokens, over the limit of {max_prompt_tokens}")
     last_n = body.prompt_logprobs_last_n
@@ -262,8 +269,21 @@ class SamplingService:
             self.submit(DRAIN_KEY, lambda: [self.backend.free_sampler(sid) for sid in freed])
         return freed
 
-    def asample(self, body: SampleBody) -> dict[str, Any]:
-        """Validate and queue one request; ``{"request_id", "sample_sequence_ids"}`` at once."""
+    async def asample_decoding_images(self, body: SampleBody) -> dict[str, Any]:
+        """Loop thread: :meth:`asample`, the prompt's images (if any) decoded first on a worker thread, since
+        decoding and preprocessing a large image takes long enough to stall every other client on the loop."""
+        chunks = body.prompt.get("chunks")
+        if not isinstance(chunks, list) or not any(isinstance(c, dict) and c.get("type") == "image" for c in chunks):
+            return self.asample(body)
+        info = self.backend.info()
+        prompt = await asyncio.to_thread(prompt_input, body.prompt, info.vocab_size, image_decoder(info))
+        return self.asample(body, prompt)
+
+    def asample(
+        self, body: SampleBody, prompt: tuple[list[int], tuple[ImageInput, ...]] | None = None
+    ) -> dict[str, Any]:
+        """Validate and queue one request; ``{"request_id", "sample_sequence_ids"}`` at once. ``prompt``: the
+        prompt already decoded (:meth:`asample_decoding_images`), or None to decode it here."""
         sampler_id = body.sampling_session_id
         if sampler_id is None or sampler_id not in self.sessions:
             raise UserInputError(
@@ -273,7 +293,7 @@ class SamplingService:
         if key is not None and key in self._seen:
             return self._seen[key]
         info = self.backend.info()
-        request, layout = sample_request(body, info.vocab_size, self.max_prompt_tokens, image_decoder(info))
+        request, layout = sample_request(body, info.vocab_size, self.max_prompt_tokens, image_decoder(info), prompt)
         request_id = self.futures.create("sample")
         answer = {
             "request_id": request_id,

@@ -28,6 +28,7 @@ from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.dispatch import Dispatcher
 from ringtune.gateway.downloads import DownloadSigner
 from ringtune.gateway.futures import FutureStore, Outcome
+from ringtune.gateway.images import image_decoder
 from ringtune.gateway.observe import ObservedBackend
 from ringtune.gateway.paths import CheckpointPaths
 from ringtune.gateway.refusal import RefusedError
@@ -68,6 +69,7 @@ class GatewayService:
         self.executor = FairExecutor("ringtune-backend", max_join=config.lora_pass_runs)
         self.dispatcher = Dispatcher(self.futures, self.executor)
         self.downloads = DownloadSigner()
+        image_decoder(backend.info())  # loaded now (seconds), not by the first image request on the event loop
         self.routing = RoutingRecords() if config.routing_replay else None
         self.sampling = SamplingService(
             self.backend,
