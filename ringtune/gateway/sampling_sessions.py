@@ -75,8 +75,8 @@ async def create_sampling_session(
             source = translate.parse_tinker_path("model_path", body.model_path, kinds=SAMPLED_KINDS)
         origin = runs.run(source.run_id, live=False)
         if body.base_model is not None:
-            runs.check_base_model(body.base_model)
             check_agreement(runs, body.base_model, body.model_path, origin)
+            runs.check_base_model(body.base_model)
         if source.checkpoint_id not in origin.checkpoints:
             raise RefusedError(404, f"model_path={body.model_path!r}: run {source.run_id} has no such checkpoint")
         if source.kind == "weights":
