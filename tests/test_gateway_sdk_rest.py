@@ -94,7 +94,6 @@ def test_inflight_samplers_share_the_newest_published_weights(gateway):
         first = tc.save_weights_and_get_sampling_client(kind="inflight").result()
         snapshot = tc.save_weights_and_get_sampling_client().result()
         w1 = logprobs(first)
-        assert logprobs(snapshot) == w1
         train_step(tc, 2)
         assert logprobs(first) == w1  # not published yet
         second = tc.save_weights_and_get_sampling_client(kind="inflight").result()
