@@ -11,7 +11,8 @@ import logging
 import shutil
 from typing import Any
 
-from ringtune.gateway.backend import Backend
+from ringtune.errors import UserInputError
+from ringtune.gateway.backend import Backend, BackendInfo, served_info
 from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.dispatch import Commit, Dispatcher
 from ringtune.gateway.futures import Outcome
@@ -29,7 +30,7 @@ class RunBook:
 
     Args:
         config: the gateway's settings (``max_live_runs``, ``gap_timeout_s``, ``session_timeout_s``).
-        backend: the backend whose model is served (its ``info``; runs are freed on it).
+        backend: the backend whose models are served (its ``models``; runs are freed on it).
         registry: sessions and run records (saved under the checkpoint root).
         paths: the checkpoint root (a freed run's ephemeral exports are deleted).
         dispatcher: runs the jobs that free runs; resolves the futures of ops a free cancels.
@@ -74,13 +75,20 @@ class RunBook:
             raise RefusedError(410, f"session_id={session_id!r} is finished ({session.finished})")
         return session
 
-    def check_base_model(self, base_model: str) -> None:
-        """RefusedError 400 unless ``base_model`` is the served model's name or one of its aliases."""
-        info = self.backend.info()
-        if base_model not in (info.model_name, *info.aliases):
-            raise RefusedError(
-                400, f"base_model={base_model!r} is not served here; this server trains {info.model_name!r}"
-            )
+    def check_base_model(self, base_model: str) -> BackendInfo:
+        """The served model ``base_model`` names (its name or an alias; :meth:`Backend.models`); RefusedError 400
+        naming the served models otherwise."""
+        try:
+            return served_info(self.backend.models(), base_model)
+        except UserInputError as exc:
+            raise RefusedError(400, str(exc)) from None
+
+    def model_of(self, record: RunRecord) -> BackendInfo:
+        """The served model of run ``record`` (a run of a model no longer served reports the first one's)."""
+        try:
+            return served_info(self.backend.models(), record.base_model)
+        except UserInputError:
+            return self.backend.info()
 
     # ------------------------------------------------------------------ runs
 
@@ -92,14 +100,16 @@ class RunBook:
         metadata: dict[str, str],
         lora: dict[str, Any] | None = None,
     ) -> RunRecord:
-        """Record run ``<session>:train:<model_seq_id>`` as live in ``session`` if memory admits it (a LoRA run
-        costs its adapters' state, :mod:`ringtune.gateway.run_memory`); nothing on the backend yet. RefusedError 400
-        for a bad ``model_seq_id`` or a run memory does not admit."""
+        """Record run ``<session>:train:<model_seq_id>`` of served model ``base_model`` as live in ``session`` if
+        that model's memory budget admits it (its live runs against ``config.live_runs_of`` it; a LoRA run costs its
+        adapters' state, :mod:`ringtune.gateway.run_memory`); nothing on the backend yet. RefusedError 400 for a bad
+        ``model_seq_id``, a base model not served, or a run memory does not admit."""
         if isinstance(model_seq_id, bool) or model_seq_id < 0:
             raise RefusedError(400, f"model_seq_id={model_seq_id!r} must be an integer >= 0")
-        live = [r.lora for r in self.registry.live_runs()]
+        info = self.check_base_model(base_model)
+        live = [r.lora for r in self.registry.live_runs() if self.model_of(r).model_name == info.model_name]
         with refusing_bad_input():
-            check_admission(self.backend.info(), live, lora, self.config.max_live_runs)
+            check_admission(info, live, lora, self.config.live_runs_of(info.model_name))
         run_id = f"{session.session_id}:train:{model_seq_id}"
         now = now_utc()
         record = RunRecord(run_id, base_model, session.session_id, metadata, now, now, live=True, lora=lora)
@@ -134,7 +144,7 @@ class RunBook:
     def get_info(self, model_id: str) -> dict[str, Any]:
         """``get_info`` of run ``model_id`` (live or not): the served model's data, LoRA rank, optimizer."""
         record = self.run(model_id, live=False)
-        info = self.backend.info()
+        info = self.model_of(record)
         model_data = {"arch": info.arch, "model_name": record.base_model}
         if info.tokenizer_dir:
             model_data["tokenizer_id"] = info.tokenizer_dir

@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict
 from tinker.proto import tinker_public_pb2 as pb
 
 from ringtune.errors import UserInputError
+from ringtune.gateway.backend import served_info
 from ringtune.gateway.futures import FutureStore, Outcome
 from ringtune.gateway.routing_records import RoutingRecords
 from ringtune.gateway.sample_targets import TargetLayout, encode_targets, parse_targets
@@ -292,7 +293,8 @@ class SamplingService:
         key = (sampler_id, body.seq_id) if isinstance(body.seq_id, int) else None
         if key is not None and key in self._seen:
             return self._seen[key]
-        request, layout = sample_request(body, self.backend.info().vocab_size, self.max_prompt_tokens)
+        vocab_size = served_info(self.backend.models(), self.sessions[sampler_id].base_model).vocab_size
+        request, layout = sample_request(body, vocab_size, self.max_prompt_tokens)
         request_id = self.futures.create("sample")
         answer = {
             "request_id": request_id,

@@ -39,10 +39,11 @@ async def create_sampling_session(
         path = paths.checkpoint(run_id, "sampler_weights", name)
         if not (path / "config.json").is_file():
             raise RefusedError(404, f"model_path={body.model_path!r}: no such sampler checkpoint")
-        base_model, where = origin.base_model, SamplerSource(path=str(path))
+        model = runs.model_of(origin).model_name
+        base_model, where = origin.base_model, SamplerSource(path=str(path), model=model)
     else:
-        runs.check_base_model(body.base_model)
-        base_model, where = body.base_model, SamplerSource()
+        model = runs.check_base_model(body.base_model).model_name
+        base_model, where = body.base_model, SamplerSource(model=model)
     sampler_id = new_sampler_id(session.session_id, body.sampling_session_seq_id)
     await dispatcher.on_backend(lambda: sampling.register(sampler_id, base_model, body.model_path, where))
     return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}

@@ -31,16 +31,16 @@ UNITS = {
 GIB = 2**30
 
 
-def parse_memory(text: str) -> int:
-    """Bytes of ``80GiB``, ``141GB``, ``80 GiB``, ``512MiB``; UserInputError naming ``--gpu-memory`` otherwise."""
+def parse_memory(text: str, flag: str = "--gpu-memory") -> int:
+    """Bytes of ``80GiB``, ``141GB``, ``80 GiB``, ``512MiB``; UserInputError naming ``flag`` otherwise."""
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]+)\s*", text)
     if not match or match.group(2).lower() not in UNITS:
         raise UserInputError(
-            f"--gpu-memory={text!r}: expected a number and a unit, e.g. 80GiB or 141GB (units: {', '.join(UNITS)})"
+            f"{flag}={text!r}: expected a number and a unit, e.g. 80GiB or 141GB (units: {', '.join(UNITS)})"
         )
     value = int(float(match.group(1)) * UNITS[match.group(2).lower()])
     if value <= 0:
-        raise UserInputError(f"--gpu-memory={text!r}: must be > 0 bytes")
+        raise UserInputError(f"{flag}={text!r}: must be > 0 bytes")
     return value
 
 

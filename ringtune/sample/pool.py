@@ -36,10 +36,12 @@ DEFAULT_MAX_ADAPTER_SNAPSHOTS = 64
 @dataclass(frozen=True)
 class SamplerSource:
     """Where a sampling session's weights come from: ``path`` (an HF directory), ``run_id`` (a live run's
-    current weights), or neither (the served base model)."""
+    current weights), or neither (the served base model); ``model``: the name of the served base model it belongs
+    to (several served models: :mod:`ringtune.worker.served_models`; None: the run's model, else the first)."""
 
     path: str | None = None
     run_id: str | None = None
+    model: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
