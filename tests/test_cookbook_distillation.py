@@ -1,0 +1,118 @@
+"""The cookbook's on-policy distillation (``tinker_cookbook.distillation.train_on_policy.main``), unmodified, with
+teacher and student both served by one ``ringtune serve`` (``--model`` given twice), offline.
+
+Two tiny random Llamas with SmolLM2's real tokenizer (so the cookbook's ``role_colon`` renderer works): the student
+as it is drawn, the teacher with its unembedding scaled up (a peaked distribution the student can move towards).
+The recipe samples from the student (a LoRA run of the recipe's default rank 32), asks the teacher's sampling client
+(``create_sampling_client(base_model=<teacher>)``) for ``compute_logprobs`` of every sampled sequence, and trains the
+student on the reverse-KL advantages with ``importance_sampling``; its ``teacher_kl`` metric falls step by step.
+Local prompts stand in for the recipe's DeepMath / Tulu-3 downloads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import chz
+import pytest
+import tinker
+import torch
+from safetensors.torch import load_file, save_file
+from smollm_fixtures import tiny_smollm_dir
+from tinker_cookbook.distillation import train_on_policy
+from tinker_cookbook.distillation.datasets import DistillationDatasetConfig, PromptOnlyDataset, TeacherConfig
+from tinker_cookbook.renderers import get_renderer
+from tinker_cookbook.rl.types import RLDataset, RLDatasetBuilder
+from tinker_cookbook.tokenizer_utils import get_tokenizer
+
+from ringtune.gateway.serve_process import ServeProcess
+
+API_KEY = "tml-cookbook-distill"
+RENDERER = "role_colon"
+PROMPTS = ["Name a fruit.", "Say hello.", "Count to three.", "Pick a colour.", "Spell cat.", "Greet me."] * 2
+STEPS = 6
+TEACHER_SHARPNESS = 8.0  # the teacher's unembedding scale: its next-token distribution is far from uniform
+
+
+def sharpen_unembedding(model_dir: Path, factor: float) -> None:
+    """Scale ``lm_head.weight`` of the HF checkpoint in ``model_dir`` by ``factor`` (in place)."""
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    tensors["lm_head.weight"] = tensors["lm_head.weight"] * factor
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+@chz.chz
+class LocalPromptsBuilder(RLDatasetBuilder):
+    """The recipe's :class:`PromptOnlyDataset` over :data:`PROMPTS` (no download)."""
+
+    model_name: str
+    batch_size: int
+    group_size: int
+
+    async def __call__(self) -> tuple[RLDataset, RLDataset | None]:
+        tokenizer = get_tokenizer(self.model_name)
+        renderer = get_renderer(RENDERER, tokenizer)
+        return PromptOnlyDataset(PROMPTS, self.batch_size, self.group_size, renderer, tokenizer), None
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cookbook-distill")
+    student = tiny_smollm_dir(root / "models" / "student", seed=0)
+    teacher = tiny_smollm_dir(root / "models" / "teacher", seed=1)
+    sharpen_unembedding(teacher, TEACHER_SHARPNESS)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("HF_HUB_OFFLINE", "1")
+        env.setenv("TINKER_API_KEY", API_KEY)
+        proc = ServeProcess(
+            str(student),
+            checkpoint_root=root / "checkpoints",
+            log_path=root / "server.log",
+            api_key=API_KEY,
+            extra_args=["--model", str(teacher), "--context-length", "512"],
+        )
+        with proc:
+            yield {"url": proc.url, "student": str(student), "teacher": str(teacher), "proc": proc}
+
+
+def test_capabilities_list_both_models(server):
+    caps = tinker.RestClient(base_url=server["url"], api_key=API_KEY).get_server_capabilities().result()
+    names = [m.model_name for m in caps.supported_models]
+    assert names == [server["student"], server["teacher"]]
+
+
+def test_on_policy_distillation_teacher_kl_falls(server, tmp_path):
+    log_path = tmp_path / "distill"
+    dataset = LocalPromptsBuilder(model_name=server["student"], batch_size=2, group_size=4)
+    config = train_on_policy.Config(
+        learning_rate=1e-3,
+        dataset_configs=[
+            DistillationDatasetConfig(
+                dataset_builder=dataset,
+                teacher_config=TeacherConfig(base_model=server["teacher"]),
+                groups_per_batch=2,
+            )
+        ],
+        model_name=server["student"],
+        recipe_name="ringtune_distillation_test",
+        renderer_name=RENDERER,
+        max_tokens=8,
+        log_path=str(log_path),
+        base_url=server["url"],
+        eval_every=0,
+        save_every=0,
+        max_steps=STEPS,
+    )
+    asyncio.run(train_on_policy.main(config))
+
+    rows = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    kl = [r["teacher_kl"] for r in rows if "teacher_kl" in r]
+    print(f"teacher_kl by step: {[round(k, 4) for k in kl]}")
+    assert len(kl) == STEPS, rows
+    assert all(torch.isfinite(torch.tensor(kl))), kl
+    # the teacher is far from the student at first, and the student moves towards it
+    assert kl[0] > 0.5, kl
+    assert sum(kl[-2:]) / 2 < 0.7 * sum(kl[:2]) / 2, kl
