@@ -123,6 +123,12 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         help="memory a rank may use (e.g. 80GiB): start-up refuses a model set that does not fit (default: the "
         "device's; with one model checked only when given)",
     )
+    p.add_argument(
+        "--tokenizer-id",
+        default=None,
+        help="get_info's tokenizer_id for remote clients, e.g. a hub id (default: the tokenizer's hub id if known, "
+        "else its local dir)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--checkpoint-root", default="ringtune-checkpoints", help="where runs and checkpoints live")

@@ -21,6 +21,7 @@ from ringtune.gateway.refusal import RefusedError, refusing_bad_input
 from ringtune.gateway.run_memory import check_admission
 from ringtune.gateway.sampling import SamplingService
 from ringtune.gateway.state import Registry, RunRecord, Session, now_utc
+from ringtune.gateway.tokenizer_id import remote_tokenizer_id
 
 log = logging.getLogger(__name__)
 
@@ -106,16 +107,24 @@ class RunBook:
         ``model_seq_id``, a base model not served, or a run memory does not admit."""
         if isinstance(model_seq_id, bool) or model_seq_id < 0:
             raise RefusedError(400, f"model_seq_id={model_seq_id!r} must be an integer >= 0")
-        info = self.check_base_model(base_model)
-        live = [r.lora for r in self.registry.live_runs() if self.model_of(r).model_name == info.model_name]
-        with refusing_bad_input():
-            check_admission(info, live, lora, self.config.live_runs_of(info.model_name))
+        self.admit(base_model, lora)
         run_id = f"{session.session_id}:train:{model_seq_id}"
         now = now_utc()
         record = RunRecord(run_id, base_model, session.session_id, metadata, now, now, live=True, lora=lora)
         self.registry.runs[run_id] = record
         session.runs.append(run_id)
         return record
+
+    def admit(self, base_model: str, lora: dict[str, Any] | None) -> BackendInfo:
+        """The served model ``base_model`` names, if its memory budget admits one more run (``lora``: its LoRA spec,
+        None: full fine-tuning) beside that model's live runs (``config.live_runs_of`` it; a LoRA run costs its
+        adapters' state, :mod:`ringtune.gateway.run_memory`). RefusedError 400 for a base model not served or a
+        run memory does not admit."""
+        info = self.check_base_model(base_model)
+        live = [r.lora for r in self.registry.live_runs() if self.model_of(r).model_name == info.model_name]
+        with refusing_bad_input():
+            check_admission(info, live, lora, self.config.live_runs_of(info.model_name))
+        return info
 
     def forget_failed_create(self, record: RunRecord) -> None:
         """A create (or create-via-load) failed: the run never existed (its request_id still answers resubmits)."""
@@ -142,12 +151,15 @@ class RunBook:
         log.info("freed run %s: %s", record.run_id, why)
 
     def get_info(self, model_id: str) -> dict[str, Any]:
-        """``get_info`` of run ``model_id`` (live or not): the served model's data, LoRA rank, optimizer."""
+        """``get_info`` of run ``model_id`` (live or not): the served model's data, LoRA rank, optimizer.
+        ``model_data.tokenizer_id`` is one a remote client can load (:mod:`ringtune.gateway.tokenizer_id`)."""
         record = self.run(model_id, live=False)
         info = self.model_of(record)
         model_data = {"arch": info.arch, "model_name": record.base_model}
-        if info.tokenizer_dir:
-            model_data["tokenizer_id"] = info.tokenizer_dir
+        first = info.model_name == self.backend.info().model_name  # --tokenizer-id is the first model's, as --tokenizer
+        tokenizer_id = remote_tokenizer_id(self.config.tokenizer_id if first else None, info.tokenizer_dir)
+        if tokenizer_id:
+            model_data["tokenizer_id"] = tokenizer_id
         return {
             "type": "get_info",
             "model_id": model_id,
