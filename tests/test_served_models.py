@@ -76,7 +76,12 @@ def test_runs_and_samplers_go_to_their_model(gateway):
         assert all(0 <= t < TEACHER_VOCAB for s in sampled.sequences for t in s.tokens)
         with pytest.raises(Exception, match="vocab"):  # the teacher's vocabulary, not the student's
             teacher.compute_logprobs(tinker.ModelInput.from_ints([1, 90])).result()
-        assert len(teacher.compute_logprobs(tinker.ModelInput.from_ints([1, 7, 9])).result()) == 3
+        # the teacher run trained on the teacher's weights (its LoRA B = 0: the base), and the two bases differ
+        on_teacher = teacher.compute_logprobs(tinker.ModelInput.from_ints([1, 5, 79, 3])).result()[1:]
+        assert on_teacher == pytest.approx(out.loss_fn_outputs[0]["logprobs"].tolist(), abs=1e-4)
+        student = sc.create_sampling_client(base_model=gateway["student_dir"]).result()
+        on_student = student.compute_logprobs(tinker.ModelInput.from_ints([1, 5, 79, 3])).result()[1:]
+        assert max(abs(a - b) for a, b in zip(on_teacher, on_student, strict=True)) > 1e-2
         # the teacher's budget (model_live_runs=1) is its own: beside its LoRA run a full run of it does not fit,
         # while the student (--max-live-runs 4 of its own size) still admits one
         with pytest.raises(Exception, match="max_live_runs"):
