@@ -60,6 +60,9 @@ class RecordingImageBackend(LocalBackend):
     def info(self) -> BackendInfo:
         return replace(super().info(), image_dir=self.image_dir)
 
+    def models(self) -> tuple[BackendInfo, ...]:
+        return tuple(replace(info, image_dir=self.image_dir) for info in super().models())
+
     def forward_backward(self, run_id, data, *args, **kwargs):
         self.received.append(list(data))
         return super().forward_backward(run_id, data, *args, **kwargs)

@@ -14,6 +14,9 @@
   other clients' ops and newer sampling requests run between its slices: a long generation delays a short
   request by about one slice, not by its whole length.
 - Resubmits of a ``(sampling_session_id, seq_id)`` get the original ``request_id``.
+- ``record_stability_info=true`` (a sampling client made for ``stable_reinforce``): each finished sequence is
+  recorded under its ``sample_sequence_ids`` entry (:mod:`ringtune.gateway.stability_records`: prompt, tokens,
+  the float32 log-probs the answer carries, MoE routing when the sampler records it).
 """
 
 from __future__ import annotations
@@ -34,11 +37,13 @@ from pydantic import BaseModel, ConfigDict
 from tinker.proto import tinker_public_pb2 as pb
 
 from ringtune.errors import UserInputError
+from ringtune.gateway.backend import served_info
 from ringtune.gateway.futures import FutureStore, Outcome
 from ringtune.gateway.images import ImageDecoder, image_decoder
 from ringtune.gateway.routing_records import RoutingRecords
 from ringtune.gateway.sample_prompt import prompt_input
 from ringtune.gateway.sample_targets import TargetLayout, encode_targets, parse_targets
+from ringtune.gateway.stability_records import StabilityRecords
 from ringtune.models.image_input import ImageInput
 from ringtune.sample.alt_tokens import MAX_PROMPT_ALT_TOKENS_K
 from ringtune.sample.params import DEFAULT_MAX_TOKENS, SamplingParams
@@ -79,6 +84,7 @@ class SampleBody(BaseModel):
     prompt_alt_tokens_k: Any = 0
     target_prompt_logprobs: Any = None
     prompt_logprobs_last_n: Any = None
+    record_stability_info: Any = None
 
 
 def _int(value: Any, field: str, low: int, high: int) -> int:
@@ -229,6 +235,8 @@ class SamplingService:
         max_prompt_tokens: the served context length (prompt + max_tokens).
         slice_s: decode time per turn of a job (0: each job runs to its end in one turn).
         routing: where the sampled sequences' MoE routing is recorded for replay (``--routing-replay``), or None.
+        stability: where ``record_stability_info`` requests' sequences are recorded, or None (such a request is
+            then refused).
     """
 
     def __init__(
@@ -241,9 +249,12 @@ class SamplingService:
         max_prompt_tokens: int,
         slice_s: float = 0.0,
         routing: RoutingRecords | None = None,
+        stability: StabilityRecords | None = None,
     ) -> None:
         self.backend, self.futures, self.submit, self.call_on_loop = backend, futures, submit, call_on_loop
         self.max_prompt_tokens, self.slice_s, self.routing = max_prompt_tokens, slice_s, routing
+        self.stability = stability
+        self._recorded: dict[str, list[str]] = {}  # request_id -> its sequence ids, while it records
         self.sessions: dict[str, SamplerSession] = {}
         self._seen: dict[tuple[str, int], dict[str, Any]] = {}
         self._pending: list[tuple[str, SampleRequest, str, TargetLayout | None]] = []
@@ -275,7 +286,10 @@ class SamplingService:
         chunks = body.prompt.get("chunks")
         if not isinstance(chunks, list) or not any(isinstance(c, dict) and c.get("type") == "image" for c in chunks):
             return self.asample(body)
-        info = self.backend.info()
+        session = self.sessions.get(body.sampling_session_id or "")
+        if session is None:  # refused by asample, naming the session
+            return self.asample(body)
+        info = served_info(self.backend.models(), session.base_model)
         prompt = await asyncio.to_thread(prompt_input, body.prompt, info.vocab_size, image_decoder(info))
         return self.asample(body, prompt)
 
@@ -292,13 +306,20 @@ class SamplingService:
         key = (sampler_id, body.seq_id) if isinstance(body.seq_id, int) else None
         if key is not None and key in self._seen:
             return self._seen[key]
-        info = self.backend.info()
+        info = served_info(self.backend.models(), self.sessions[sampler_id].base_model)
         request, layout = sample_request(body, info.vocab_size, self.max_prompt_tokens, image_decoder(info), prompt)
+        record = body.record_stability_info
+        if record is not None and not isinstance(record, bool):
+            raise UserInputError(f"record_stability_info={record!r} must be true or false")
+        if record and self.stability is None:
+            raise UserInputError("record_stability_info=true: this server keeps no stability records")
         request_id = self.futures.create("sample")
         answer = {
             "request_id": request_id,
             "sample_sequence_ids": [f"{request_id}:{i}" for i in range(request.num_samples)],
         }
+        if record:
+            self._recorded[request_id] = answer["sample_sequence_ids"]
         if key is not None:
             self._seen[key] = answer
         with self._lock:
@@ -365,13 +386,26 @@ class SamplingService:
                     for seq in res.sequences:  # image prompts: pad tokens do not identify the images
                         if seq.routing is not None and not request.images:
                             self.routing.add(request.prompt + seq.tokens[:-1], seq.routing)
+            self._record(sampler_id, results, items)
         except UserInputError as exc:
             outcomes = [Outcome.error(str(exc), "user")] * len(items)
         except Exception as exc:
             log.exception("sampling on %s failed", sampler_id)
             outcomes = [Outcome.error(f"internal error: {type(exc).__name__}: {exc}", "server")] * len(items)
         for (_, request_id, _), outcome in zip(items, outcomes, strict=True):
+            self._recorded.pop(request_id, None)
             self.call_on_loop(lambda rid=request_id, out=outcome: self.futures.resolve(rid, out))
+
+    def _record(
+        self, sampler_id: str, results: list[PromptSamples], items: list[tuple[SampleRequest, str, TargetLayout | None]]
+    ) -> None:
+        """Backend thread: record the sequences of the requests that asked (``record_stability_info``)."""
+        for res, (request, request_id, _) in zip(results, items, strict=True):
+            ids = self._recorded.get(request_id)
+            if ids is None or self.stability is None:
+                continue
+            for sequence_id, seq in zip(ids, res.sequences, strict=True):
+                self.stability.add(sampler_id, sequence_id, request.prompt, seq.tokens, seq.logprobs, seq.routing)
 
 
 def new_sampler_id(session_id: str, seq: int) -> str:

@@ -17,6 +17,7 @@ from ringtune.gateway.image_chunks import expand_images
 from ringtune.gateway.images import ImageDecoder, PatchBudget
 from ringtune.gateway.paths import KINDS, check_name, check_run_id
 from ringtune.gateway.proto import ForwardBackwardCall
+from ringtune.losses import SERVER_INPUT_KEYS
 from ringtune.models.lora import LoraSpec
 
 TINKER_SCHEME = "tinker://"
@@ -28,12 +29,20 @@ def train_data(call: ForwardBackwardCall, images: ImageDecoder | None = None) ->
 
     ``images``: the served checkpoint's image decoder (None: a text-only model, image chunks refused); each
     datum's image chunks are decoded and expanded into image-pad tokens (:mod:`ringtune.gateway.image_chunks`),
-    so ``tokens`` and ``images`` are what the model takes. Only structure is checked here (at least one datum,
-    the images); shapes, ids and finiteness are the engine's to check (:func:`ringtune.losses.check_datum_inputs`),
-    before it computes anything.
+    so ``tokens`` and ``images`` are what the model takes. Only structure is checked here (at least one datum, no
+    key only the server sets: ``sampled_mask``, the images); shapes, ids and finiteness are the engine's to check
+    (:func:`ringtune.losses.check_datum_inputs`), before it computes anything. Provenance spans are not read here
+    (:mod:`ringtune.gateway.provenance`).
     """
     if not call.data:
         raise UserInputError("forward_backward_input.data: the request holds no datums; send at least 1")
+    for i, d in enumerate(call.data):
+        for key in SERVER_INPUT_KEYS:
+            if key in d.inputs:
+                raise UserInputError(
+                    f"data[{i}].loss_fn_inputs[{key!r}]: set by the server from the datum's provenance spans, "
+                    f"never sent by a client"
+                )
     budget = PatchBudget(images.limits.max_request_patches) if images is not None else None
     data = []
     for i, d in enumerate(call.data):

@@ -44,11 +44,14 @@ DEFAULT_MAX_ADAPTER_SNAPSHOTS = 64
 class SamplerSource:
     """Where a sampling session's weights come from: ``path`` (an HF directory), ``run_id`` (a live run's
     current weights), or neither (the served base model). ``inflight`` (with ``run_id``): the run's shared
-    inflight target, republished with the run's current weights by this create (module docstring)."""
+    inflight target, republished with the run's current weights by this create (module docstring). ``model``: the
+    name of the served base model it belongs to (several served models: :mod:`ringtune.worker.served_models`;
+    None: the run's model, else the first)."""
 
     path: str | None = None
     run_id: str | None = None
     inflight: bool = False
+    model: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
