@@ -187,7 +187,7 @@ class Trainer:
             invariant=self.invariant, mesh=mesh, shard_params=self.shard_params, fsdp_units=self.fsdp_units,
             names=self.names,
         )  # fmt: skip
-        self.replicas = ReplicaCheck(mesh, self.shard_params)  # replicas compared after every optim_step
+        self.replicas = ReplicaCheck(mesh, self.shard_params, model)  # replicas compared after every optim_step
         self.step = 0
         self.weights_version = 0  # bumped whenever the weights change (a sampler snapshot of them is then stale)
         self.broken: str | None = None
@@ -363,7 +363,7 @@ class Trainer:
             error, (math.isfinite(norm), bad_weights, bad_update), norm,
             params=self.params, invariant=self.invariant, group=self.control_group,
         )  # fmt: skip
-        self.faults.skip_weight_decay(self.optimizer)  # DEBUG-FAULT HOOK (no-op without)
+        self.faults.skip_weight_decay(self.optimizer, self.shard_params)  # DEBUG-FAULT HOOK (no-op without)
         apply_step(self.optimizer)
         self.step += 1
         self.weights_version += 1

@@ -92,7 +92,7 @@ class DecoderLayer(nn.Module):
         read in ``compute_dtype`` (differentiable casts of the masters) when it is set.
         """
         mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
-        with layer_params(self):
+        with layer_params(self, detached=shard.faults.detach_mixed_casts()):  # DEBUG-FAULT HOOK (False)
             x = layer_round(self, x + mixer(self.input_layernorm(x), shard, cache))
             return layer_round(self, x + self.mlp_out(self.post_attention_layernorm(x), shard))
 

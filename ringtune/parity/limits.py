@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -105,3 +106,17 @@ LIMITS["bf16-mixed"] = LIMITS["bfloat16"]
 # 2.4e-14 (max 4.8e-7), every window below the float32 floor.
 LIMITS["bf16-exact"] = LIMITS["float32"]
 COARSENESS = ("float64", "float32", "bf16-exact", "bf16-mixed", "bfloat16")
+
+NOISE_FIGURES: dict[str, Callable[[str], bool]] = {
+    "lp_mean": lambda n: n == "lp.mean",
+    "lp_p99": lambda n: n == "lp.p99",
+    "kl": lambda n: n == "lp.trimmed_kl",
+    "short_max": lambda n: n.startswith("lp.short["),
+    "loss_per_token": lambda n: n == "loss.cross_entropy.per_token",
+    "post_loss_per_token": lambda n: n.startswith("loss.") and n != "loss.cross_entropy.per_token",
+    "grad_norm": lambda n: n == "grad_norm.cross_entropy",
+    "grad_norm_later": lambda n: n.startswith("grad_norm.") and n != "grad_norm.cross_entropy",
+    "post_mean": lambda n: n.startswith("lp.") and n.endswith(".mean") and n != "lp.mean",
+    "post_p99": lambda n: n.startswith("lp.") and n.endswith(".p99") and n != "lp.p99",
+}
+"""Which compare figures each noise-derived :class:`Limits` field is measured from (:mod:`ringtune.parity.noise`)."""
