@@ -61,9 +61,10 @@ class ServeSpec:
         return self.lora_rank > 0 and self.lora_pass_runs > 1
 
     def reference(self) -> ServeSpec:
-        """The CP=1 server this one is compared with: DP 1, EP 1, ring attention, replicated parameters, no fault,
-        the same packed-row budget (``max_tokens_per_rank · CP``), precision, recomputation, LoRA options and
-        client profile."""
+        """The CP=1 server this one is compared with: the same precision, packed-row budget
+        (``max_tokens_per_rank · CP``), LoRA rank, LoRA pass joining and client profile (what legitimately changes
+        the numbers or the requests); DP 1, EP 1, ring attention, replicated parameters, no recomputation, the
+        shared decode on and no fault (what must change nothing but memory and speed)."""
         return replace(
             self,
             cp=1,
@@ -72,6 +73,8 @@ class ServeSpec:
             linear_cp_mode="headwise",
             attention="ring",
             shard_params="none",
+            recompute="none",
+            shared_decode=True,
             debug_fault=None,
             max_tokens_per_rank=self.max_tokens_per_rank * self.cp,
         )
