@@ -24,10 +24,11 @@ import torch
 from ringtune.cli import main
 from ringtune.layout.contiguous import contiguous_part
 from ringtune.layout.zigzag import chunk_len, zigzag_plan, zigzag_slice
-from ringtune.parity.compare import ComparisonRefusedError, compare_dumps
+from ringtune.parity.compare import CPU_ONLY, ComparisonRefusedError, compare_dumps
 from ringtune.parity.datums import build_datum_set, text_token_stream
 from ringtune.parity.limits import LIMITS
 from ringtune.parity.matrix import FAULT_LAYOUTS, MatrixConfig, run_matrix
+from ringtune.parity.noise import noise_floors
 from ringtune.parity.sampler_kl import PROMPT_CAP, SAMPLE_TOKENS, kl_estimates, sampler_prompts
 from ringtune.parity.servers import ServeSpec
 from ringtune.parity.windows import Layout, request_positions
@@ -278,3 +279,29 @@ def test_a_reference_at_another_row_budget_is_refused(matrix, tmp_path, capsys):
     other["data_digest"] = "0" * 64
     with pytest.raises(ComparisonRefusedError, match="different data"):
         compare_dumps(other, b)
+
+
+def test_the_chunk0_detector_is_cpu_only(matrix):
+    """``lp.chunk[0].moved`` rests on bit-deterministic CPU kernels: a dump from a CUDA server reports it with no
+    limit (and says why); the bf16 decay fault it catches on CPU is then caught by nothing else at this layout."""
+    config, _ = matrix
+    fault = "cp2-chunkwise-dp1-bfloat16-fault-gdn_decay_relayout_bf16"
+    a = json.loads(_dump(config, "cp1-dp1-bfloat16").read_text())
+    b = json.loads(_dump(config, fault).read_text())
+    assert [f.name for f in compare_dumps(a, b).failures] == ["lp.chunk[0].moved"]
+    on_gpu = copy.deepcopy(b)
+    on_gpu["layout"]["device_type"] = "cuda"
+    moved = compare_dumps(a, on_gpu).figure("lp.chunk[0].moved")
+    assert moved.ok and moved.limit == float("inf") and CPU_ONLY in moved.note
+
+
+def test_noise_floors_are_the_compare_figures_of_permuted_runs(matrix):
+    """:func:`noise_floors` takes, per limit field, the largest matching compare figure over the runs given."""
+    config, _ = matrix
+    a = json.loads(_dump(config, "cp1-dp1-float32").read_text())
+    b = json.loads(_dump(config, "cp2-headwise-dp1-float32").read_text())
+    figures = {f.name: f.value for f in compare_dumps(a, b).figures}
+    floors = noise_floors(a, [b])
+    assert floors["lp_mean"] == figures["lp.mean"] and floors["grad_norm"] == figures["grad_norm.cross_entropy"]
+    assert floors["short_max"] == max(v for k, v in figures.items() if k.startswith("lp.short["))
+    assert noise_floors(a, [a])["lp_p99"] == 0.0  # a run against itself: no spread
