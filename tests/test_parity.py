@@ -282,17 +282,19 @@ def test_a_reference_at_another_row_budget_is_refused(matrix, tmp_path, capsys):
 
 
 def test_the_chunk0_detector_is_cpu_only(matrix):
-    """``lp.chunk[0].moved`` rests on bit-deterministic CPU kernels: a dump from a CUDA server reports it with no
-    limit (and says why); the bf16 decay fault it catches on CPU is then caught by nothing else at this layout."""
+    """``lp.chunk[0].moved`` rests on bit-deterministic CPU kernels: a candidate whose every starting-weight
+    log-prob moved by 1e-7 (far below every magnitude limit) fails it on CPU only; a dump from a CUDA server
+    reports it with no limit and says why."""
     config, _ = matrix
-    fault = "cp2-chunkwise-dp1-bfloat16-fault-gdn_decay_relayout_bf16"
-    a = json.loads(_dump(config, "cp1-dp1-bfloat16").read_text())
-    b = json.loads(_dump(config, fault).read_text())
-    assert [f.name for f in compare_dumps(a, b).failures] == ["lp.chunk[0].moved"]
-    on_gpu = copy.deepcopy(b)
+    a = json.loads(_dump(config, "cp1-dp1-float32").read_text())
+    moved = copy.deepcopy(a)
+    for name in ("forward.main", "forward.lone", "forward.long"):
+        moved["records"][name]["logprobs"] = [[x + 1e-7 for x in lp] for lp in a["records"][name]["logprobs"]]
+    assert [f.name for f in compare_dumps(a, moved).failures] == ["lp.chunk[0].moved"]
+    on_gpu = copy.deepcopy(moved)
     on_gpu["layout"]["device_type"] = "cuda"
-    moved = compare_dumps(a, on_gpu).figure("lp.chunk[0].moved")
-    assert moved.ok and moved.limit == float("inf") and CPU_ONLY in moved.note
+    figure = compare_dumps(a, on_gpu).figure("lp.chunk[0].moved")
+    assert figure.ok and figure.value == 1.0 and figure.limit == float("inf") and CPU_ONLY in figure.note
 
 
 def test_noise_floors_are_the_compare_figures_of_permuted_runs(matrix):
