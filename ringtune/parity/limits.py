@@ -48,7 +48,7 @@ LIMITS: dict[str, Limits] = {
         sampler_max=2e-6,  # measured 0: decode and training forward in float64, both rounded to float32
     ),
     # float32: each CP layout sums attention blocks, GDN chunks and gradient partials in another order. Measured
-    # (docs/validation.md): the tiny Qwen3.5 at CP 2/4 moves log-probs by mean 5e-8, p99 4.8e-7 (1 ulp at
+    # (docs/validation-grid.md): the tiny Qwen3.5 at CP 2/4 moves log-probs by mean 5e-8, p99 4.8e-7 (1 ulp at
     # |lp| ~ 4.6); SmolLM2-135M at CP 2 (30 layers, 49K vocabulary, |lp| up to ~20 where 1 ulp is 1.9e-6) by mean
     # 2.1e-6, p99 9.5e-6, short-row max 1.7e-5, per-token loss 4.9e-5 (importance sampling, whose ratio
     # exp(lp - q) amplifies both servers' q noise). Limits ~3-5x above the real model; the smallest fault (an
@@ -68,14 +68,14 @@ LIMITS: dict[str, Limits] = {
         post_mean=2e-5,
         post_p99=1e-4,
         post_loss_per_token=2e-4,
-        # sampler KL (docs/validation.md): tiny model 2-3e-14 at CP 1/2/4, SmolLM2-135M 9e-12; the off-by-one
+        # sampler KL (docs/validation-grid.md): tiny model 2-3e-14 at CP 1/2/4, SmolLM2-135M 9e-12; the off-by-one
         # fault 3.8e-6, the GDN state drop 4.4e-10 (2.9e-9 at a 512-token row budget). Max |Δ|: 9.5e-7 (1-2
         # ulps), SmolLM2 1.9e-5; the faults 1.6e-2 and 1.8e-4.
         sampler_k3=1e-10,
         sampler_max=1e-4,
     ),
     # bfloat16 keeps 8 significant bits (relative rounding 2^-9 ≈ 2e-3 per op): a different reduction order moves
-    # hidden states and log-probs. Measured on the tiny Qwen3.5 at CP 2 and 4 (docs/validation.md): mean |Δlp|
+    # hidden states and log-probs. Measured on the tiny Qwen3.5 at CP 2 and 4 (docs/validation-grid.md): mean |Δlp|
     # 2.2e-4, p99 1.0e-3, short-row max 1.4e-3, per-token loss 1.8e-3 (cispo), step-1 grad norm 6e-4 relative,
     # later steps 1e-3. Limits ~5x above (KL, a square, 25x); the grad-norm limit 5e-3 is the 0.2-0.3% the
     # comparable system saw from layout changes on a 4B model, with headroom. The window ratio stays 4.

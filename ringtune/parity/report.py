@@ -99,8 +99,8 @@ def write_report(report: MatrixReport, config: MatrixConfig) -> None:
             else ""
         )
         + (f", and the faults {', '.join(config.faults)}" if config.faults else "")
-        + f". Wall time of the whole matrix on this machine: {report.wall_seconds:.0f} s ({len(report.served)} "
-        "servers started).",
+        + ". "
+        + _wall(report),
         "",
         "| model | dtype | layout | result | mean \\|Δlp\\| | p99 \\|Δlp\\| | worst window | step-1 grad norm ratio "
         "| max \\|ratio-1\\| (4 steps) | sampler KL (max \\|Δ\\|) | replica check / step | ring probe | plot | s |",
@@ -154,6 +154,15 @@ def write_report(report: MatrixReport, config: MatrixConfig) -> None:
     lines += noise_section(config)
     lines.append("")
     doc.write_text("\n".join(lines))
+
+
+def _wall(report: MatrixReport) -> str:
+    """The matrix's wall time, or that every dump was reused (``--reuse``: no server started, no time measured)."""
+    if not report.served:
+        return "Every dump was reused from `--workdir` (`--reuse`): the wall times are docs/parity.md's."
+    return (
+        f"Wall time of this matrix on this machine: {report.wall_seconds:.0f} s ({len(report.served)} servers started)."
+    )
 
 
 def noise_section(config: MatrixConfig) -> list[str]:
