@@ -76,6 +76,8 @@ def add_parity_parser(sub: argparse._SubParsersAction) -> None:
     n = verbs.add_parser("noise", help="measure each precision's noise floor: CP=1 with its requests permuted")
     n.add_argument("--dtypes", nargs="+", default=["bf16-mixed", "bfloat16", "float32"])
     n.add_argument("--row-tokens", type=int, default=1024, help="tokens per packed row (= context length)")
+    n.add_argument("--cp", type=int, nargs="+", default=[1, 2], help="CP sizes measured (chunkwise GDN at CP > 1)")
+    n.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="permutation seeds (one client run each)")
     n.add_argument("--workdir", default="parity-work", help="dumps, server logs, the tiny model")
     n.add_argument("--out", default="docs/validation/noise.json", help="the floors per precision (JSON)")
 
@@ -185,10 +187,17 @@ def _run_noise(args: argparse.Namespace) -> int:
     tiny = str(tiny_qwen35_dir(workdir / "tiny-qwen3.5"))
     floors: dict[str, dict[str, float]] = {}
     for dtype in args.dtypes:
-        start = time.monotonic()
-        _, measured = measure_noise(ServeSpec(model=tiny, dtype=dtype, max_tokens_per_rank=args.row_tokens), workdir)
-        floors[dtype] = {**measured, "seconds": round(time.monotonic() - start, 1)}
-        print(f"parity noise: {dtype}: " + ", ".join(f"{k} {v:.3g}" for k, v in floors[dtype].items()), flush=True)
+        for cp in args.cp:
+            start = time.monotonic()
+            mode = "chunkwise" if cp > 1 else "headwise"
+            spec = ServeSpec(
+                model=tiny, dtype=dtype, cp=cp, linear_cp_mode=mode, max_tokens_per_rank=args.row_tokens // cp
+            )
+            _, measured = measure_noise(spec, workdir, seeds=args.seeds)
+            key = f"{dtype} CP{cp}"
+            floors[key] = {**measured, "seconds": round(time.monotonic() - start, 1)}
+            print(f"parity noise: {key}: " + ", ".join(f"{k} {v:.3g}" for k, v in floors[key].items()), flush=True)
+            write_floors(floors, Path(args.out))  # after each, so a cut run keeps what it measured
     write_floors(floors, Path(args.out))
     print(f"parity noise: floors -> {args.out}")
     return 0
