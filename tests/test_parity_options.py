@@ -87,7 +87,7 @@ def _axes(layouts) -> dict[str, set]:
         ):
             seen.setdefault(axis, set()).add((value, spec.cp))
         assert spec.dp * spec.cp <= MAX_MATRIX_RANKS
-        assert spec.attention != "ulysses" or spec.cp == 2  # the tiny model's 2 KV heads
+        assert spec.attention != "alltoall" or spec.cp == 2  # the tiny model's 2 KV heads
     return seen
 
 
@@ -95,7 +95,7 @@ def test_the_default_slice_crosses_each_option_at_cp_2_and_4():
     seen = _axes(OPTIONS_DEFAULT)
     cps = {axis: {cp for _, cp in values} for axis, values in seen.items()}
     values = {axis: {v for v, _ in pairs} for axis, pairs in seen.items()}
-    assert {"allgather", "ulysses"} <= values["attention"] and "bf16-mixed" in values["dtype"]
+    assert {"allgather", "alltoall"} <= values["attention"] and "bf16-mixed" in values["dtype"]
     assert {"dp", "dp_cp"} <= values["shard"] and {"full", "selective"} <= values["recompute"]
     assert True in values["lora"] and True in values["long"] and False in values["decode"] and 2 in values["runs"]
     assert all(cps[axis] == {2, 4} for axis in ("shard", "lora", "recompute", "long", "dtype"))
@@ -107,14 +107,14 @@ def test_full_is_the_product():
     seen = _axes(full)
     values = {axis: {v for v, _ in pairs} for axis, pairs in seen.items()}
     assert values["dtype"] == {"float32", "bfloat16", "bf16-mixed", "float64"}
-    assert values["attention"] == {"ring", "allgather", "ulysses"} and values["shard"] == {"none", "dp", "dp_cp"}
+    assert values["attention"] == {"ring", "allgather", "alltoall"} and values["shard"] == {"none", "dp", "dp_cp"}
     assert values["recompute"] == {"none", "full", "selective"} and values["runs"] >= {1, 2}
     assert values["decode"] >= {True, False}
     combos = {
         (o.get("dtype", "float32"), o["cp"], o.get("attention", "ring"), o.get("shard_params", "none")) for o in full
     }
     for dtype in values["dtype"]:
-        assert (dtype, 4, "allgather", "dp_cp") in combos and (dtype, 2, "ulysses", "dp") in combos
+        assert (dtype, 4, "allgather", "dp_cp") in combos and (dtype, 2, "alltoall", "dp") in combos
     assert len({tuple(sorted(o.items())) for o in full}) == len(full)  # no layout twice
 
 

@@ -4,7 +4,7 @@ plus one PNG per comparison, :mod:`ringtune.parity.report`).
 
 Beside the CP × DP × GDN-mode × dtype grid and the MoE layouts, ``option_layouts`` serves every other option of
 ``ringtune serve`` (:data:`OPTIONS_DEFAULT`, a slice that crosses each option at CP 2 and 4; :func:`options_full`,
-the product): attention ring / allgather / ulysses, precision, ``--shard-params`` none / dp / dp_cp, LoRA
+the product): attention ring / allgather / alltoall (Ulysses), precision, ``--shard-params`` none / dp / dp_cp, LoRA
 (rank 32, ``--lora-pass-runs`` with a companion run, ``--shared-decode`` on / off), ``--recompute`` and the
 long-row profile; each against the CP=1 server of :meth:`ServeSpec.reference` (same precision, LoRA and profile).
 With ``faults``, each debug fault is also served at its layout (:data:`FAULT_SPECS`) and must FAIL compare
@@ -54,7 +54,7 @@ FAULT_LAYOUTS: dict[str, tuple[int, str, str]] = {
 }
 """(CP, GDN mode, dtype) of each fault's layout (the part of :data:`FAULT_SPECS` every fault has)."""
 OPTIONS_DEFAULT: tuple[dict[str, Any], ...] = (
-    {"cp": 2, "dtype": "bf16-mixed", "attention": "ulysses", "shard_params": "dp_cp"},
+    {"cp": 2, "dtype": "bf16-mixed", "attention": "alltoall", "shard_params": "dp_cp"},
     {"cp": 4, "dtype": "bf16-mixed", "linear_cp_mode": "chunkwise", "attention": "allgather", "shard_params": "dp_cp"},
     {"dp": 2, "cp": 2, "dtype": "bf16-mixed", "linear_cp_mode": "chunkwise", "shard_params": "dp"},
     {"cp": 2, "linear_cp_mode": "chunkwise", "lora_rank": 32, "lora_pass_runs": 2},
@@ -63,22 +63,22 @@ OPTIONS_DEFAULT: tuple[dict[str, Any], ...] = (
     {"cp": 4, "recompute": "selective", "long_rows": True},
 )
 """The default slice of the options (beside the float32/float64 grid, which serves ring attention, replicated
-parameters and full fine-tuning at CP 2 and 4): ulysses (CP=2 only: the tiny model has 2 KV heads) and allgather,
-bf16-mixed, dp_cp at CP 2 and 4 and dp at DP2 x CP2, LoRA 32 with joined passes at CP 2 and 4 (shared decode off at
-CP 4), recompute full / selective with the long-row profile at CP 2 / 4. Four CP=1 references: bf16-mixed, LoRA
-(2 runs/pass), the long-row profile; float32 is the grid's."""
+parameters and full fine-tuning at CP 2 and 4): alltoall (Ulysses; CP=2 only: the tiny model has 2 KV heads) and
+allgather, bf16-mixed, dp_cp at CP 2 and 4 and dp at DP2 x CP2, LoRA 32 with joined passes at CP 2 and 4 (shared
+decode off at CP 4), recompute full / selective with the long-row profile at CP 2 / 4. Three more CP=1
+references: bf16-mixed, LoRA (2 runs/pass), the long-row profile; float32 is the grid's."""
 
 
 def options_full() -> tuple[dict[str, Any], ...]:
-    """The product of the options (``--full``): every precision × CP 2 / 4 × attention (ulysses at CP 2) ×
+    """The product of the options (``--full``): every precision × CP 2 / 4 × attention (alltoall at CP 2) ×
     sharding (dp also at DP2×CP2), but the plain ring+none layouts the grid serves already; LoRA 32 in float32
     and bf16-mixed × CP 2 / 4 × 1 / 2 runs per pass × shared decode on / off; recompute none / full / selective
     × CP 2 / 4 on the long-row profile."""
     out: list[dict[str, Any]] = []
     for dtype, cp, attention, shard in itertools.product(
-        ("float32", "bfloat16", "bf16-mixed", "float64"), (2, 4), ("ring", "allgather", "ulysses"), SHARDS
+        ("float32", "bfloat16", "bf16-mixed", "float64"), (2, 4), ("ring", "allgather", "alltoall"), SHARDS
     ):
-        if (attention == "ulysses" and cp != 2) or (attention, shard) == ("ring", "none"):
+        if (attention == "alltoall" and cp != 2) or (attention, shard) == ("ring", "none"):
             continue
         out.append(
             {"cp": cp, "dtype": dtype, "linear_cp_mode": "chunkwise", "attention": attention, "shard_params": shard}
