@@ -12,6 +12,14 @@ from ringtune.debug_faults import DEBUG_FAULTS, LONG_ROW_SEQUENCES
 from ringtune.engine.packing import row_local_len
 from ringtune.parity.client import _record
 from ringtune.parity.datums import ParityDatum, text_token_stream
+from ringtune.parity.limits import (
+    BF16_CP_SPREAD,
+    LIMITS,
+    MEASURED_NOISE,
+    NOISE_FACTOR,
+    PERMUTATION_RESOLUTION,
+    limits_from_noise,
+)
 from ringtune.parity.long_rows import MESH_PROMPT, MESH_PROMPT_TOKENS, PACKED_DATUMS, packed_datums
 from ringtune.parity.matrix import FAULT_SPECS, OPTIONS_DEFAULT, options_full
 from ringtune.parity.report import layout_cell
@@ -150,3 +158,16 @@ def test_permuted_outputs_go_back_to_the_datums_order():
     result = SimpleNamespace(loss_fn_outputs=[output(i) for i in order], metrics={"loss:sum": 0.0})
     record = _record(result, datums, order)
     assert record["logprobs"] == [[0.0], [1.0, 1.0], [2.0, 2.0, 2.0]]
+
+
+def test_bf16_limits_come_from_the_measured_noise_where_a_permutation_moves_the_figure():
+    for dtype in ("bfloat16", "bf16-mixed"):
+        floors, limits = MEASURED_NOISE[dtype], LIMITS[dtype]
+        for field in ("grad_norm", "grad_norm_later", "post_mean", "post_p99", "post_loss_per_token"):
+            assert floors[field] > PERMUTATION_RESOLUTION
+            assert getattr(limits, field) == NOISE_FACTOR * floors[field], (dtype, field)
+        # the starting-weight forwards do not move under a permutation: their limits stay the CP spread's
+        for field in ("lp_mean", "lp_p99", "kl", "short_max", "loss_per_token"):
+            assert floors[field] <= PERMUTATION_RESOLUTION
+            assert getattr(limits, field) == getattr(BF16_CP_SPREAD, field), (dtype, field)
+    assert limits_from_noise(BF16_CP_SPREAD, {"grad_norm": 1e-3}, factor=2).grad_norm == 2e-3
