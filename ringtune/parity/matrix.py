@@ -61,12 +61,15 @@ OPTIONS_DEFAULT: tuple[dict[str, Any], ...] = (
     {"cp": 4, "attention": "allgather", "lora_rank": 32, "lora_pass_runs": 2, "shared_decode": False},
     {"cp": 2, "linear_cp_mode": "chunkwise", "recompute": "full", "long_rows": True},
     {"cp": 4, "recompute": "selective", "long_rows": True},
+    {"cp": 2, "dtype": "float64", "linear_cp_mode": "chunkwise"},
+    {"cp": 4, "dtype": "float64"},
 )
-"""The default slice of the options (beside the float32/float64 grid, which serves ring attention, replicated
-parameters and full fine-tuning at CP 2 and 4): alltoall (Ulysses; CP=2 only: the tiny model has 2 KV heads) and
+"""The default slice of the options (beside the float32 grid, which serves ring attention, replicated parameters and
+full fine-tuning at CP 2 and 4 in both GDN modes; float64 is served at CP 2 chunkwise and CP 4 headwise only, to keep
+the default within 1.5x of the grid it replaced): alltoall (Ulysses; CP=2 only: the tiny model has 2 KV heads) and
 allgather, bf16-mixed, dp_cp at CP 2 and 4 and dp at DP2 x CP2, LoRA 32 with joined passes at CP 2 and 4 (shared
 decode off at CP 4), recompute full / selective with the long-row profile at CP 2 / 4. Three more CP=1
-references: bf16-mixed, LoRA (2 runs/pass), the long-row profile; float32 is the grid's."""
+references: bf16-mixed, LoRA (2 runs/pass), the long-row profile, float64; float32 is the grid's."""
 
 
 def options_full() -> tuple[dict[str, Any], ...]:
