@@ -147,8 +147,13 @@ def run_parity(
     context = int(model["max_context_length"])
     vocab = int(layout["vocab_size"])
     with tinker.ServiceClient(base_url=url, api_key=api_key or "tml-local") as sc:
-        tc = sc.create_lora_training_client(model["model_name"], rank=lora_rank).result()
-        partner = sc.create_lora_training_client(model["model_name"], rank=lora_rank).result() if companion else None
+        # A LoRA run's adapters start from its seed (the gateway draws one when none is given): seeded, so that the
+        # reference and the candidate train the same adapters.
+        lora_seed = {"seed": seed} if lora_rank else {}  # full fine-tuning (rank 0) as before
+        tc = sc.create_lora_training_client(model["model_name"], rank=lora_rank, **lora_seed).result()
+        partner = None
+        if companion:
+            partner = sc.create_lora_training_client(model["model_name"], rank=lora_rank, seed=seed + 1).result()
         encode = None
         if vocab >= TOKENIZER_MIN_VOCAB:
             tokenizer = tc.get_tokenizer()
