@@ -48,7 +48,8 @@ matrix --faults`` serves each and ``ringtune parity compare`` must fail it):
 ``recompute_rerun_shifted``        ``--recompute selective``: the attention projections rerun in the backward
                                    read positions + 1 (the forward's log-probs are right, the gradients not)
 ``long_row_positions_carried``     a packed row of more than :data:`LONG_ROW_SEQUENCES` datums: rotary reads
-                                   positions + 1 on every datum after that many (rows of few datums are right)
+                                   positions + 1 on each rank's second zigzag chunk of every datum after that
+                                   many (rows of few datums are right)
 =================================  ===========================================================================
 
 Failure injection (the all-or-nothing tests): :attr:`FaultHooks.before_microbatch`, a callable the trainer
@@ -171,7 +172,9 @@ class FaultHooks:
         if self.active("long_row_positions_carried") and len(self.chunk_lens) > LONG_ROW_SEQUENCES:
             shifted = positions.clone()
             for start, c in list(zip(self.local_starts, self.chunk_lens, strict=True))[LONG_ROW_SEQUENCES:]:
-                shifted[start : start + 2 * c] += 1  # this rank's two chunks of every datum after the 32nd
+                # this rank's second chunk of every datum after the 32nd; a shift of a whole datum would be
+                # invisible (rotary depends on position differences only)
+                shifted[start + c : start + 2 * c] += 1
             return shifted
         if not self._on_last_cp_rank("position_off_by_one"):
             return positions

@@ -154,5 +154,6 @@ def test_long_row_positions_carried_acts_past_32_datums_only():
     many_hooks = fault_hooks("long_row_positions_carried", cp_size=2, cp_rank=1, plan=many)
     got = many_hooks.shift_positions(many.positions)
     moved = got != many.positions
-    first_moved = many.local_starts[32]
-    assert not moved[:first_moved].any() and moved[first_moved:].sum() == sum(2 * c for c in many.chunk_lens[32:])
+    assert not moved[: many.local_starts[32]].any() and moved.sum() == sum(many.chunk_lens[32:])
+    for start, c in zip(many.local_starts[32:], many.chunk_lens[32:], strict=True):
+        assert moved[start + c : start + 2 * c].all()  # the rank's second chunk of the datum: relative positions move
