@@ -22,6 +22,7 @@ future with ``category: user``; any other exception fails it with ``category: se
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 from ringtune.gateway.autosave import Autosaver
@@ -43,6 +44,8 @@ from ringtune.gateway.runs import RunBook
 from ringtune.gateway.sampling import CreateSamplingSessionBody, SamplingService
 from ringtune.gateway.sampling_sessions import create_sampling_session
 from ringtune.gateway.scheduler import FairExecutor
+from ringtune.gateway.stability_records import DIRECTORY_NAME as STABILITY_DIRECTORY
+from ringtune.gateway.stability_records import StabilityRecords
 from ringtune.gateway.state import Registry
 from ringtune.gateway.training_ops import TrainingOps
 from ringtune.probes.ring_accumulation import SERVED_PROBES
@@ -56,8 +59,9 @@ class GatewayService:
     and what they share: ``backend`` (observed), ``config``, ``paths``, ``registry``,
     ``futures``, ``executor`` (the backend thread; tools may run work on it), ``autosave``, ``downloads``
     (signed URLs of external weights, a new secret per server start), ``routing`` (sampled sequences' MoE routing,
-    replayed for matching training datums: ``--routing-replay``; else None), ``restored`` (the runs brought back
-    at start-up by ``--restore-live-runs``).
+    replayed for matching training datums: ``--routing-replay``; else None), ``stability`` (what the sampler
+    recorded for ``record_stability_info`` samples, persisted under the checkpoint root), ``restored`` (the runs
+    brought back at start-up by ``--restore-live-runs``).
     """
 
     def __init__(self, backend: Backend, config: GatewayConfig) -> None:
@@ -75,6 +79,7 @@ class GatewayService:
         self.dispatcher = Dispatcher(self.futures, self.executor)
         self.downloads = DownloadSigner()
         self.routing = RoutingRecords() if config.routing_replay else None
+        self.stability = StabilityRecords(Path(config.checkpoint_root) / STABILITY_DIRECTORY)
         self.sampling = SamplingService(
             self.backend,
             self.futures,
@@ -83,10 +88,13 @@ class GatewayService:
             max_prompt_tokens=backend.info().context_length,
             slice_s=config.sample_slice_s,
             routing=self.routing,
+            stability=self.stability,
         )
         self.runs = RunBook(config, self.backend, self.registry, self.paths, self.dispatcher, self.sampling)
         self.creation = RunCreation(self.runs, self.backend, self.dispatcher, self.autosave)
-        self.training = TrainingOps(self.runs, self.backend, self.dispatcher, self.autosave, self.routing)
+        self.training = TrainingOps(
+            self.runs, self.backend, self.dispatcher, self.autosave, self.routing, self.stability
+        )
         self.checkpoints = CheckpointOps(
             self.runs, self.backend, self.paths, self.dispatcher, self.autosave, self.sampling, self.creation
         )
