@@ -70,8 +70,6 @@ def test_mrope_guard_refuses_positions_numbered_on_the_shard():
 
 @pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
 def test_vl_checkpoint_loads_whole_and_saves_transformers_names(checkpoints, tmp_path, family):
-    import transformers
-
     path, hf = checkpoints[family]
     model = load_hf(path)
     assert model.model.visual is not None

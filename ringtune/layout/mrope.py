@@ -79,7 +79,7 @@ def row_mrope_positions(
     """int64 [3, sum(seq_lens)]: every sequence of a packed row numbered on its own (sequence coordinates)."""
     if len(images) != len(seq_lens):
         raise LayoutError(f"images: {len(images)} lists for {len(seq_lens)} sequences; need one per sequence")
-    parts = [sequence_mrope_positions(n, imgs, spatial_merge_size)[0] for n, imgs in zip(seq_lens, images)]
+    parts = [sequence_mrope_positions(n, imgs, spatial_merge_size)[0] for n, imgs in zip(seq_lens, images, strict=True)]
     return torch.cat([torch.zeros(3, 0, dtype=torch.int64), *parts], dim=1)
 
 
@@ -109,7 +109,9 @@ def check_shard_mrope_positions(
     """
     want = shard_mrope_positions(plan, images, spatial_merge_size)
     if tuple(positions.shape) != tuple(want.shape):
-        raise ParallelConfigError(f"mrope positions must be int64 [3, local_len={plan.local_len}]; got {positions.shape}")
+        raise ParallelConfigError(
+            f"mrope positions must be int64 [3, local_len={plan.local_len}]; got {positions.shape}"
+        )
     bad = (positions.to(want.device) != want).any(0)
     if bool(bad.any()):
         i = int(bad.nonzero()[0, 0])

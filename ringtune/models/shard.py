@@ -129,10 +129,19 @@ def shard_of(
     return with_images(shard, images, spatial_merge_size)
 
 
-def with_images(shard: PackedShard, images: Sequence[Sequence[ImageInput]], spatial_merge_size: int) -> PackedShard:
-    """``shard`` carrying the row's images: this rank's :class:`ShardImages` and the MRoPE positions of its tokens
-    (built on each whole sequence, then zigzag-sliced), on the device of ``shard.positions``."""
+def with_images(
+    shard: PackedShard,
+    images: Sequence[Sequence[ImageInput]],
+    spatial_merge_size: int,
+    device: torch.device | str | None = None,
+) -> PackedShard:
+    """``shard`` carrying the row's images: this rank's :class:`ShardImages` (pixels and indices on ``device``,
+    default that of ``shard.positions``) and the MRoPE positions of its tokens (built on each whole sequence,
+    then zigzag-sliced; on the device of ``shard.positions``, as the text positions they replace)."""
     placed = shard_images(shard.plan, images, spatial_merge_size)
     positions = shard_mrope_positions(shard.plan, placed.spans, spatial_merge_size)
-    device = shard.positions.device
-    return replace(shard, images=placed.to(device), mrope_positions=positions.to(device))
+    return replace(
+        shard,
+        images=placed.to(shard.positions.device if device is None else device),
+        mrope_positions=positions.to(shard.positions.device),
+    )

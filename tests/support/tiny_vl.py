@@ -8,9 +8,9 @@ grid). Image pad token 90; random text tokens are drawn below 88 so they never c
 from __future__ import annotations
 
 import torch
-from support.tiny_models import hf_config
 
 from ringtune.models.image_input import ImageInput
+from support.tiny_models import hf_config
 
 IMAGE_TOKEN = 90
 MERGE = 2
@@ -105,7 +105,12 @@ def hf_vl_logprobs(model, sequences, labels: torch.Tensor) -> torch.Tensor:
                 "image_grid_thw": torch.tensor([im.grid_thw for im in images]),
                 "mm_token_type_ids": (ids == IMAGE_TOKEN).int()[None],
             }
-        logp = model(input_ids=ids[None], **kwargs).logits[0].to(torch.float64 if model.dtype == torch.float64 else torch.float32).log_softmax(-1)
+        logp = (
+            model(input_ids=ids[None], **kwargs)
+            .logits[0]
+            .to(torch.float64 if model.dtype == torch.float64 else torch.float32)
+            .log_softmax(-1)
+        )
         lab = labels[start : start + len(ids)]
         out.append(torch.where(lab >= 0, logp.gather(-1, lab.clamp(min=0)[:, None])[:, 0], 0.0))
         start += len(ids)

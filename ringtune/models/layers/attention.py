@@ -76,7 +76,8 @@ class Attention(nn.Module):
     def _project(
         self, x: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """x [T, hidden], positions int64 [T] (or MRoPE [3, T]) -> q [T, Hq, D], k, v [T, Hkv, D] (normed, rotated), gate or None."""
+        """x [T, hidden], positions int64 [T] (or MRoPE [3, T]) -> q [T, Hq, D], k, v [T, Hkv, D] (normed,
+        rotated), gate or None."""
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.num_heads, -1)
         gate = None

@@ -42,7 +42,8 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = 1.0 / (theta**exponent)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions int64 [T] (text) or [3, T] (MRoPE rows t, h, w) -> (cos, sin), each [T, rotary_dim] in ``dtype``."""
+        """positions int64 [T] (text) or [3, T] (MRoPE rows t, h, w) -> (cos, sin), each [T, rotary_dim] in
+        ``dtype``."""
         inv_freq = self.inv_freq.to(positions.device)
         if positions.dim() == 2:  # MRoPE: the frequencies of each axis, interleaved
             per_axis = positions.to(torch.float32)[:, :, None] * inv_freq[None, None, :]

@@ -73,7 +73,9 @@ class VisionConfig:
                 f"{text_hidden_size}"
             )
         if config.hidden_act not in VISION_ACTIVATIONS:
-            raise UserInputError(f"config.vision_config.hidden_act={config.hidden_act!r}: supported {VISION_ACTIVATIONS}")
+            raise UserInputError(
+                f"config.vision_config.hidden_act={config.hidden_act!r}: supported {VISION_ACTIVATIONS}"
+            )
         if config.hidden_size % config.num_heads or config.head_dim % 4:
             raise UserInputError(
                 f"config.vision_config: hidden_size={config.hidden_size} / num_heads={config.num_heads} must be a "

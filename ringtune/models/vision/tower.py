@@ -107,7 +107,8 @@ class PatchEmbed(nn.Module):
 
 
 class PatchMerger(nn.Module):
-    """``norm`` (LayerNorm over one patch), then ``m²`` patches concatenated -> ``linear_fc1`` -> GELU -> ``linear_fc2``."""
+    """``norm`` (LayerNorm over one patch), then ``m²`` patches concatenated -> ``linear_fc1`` -> GELU ->
+    ``linear_fc2``."""
 
     def __init__(self, config: VisionConfig) -> None:
         super().__init__()
