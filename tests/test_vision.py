@@ -127,3 +127,38 @@ def test_float32_logprobs_and_gradients_equal_transformers(checkpoints, family):
         scale = max(float(ref.abs().max()), 1e-3)
         assert float((p.grad - ref).abs().max()) / scale < 2e-4, name
     assert float(model.model.visual.patch_embed.proj.weight.grad.norm()) > 0
+
+
+def _last_logits(model, seqs, images):
+    """Logits at the last token of every sequence by the training forward over the whole sequences (images too)."""
+    shard = shard_of([len(s) for s in seqs], images=images, spatial_merge_size=2)
+    flat = zigzag_slice(torch.cat([torch.tensor(s) for s in seqs]), shard.plan)
+    hidden = model.hidden_states(flat, shard)
+    last = [s + len(q) - 1 for s, q in zip(shard.plan.local_starts, seqs, strict=True)]
+    return hidden[last] @ model.output_weight.t()
+
+
+@torch.inference_mode()
+def test_decode_after_images_continues_the_sequence_positions(checkpoints):
+    from ringtune.models.batch_cache import DecodeBatch
+    from ringtune.sample.prefill import prefill
+
+    model = load_hf(checkpoints["qwen3_5"][0], dtype=torch.float64).eval()
+    sequences = vl_sequences(seed=6)
+    prompts = [ids.tolist() for ids, _ in sequences]
+    images = [imgs for _, imgs in sequences]
+    result = prefill(model, prompts, images=images)
+    # (1,6,4): 6 tokens advance 3; (1,4,4) 4 by 2, (1,2,8) 4 by 4, (1,4,8) 8 by 4 (rope_deltas, test above)
+    assert [c.rope_offset for c in result.caches] == [0, -3, -3, -6, 0]
+    batch = DecodeBatch.of(result.caches)
+    unshifted = DecodeBatch.of([type(c)(length=c.length, layers=c.layers) for c in result.caches])
+    logits, seqs = result.last_logits, [list(p) for p in prompts]
+    for _ in range(3):
+        assert float((logits - _last_logits(model, seqs, images)).abs().max()) < 1e-10
+        nxt = logits.argmax(-1)
+        for s, t in zip(seqs, nxt.tolist(), strict=True):
+            s.append(t)
+        logits = model.decode_hidden(nxt, batch) @ model.output_weight.t()
+        wrong = model.decode_hidden(nxt, unshifted) @ model.output_weight.t()
+        assert float((wrong - logits)[1:4].abs().max()) > 1e-3  # rotating at the slots would be wrong
+    assert float((logits - _last_logits(model, seqs, images)).abs().max()) < 1e-10

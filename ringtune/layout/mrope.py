@@ -73,6 +73,17 @@ def sequence_mrope_positions(
     return out, position + seq_len - cursor
 
 
+def rope_offsets(seq_lens: Sequence[int], images: Sequence[Sequence[ImageSpan]], spatial_merge_size: int) -> list[int]:
+    """Per sequence, ``next_position - seq_len`` (<= 0; 0 without images): a decode step's token in slot ``n`` of
+    that sequence's cache is rotated at position ``n + offset`` (transformers' ``rope_deltas``)."""
+    if len(images) != len(seq_lens):
+        raise LayoutError(f"images: {len(images)} lists for {len(seq_lens)} sequences; need one per sequence")
+    return [
+        sequence_mrope_positions(n, imgs, spatial_merge_size)[1] - n if imgs else 0
+        for n, imgs in zip(seq_lens, images, strict=True)
+    ]
+
+
 def row_mrope_positions(
     seq_lens: Sequence[int], images: Sequence[Sequence[ImageSpan]], spatial_merge_size: int
 ) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ringtune.layout.mrope import rope_offsets
 from ringtune.models.batch_cache import DecodeBatch, GatedDeltaRows, KVRows, LayerRows
 from ringtune.models.cache import LayerCapture, PrefillCapture
 from ringtune.models.config import DecoderConfig
@@ -104,8 +105,11 @@ class DecoderLayer(nn.Module):
             return self.mlp(h, replay, shard.plan.is_real.to(h.device))
         return self.mlp(h)
 
-    def decode(self, x: torch.Tensor, positions: torch.Tensor, rows: LayerRows) -> torch.Tensor:
-        """One new token per sequence: x [B, hidden] at ``positions`` [B] -> [B, hidden]; updates ``rows``.
+    def decode(
+        self, x: torch.Tensor, positions: torch.Tensor, rows: LayerRows, rotary: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One new token per sequence: x [B, hidden] at slots ``positions`` [B] -> [B, hidden]; updates ``rows``.
+        ``rotary`` [B]: the rotary positions when they are not the slots (after images), else None.
 
         With ``compute_dtype`` set it computes as :meth:`forward` does: x cast first, parameters read in it.
         """
@@ -117,7 +121,7 @@ class DecoderLayer(nn.Module):
                 x = layer_round(self, x + self.linear_attn.decode(h, rows))
             else:
                 assert isinstance(rows, KVRows)
-                x = layer_round(self, x + self.self_attn.decode(h, positions, rows))
+                x = layer_round(self, x + self.self_attn.decode(h, positions, rows, rotary))
             return layer_output(self, layer_round(self, x + self.mlp(self.post_attention_layernorm(x))))
 
 
@@ -179,6 +183,10 @@ class CausalLM(nn.Module):
             )
         if capture is not None and (capture.plan is not shard.plan or len(capture.layers) != len(self.model.layers)):
             raise ValueError("capture must be PrefillCapture(shard.plan, num_layers) of this model and shard")
+        if capture is not None and shard.images is not None:  # decoding continues each sequence's MRoPE count
+            capture.rope_offsets = rope_offsets(
+                shard.plan.seq_lens, shard.images.spans, shard.images.spatial_merge_size
+            )
         x = self.input_embeddings(input_ids, shard)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, shard) if capture is None else layer(x, shard, capture.layers[i])
@@ -203,16 +211,18 @@ class CausalLM(nn.Module):
     def decode_hidden(self, input_ids: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """One decode step: input_ids int64 [B] (row b's next token) -> final-normed hidden [B, hidden].
 
-        The token of row b sits at position ``batch.lengths[b]``; every layer appends to / updates row b's
-        cache, and ``batch.lengths`` advances by one. Single process, no autograd needed.
+        The token of row b sits at slot ``batch.lengths[b]`` and is rotated at ``lengths[b] + rope_offsets[b]``
+        (its sequence's MRoPE count after images; text tokens take three equal positions); every layer appends
+        to / updates row b's cache, and ``batch.lengths`` advances by one. Single process, no autograd needed.
         """
         if input_ids.shape != (len(batch),):
             raise ValueError(f"input_ids must be [B={len(batch)}] (one token per row); got {tuple(input_ids.shape)}")
         batch.reserve(1)
         positions = batch.lengths.to(input_ids.device)
+        rotary = None if not bool(batch.rope_offsets.any()) else positions + batch.rope_offsets.to(positions.device)
         x = self.model.embed_tokens(input_ids)
         for layer, rows in zip(self.model.layers, batch.layers, strict=True):
-            x = layer.decode(x, positions, rows)
+            x = layer.decode(x, positions, rows, rotary)
         batch.advance()
         return self.model.norm(x)
 
