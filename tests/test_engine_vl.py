@@ -118,3 +118,35 @@ def test_bad_images_refused_before_compute(checkpoint):
     assert all(torch.equal(p, before[n]) for n, p in trainer.model.named_parameters())
     with pytest.raises(UserInputError, match="no vision tower"):  # a text-only model refuses images
         build_batch(good, "cross_entropy", None, vocab_size=96, dp_size=1, cp_size=1, max_tokens_per_rank=256)
+
+
+def moe_ep_case(ctx, *, root: str) -> dict[str, float]:
+    """The MoE VL model through the Trainer at EP 2 (DP×CP 2×2 and 1×4) against the one-process Trainer:
+    loss, log-probs, grad norm and post-step weights (experts gathered)."""
+    from ringtune.models.layers.moe import gather_expert_state
+
+    ref = Trainer(load_hf(root, dtype=torch.float64), None, max_tokens_per_rank=64)
+    want = ref.forward_backward(vl_data(), "cross_entropy")
+    want_norm = ref.optim_step(ADAM)["grad_norm:mean"]
+    ref_weights = ref.model.state_dict()
+    out = {}
+    for dp, cp in ((2, 2), (1, 4)):
+        model = load_hf(root, dtype=torch.float64)
+        trainer = Trainer(model, ctx.mesh(dp=dp, cp=cp, ep=2), max_tokens_per_rank=64, gated_delta="chunkwise")
+        got = trainer.forward_backward(vl_data(), "cross_entropy")
+        norm = trainer.optim_step(ADAM)["grad_norm:mean"]
+        weights = gather_expert_state(trainer.model)
+        errors = [abs(norm - want_norm), _diff(ref_weights, weights)]
+        if trainer.is_result_rank:
+            errors.append(abs(got.metrics["loss:sum"] - want.metrics["loss:sum"]))
+            errors += [_diff(a, b) for a, b in zip(got.outputs, want.outputs, strict=True)]
+        out[f"DP{dp} CP{cp} EP2"] = max(errors)
+    return out
+
+
+def test_moe_vl_at_ep2_equals_one_process(pool4, tmp_path_factory):
+    root = tmp_path_factory.mktemp("vl_moe") / "qwen3_5_moe"
+    hf_vl_model("qwen3_5_moe", seed=17).save_pretrained(root)
+    for rank, errors in enumerate(pool4.run(moe_ep_case, root=str(root))):
+        for layout, error in errors.items():
+            assert error < 1e-10, (rank, layout, error)
