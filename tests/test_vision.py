@@ -162,3 +162,23 @@ def test_decode_after_images_continues_the_sequence_positions(checkpoints):
         wrong = model.decode_hidden(nxt, unshifted) @ model.output_weight.t()
         assert float((wrong - logits)[1:4].abs().max()) > 1e-3  # rotating at the slots would be wrong
     assert float((logits - _last_logits(model, seqs, images)).abs().max()) < 1e-10
+
+
+@torch.inference_mode()
+def test_sampled_logprobs_after_images_equal_the_trainers(checkpoints):
+    from ringtune.sample.params import SamplingParams
+    from ringtune.sample.sampler import generate
+
+    model = load_hf(checkpoints["qwen3_5"][0], dtype=torch.float64).eval()
+    sequences = vl_sequences(seed=8)[1:4]
+    prompts = [ids.tolist() for ids, _ in sequences]
+    images = [imgs for _, imgs in sequences]
+    results = generate(model, prompts, SamplingParams(max_tokens=4, temperature=1.0, seed=3), images=images)
+    full = [p + r.sequences[0].tokens for p, r in zip(prompts, results, strict=True)]
+    shard = shard_of([len(s) for s in full], images=images, spatial_merge_size=2)
+    ids = torch.cat([torch.tensor(s) for s in full])
+    labels = next_token_labels(ids, tuple(len(s) for s in full))
+    lp = model.label_logprobs(zigzag_slice(ids, shard.plan), zigzag_slice(labels, shard.plan, pad_value=-100), shard)
+    for s, p, r in zip(shard.plan.local_starts, prompts, results, strict=True):
+        trainer = lp[s + len(p) - 1 : s + len(p) - 1 + len(r.sequences[0].tokens)]
+        assert float((trainer - torch.tensor(r.sequences[0].logprobs, dtype=torch.float64)).abs().max()) < 1e-10
