@@ -230,7 +230,8 @@ def save_hf(
     ``state``: the tensors to write (whole, keyed like ``model.state_dict()``, e.g. an FSDP model's gathered by
     :func:`ringtune.engine.sharding.full_state_dict`); None: ``model.state_dict()``. MoE experts are written
     per expert, as transformers saves them; an expert-parallel model needs ``state`` with every expert
-    (:func:`ringtune.models.layers.moe.gather_expert_state`).
+    (:func:`ringtune.models.layers.moe.gather_expert_state`). A model with a vision tower is written under
+    transformers' VL names (:func:`hf_saved_name`: ``model.language_model.*``, ``model.visual.*``).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
