@@ -166,6 +166,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         choices=GATED_DELTA_MODES,
         help="CP GatedDeltaNet mode (default: the first that fits the model's heads)",
     )
+    p.add_argument(
+        "--freeze-vision",
+        action="store_true",
+        help="full fine-tuning of a VL model leaves its vision tower as loaded (LoRA never adapts it; docs/vision.md)",
+    )
     from ringtune.models.recompute import RECOMPUTE_MODES
 
     p.add_argument(

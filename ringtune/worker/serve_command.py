@@ -98,8 +98,8 @@ def serve_settings(
 
 def trainer_options(args: argparse.Namespace, checked: Preflight) -> dict[str, Any]:
     """The :class:`~ringtune.engine.trainer.Trainer` options of every run: the modes preflight chose, recompute,
-    sharding, the debug fault (parity negative controls only) and the MoE auxiliary loss weight (UserInputError
-    unless finite and >= 0)."""
+    sharding, the debug fault (parity negative controls only), the MoE auxiliary loss weight (UserInputError
+    unless finite and >= 0) and ``--freeze-vision``."""
     options: dict[str, Any] = {
         "attention": checked.attention,
         "gated_delta": checked.gated_delta,
@@ -113,6 +113,8 @@ def trainer_options(args: argparse.Namespace, checked: Preflight) -> dict[str, A
         if not (math.isfinite(args.router_aux_loss_coef) and args.router_aux_loss_coef > 0):
             raise UserInputError(f"--router-aux-loss-coef={args.router_aux_loss_coef} must be finite and >= 0")
         options["router_aux_loss_coef"] = args.router_aux_loss_coef
+    if getattr(args, "freeze_vision", False):  # a VL model's tower stays as loaded (no-op for a text model)
+        options["freeze_vision"] = True
     return options
 
 
