@@ -19,6 +19,7 @@ future with ``category: user``; any other exception fails it with ``category: se
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from ringtune.gateway.autosave import Autosaver
@@ -40,6 +41,7 @@ from ringtune.gateway.sampling_sessions import create_sampling_session
 from ringtune.gateway.scheduler import FairExecutor
 from ringtune.gateway.state import Registry
 from ringtune.gateway.training_ops import TrainingOps
+from ringtune.gateway.vllm_sampling import SamplingEngine, VllmSampler
 from ringtune.probes.ring_accumulation import SERVED_PROBES
 
 
@@ -51,10 +53,13 @@ class GatewayService:
     ``futures``, ``executor`` (the backend thread; tools may run work on it), ``autosave``, ``downloads``
     (signed URLs of external weights, a new secret per server start), ``routing`` (sampled sequences' MoE routing,
     replayed for matching training datums: ``--routing-replay``; else None), ``restored`` (the runs brought back
-    at start-up by ``--restore-live-runs``).
+    at start-up by ``--restore-live-runs``), ``engine_sampler`` (``sampling_engine`` given, ``serve --sampler vllm``:
+    the :class:`~ringtune.gateway.vllm_sampling.VllmSampler` that answers sampling; closed with the service).
     """
 
-    def __init__(self, backend: Backend, config: GatewayConfig) -> None:
+    def __init__(
+        self, backend: Backend, config: GatewayConfig, *, sampling_engine: SamplingEngine | None = None
+    ) -> None:
         config.validate()
         self.backend, self.config = ObservedBackend(backend, config.checkpoint_root), config
         self.paths = CheckpointPaths(config.checkpoint_root)
@@ -69,6 +74,10 @@ class GatewayService:
         self.dispatcher = Dispatcher(self.futures, self.executor)
         self.downloads = DownloadSigner()
         self.routing = RoutingRecords() if config.routing_replay else None
+        self.engine_sampler = None  # ``serve --sampler vllm``: sampling sessions on the external engine
+        if sampling_engine is not None:
+            scratch = Path(config.checkpoint_root) / ".vllm" / "snapshots"
+            self.engine_sampler = VllmSampler(sampling_engine, self.backend, scratch)
         self.sampling = SamplingService(
             self.backend,
             self.futures,
@@ -77,6 +86,7 @@ class GatewayService:
             max_prompt_tokens=backend.info().context_length,
             slice_s=config.sample_slice_s,
             routing=self.routing,
+            sampler=self.engine_sampler,
         )
         self.runs = RunBook(config, self.backend, self.registry, self.paths, self.dispatcher, self.sampling)
         self.creation = RunCreation(self.runs, self.backend, self.dispatcher, self.autosave)
@@ -123,4 +133,6 @@ class GatewayService:
     def close(self) -> None:
         """Stop the backend thread (after the queued jobs) and the backend (any thread)."""
         self.dispatcher.shutdown()
+        if self.engine_sampler is not None:
+            self.engine_sampler.close()
         self.backend.close()
