@@ -158,7 +158,7 @@ def test_lora_sessions_share_the_base_and_load_adapters_once_per_incarnation(par
 
 
 def test_live_run_is_exported_and_prompt_asks_go_to_the_forward(parts):
-    engine, backend, sampler, _ = parts
+    _, backend, sampler, _ = parts
     sampler.create_sampler("live", SamplerSource(run_id="run-1"))
     scratch = sampler.sessions["live"].scratch
     assert backend.calls == [("export", "run-1")] and scratch is not None and scratch.is_dir()
