@@ -116,3 +116,22 @@ def start_vllm_gateway(root: Path, model_dir: Path, engine: VllmEngine, **settin
     server = ServerThread(backend, GatewayConfig(**(options | settings)), sampling_engine=engine)  # type: ignore[arg-type]
     server.start()
     return server
+
+
+def live_group_members(pgid: int, wait_s: float = 10.0) -> list[int]:
+    """The processes of group ``pgid`` that are not zombies, after up to ``wait_s`` for them to go (Linux /proc)."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        members = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(stat.parent.name))
+        if not members or time.monotonic() > deadline:
+            return members
+        time.sleep(0.2)

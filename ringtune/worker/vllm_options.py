@@ -57,6 +57,12 @@ def add_sampler_options(p: argparse.ArgumentParser) -> None:
         "forward); --no-vllm-lora: LoRA exports are reloaded as merged weights",
     )
     p.add_argument("--vllm-max-lora-rank", type=int, default=64, help="--sampler vllm: largest LoRA rank served")
+    p.add_argument(
+        "--vllm-devices",
+        default=None,
+        help="--sampler vllm: the engine's CUDA_VISIBLE_DEVICES (e.g. '4,5,6,7': GPUs the training ranks do not "
+        "use; docs/operations.md, 'A sampling engine beside the ranks')",
+    )
 
 
 SERVED_NAME = "ringtune-base"
@@ -89,6 +95,7 @@ def engine_config(args: argparse.Namespace, *, dtype: str, root: Path) -> VllmEn
         enable_lora=args.vllm_lora,
         max_lora_rank=args.vllm_max_lora_rank,
         extra_args=tuple(extra),
+        env={} if args.vllm_devices is None else {"CUDA_VISIBLE_DEVICES": args.vllm_devices},
         log_path=engine_log_path(root),
     )
 
