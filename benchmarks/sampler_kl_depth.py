@@ -4,6 +4,9 @@
 [--depths 1024 4096 12288] [--samples 1] [--tokens 192] [--lora-rank 0] [--samplers builtin vllm]
 [--vllm-python PY] [--out FILE.json]`
 
+``--random-tokens``: prompts of seeded random token ids instead of text (for a tiny random model whose tokenizer
+cannot read English, e.g. the vLLM tests' Llama: ``--model DIR --depths 64 192 384 --tokens 48``).
+
 ``--samplers builtin vllm`` measures each precision once per sampler: ringtune's own (``serve``'s default) and a
 vLLM engine (``serve --sampler vllm``, started from ``--vllm-python``; docs/sampling.md). vLLM loads HF
 directories only: the embedded SmolLM2-135M is written as one first (ringtune's export of the GGUF weights and
@@ -84,14 +87,26 @@ def kl_stats(sampler_lp: np.ndarray, trainer_lp: np.ndarray) -> dict[str, float]
 
 
 def measure(
-    url: str, model: str, depths: list[int], samples: int, tokens: int, seed: int, report=None, lora_rank: int = 0
+    url: str,
+    model: str,
+    depths: list[int],
+    samples: int,
+    tokens: int,
+    seed: int,
+    report=None,
+    lora_rank: int = 0,
+    random_tokens: bool = False,
 ) -> dict[int, dict[str, float]]:
     """Per depth (shallow first): sample, score the samples on the trainer, record the stats (``report(depth, stats)``
     after each, so a run cut short keeps its shallower depths). ``lora_rank`` > 0: a LoRA run, stepped once first."""
     result: dict[int, dict[str, float]] = {}
     with tinker.ServiceClient(base_url=url, api_key=API_KEY) as sc:
         tc = sc.create_lora_training_client(model, rank=lora_rank).result()
-        ids = tc.get_tokenizer().encode(natural_text(), add_special_tokens=False)
+        tokenizer = tc.get_tokenizer()
+        if random_tokens:
+            ids = np.random.default_rng(seed).integers(0, len(tokenizer), max(depths) + 1).tolist()
+        else:
+            ids = tokenizer.encode(natural_text(), add_special_tokens=False)
         if len(ids) < max(depths):
             raise ValueError(f"depth {max(depths)} exceeds the {len(ids)} tokens of text")
         if lora_rank:  # fresh adapters add zero: one step makes them count
@@ -136,6 +151,7 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning; R: a LoRA run of rank R")
     parser.add_argument("--label", default="", help="a name for this run in the table (e.g. before / after)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--random-tokens", action="store_true", help="seeded random prompts instead of text")
     parser.add_argument("--samplers", nargs="+", default=["builtin"], choices=["builtin", "vllm"])
     parser.add_argument("--vllm-python", default=None, help="the engine's interpreter (serve's --vllm-python)")
     parser.add_argument("--vllm-args", default="--enforce-eager", help="serve's --vllm-args (CPU: eager)")
@@ -176,7 +192,15 @@ def main() -> None:
 
             with server:
                 measure(
-                    server.url, args.model, args.depths, args.samples, args.tokens, args.seed, record, args.lora_rank
+                    server.url,
+                    args.model,
+                    args.depths,
+                    args.samples,
+                    args.tokens,
+                    args.seed,
+                    record,
+                    args.lora_rank,
+                    args.random_tokens,
                 )
             print(f"# {name}: {time.time() - started:.0f} s", flush=True)
     print(
