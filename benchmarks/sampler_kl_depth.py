@@ -173,7 +173,7 @@ def main() -> None:
             started = time.time()
             extra = ["--dtype", dtype, "--max-tokens-per-rank", str(context), "--model-name", args.model]
             if sampler == "vllm":
-                extra += ["--sampler", "vllm", "--vllm-args", args.vllm_args]
+                extra += ["--sampler", "vllm", f"--vllm-args={args.vllm_args}"]
                 extra += ["--vllm-python", args.vllm_python] if args.vllm_python else []
             name = dtype if args.samplers == ["builtin"] else f"{dtype} {sampler}"
             server = ServeProcess(

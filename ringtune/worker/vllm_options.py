@@ -46,8 +46,8 @@ def add_sampler_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--vllm-args",
         default="",
-        help="--sampler vllm: more vllm.entrypoints.openai.api_server arguments, one string (e.g. "
-        "'--enforce-eager' on CPU, '--tensor-parallel-size 2' on GPUs)",
+        help="--sampler vllm: more vllm.entrypoints.openai.api_server arguments, one string given with '=' (e.g. "
+        "--vllm-args=--enforce-eager on CPU, --vllm-args='--tensor-parallel-size 2' on GPUs)",
     )
     p.add_argument(
         "--vllm-lora",
