@@ -184,11 +184,19 @@ class VllmEngine:
             return False
 
     def _watch(self) -> None:
-        """The monitor thread: every ``health_interval_s``, restart a dead or silent engine (module docstring)."""
+        """The monitor thread: every ``health_interval_s``, restart a dead or silent engine (module docstring); an
+        attached engine that answers again serves again (as a new incarnation: it may have lost what was loaded)."""
         misses = 0
         while not self._stop.wait(self.config.health_interval_s):
             dead = self._process is not None and self._process.poll() is not None
-            misses = 0 if (not dead and self.healthy()) else misses + 1
+            if not dead and self.healthy():
+                misses = 0
+                if self._state == "failed" and self.attached:
+                    with self._lock:
+                        self.incarnation += 1
+                        self._state = "serving"
+                continue
+            misses += 1
             if not dead and misses < 3:
                 continue
             with self._lock:
@@ -197,9 +205,6 @@ class VllmEngine:
                 self._state = "failed"
                 if self.attached or self.restarts >= self.config.max_restarts:
                     log.error("vLLM engine at %s is down; not restarting (restarts %d)", self.url, self.restarts)
-                    if self.attached and self.healthy():
-                        self._state, misses = "serving", 0
-                        self.incarnation += 1  # it came back: assume it lost what was loaded
                     continue
                 log.warning("vLLM engine at %s is down; restarting", self.url)
                 self._kill_process(self._process)
