@@ -281,7 +281,7 @@ def test_raw_sample_and_bad_session_sources(gateway, raw_sampler):
         ({"model_path": "tinker://nope/sampler_weights/x"}, "nope"),
         ({"model_path": "/etc/passwd"}, "tinker path"),
         ({"base_model": "other/model"}, "other/model"),
-        ({}, "exactly one"),
+        ({}, "needs base_model, model_path or both"),
     ):
         body = {"session_id": session, "sampling_session_seq_id": 1, **source}
         response = httpx.post(f"{gateway['url']}/api/v1/create_sampling_session", json=body, headers=headers)

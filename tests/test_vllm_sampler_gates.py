@@ -165,9 +165,28 @@ def test_live_run_is_exported_and_prompt_asks_go_to_the_forward(parts):
     asks = SampleRequest(prompt=[1, 2, 3], params=SamplingParams(max_tokens=1), prompt_logprobs=True)
     (result,) = sampler.sample("live", [asks])
     assert result.prompt_logprobs == [None, -1.0, -1.0] and result.sequences[0].tokens == [1]  # forward + engine
-    assert backend.calls[1] == ("create", "live:forward", str(scratch)) and backend.calls[2][0] == "sample"
+    forward = backend.calls[1][1]
+    assert backend.calls[1] == ("create", forward, str(scratch)) and forward.startswith("live:forward")
+    assert backend.calls[2][:2] == ("sample", forward)
     sampler.free_sampler("live")
-    assert backend.calls[-1] == ("free", "live:forward") and not scratch.exists()
+    assert backend.calls[-1] == ("free", forward) and not scratch.exists()
+
+
+def test_inflight_sessions_sample_the_newest_publish(parts):
+    engine, backend, sampler, _ = parts
+    sampler.create_sampler("first", SamplerSource(run_id="run-1", inflight=True))
+    sampler.sample("first", [REQUEST])
+    sampler.create_sampler("second", SamplerSource(run_id="run-1", inflight=True))  # republishes the run's weights
+    exports = list(sampler.inflight["run-1"].exports)
+    assert len(exports) == 2 and all(p.is_dir() for p in exports)
+    sampler.sample("first", [REQUEST])  # the earlier session now samples the newer publish
+    served = [c[2] for c in engine.calls if c[0] == "completion"]
+    assert served == [str(exports[0]), str(exports[1])]
+    sampler.free_sampler("second")
+    assert all(p.is_dir() for p in exports)  # "first" still samples the target
+    sampler.free_sampler("first")
+    assert "run-1" not in sampler.inflight and not any(p.exists() for p in exports)
+    assert [c[0] for c in backend.calls] == ["export", "export"]
 
 
 def test_unknown_session_and_a_down_engine(parts):

@@ -13,7 +13,10 @@
 - any other export (full fine-tuning; a LoRA export on an engine without LoRA: its merged weights): a
   whole-weight reload of the engine from the directory (``reload_weights``, then the prefix cache reset);
 - an unnamed ``save_weights_for_sampler`` (a run's current weights): exported now by the backend
-  (``export_for_sampler``) to ``<scratch>/<sampler id>`` (deleted with the session), then as above.
+  (``export_for_sampler``) to ``<scratch>/<sampler id>`` (deleted with the session), then as above;
+- an inflight one (``SamplerSource.inflight``): the same export, published as the run's *inflight target*,
+  which every inflight session of the run samples, earlier ones included (:mod:`ringtune.sample.pool`); a job
+  keeps the target it started with. The run's inflight exports are deleted with its last inflight session.
 
 The engine holds one set of base weights at a time: each job needs a **weight gate** (the base, or one
 full-weights directory and version). Jobs of the gate the engine holds run together; a job of another gate
@@ -36,6 +39,7 @@ import hashlib
 import logging
 import shutil
 import threading
+import uuid
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -108,6 +112,13 @@ class _Session:
     source: SamplerSource
     scratch: Path | None = None  # an unnamed export this session owns
     forward_id: str | None = None  # its built-in session for what the engine cannot answer
+    inflight_run: str | None = None  # samples that run's inflight target (its weights at the newest publish)
+
+
+@dataclass
+class _InflightTarget:
+    weights: EngineWeights
+    exports: list[Path]  # every export published for the run; deleted with its last inflight session
 
 
 @dataclass
@@ -116,8 +127,12 @@ class _Job:
     requests: list[SampleRequest]
     engine_parts: list[SampleRequest]
     forward_results: list[PromptSamples | None]
-    gate: str
+    weights: EngineWeights
     futures: list[Future] = field(default_factory=list)
+
+    @property
+    def gate(self) -> str:
+        return self.weights.gate
 
     @property
     def in_flight(self) -> bool:
@@ -144,6 +159,7 @@ class VllmSampler:
         self._held_gate = BASE_GATE
         self._adapters: dict[str, int] = {}  # adapter name of a session -> 1 when loaded on this incarnation
         self._lock = threading.Lock()
+        self.inflight: dict[str, _InflightTarget] = {}  # run id -> its inflight target
 
     @property
     def engine_prompt_logprobs(self) -> bool:
@@ -169,7 +185,13 @@ class VllmSampler:
         weights, scratch = self.weights_of(sampler_id, source)
         if weights.kind == "lora":
             self._adapters.setdefault(weights.adapter_name, 0)
-        self.sessions[sampler_id] = _Session(weights, SamplerSource(path=weights.path), scratch)
+        session = _Session(weights, SamplerSource(path=weights.path), scratch)
+        if source.inflight and source.run_id is not None and scratch is not None:
+            target = self.inflight.setdefault(source.run_id, _InflightTarget(weights, []))
+            target.weights = weights
+            target.exports.append(scratch)
+            session.scratch, session.inflight_run = None, source.run_id
+        self.sessions[sampler_id] = session
         log.info("vLLM sampling session %s on %s weights %s", sampler_id, weights.kind, weights.path or "(base)")
 
     def free_sampler(self, sampler_id: str) -> None:
@@ -181,6 +203,10 @@ class VllmSampler:
             self.backend.free_sampler(session.forward_id)
         if session.scratch is not None:
             shutil.rmtree(session.scratch, ignore_errors=True)
+        run = session.inflight_run
+        if run is not None and not any(s.inflight_run == run for s in self.sessions.values()):
+            for export in self.inflight.pop(run).exports:
+                shutil.rmtree(export, ignore_errors=True)
         name = session.weights.adapter_name
         if session.weights.kind == "lora" and not any(s.weights.adapter_name == name for s in self.sessions.values()):
             if self._adapters.pop(name, 0) and self._incarnation == self.engine.incarnation:
@@ -189,11 +215,19 @@ class VllmSampler:
                 except Exception:  # the engine may be down; a restart drops it anyway
                     log.warning("could not unload adapter %s", name, exc_info=True)
 
+    def weights_now(self, session: _Session) -> EngineWeights:
+        """What a job of ``session`` samples: its weights, or its run's inflight target as published now."""
+        return session.weights if session.inflight_run is None else self.inflight[session.inflight_run].weights
+
     def _forward(self, sampler_id: str, session: _Session, requests: list[SampleRequest]) -> list[PromptSamples]:
         """ringtune's own forward of the prompt-side asks (one-token requests), on a lazily made built-in session."""
+        source = SamplerSource(path=self.weights_now(session).path)
+        if session.forward_id is not None and source != session.source:  # an inflight target was republished
+            self.backend.free_sampler(session.forward_id)
+            session.forward_id = None
         if session.forward_id is None:
-            session.forward_id = f"{sampler_id}:forward"
-            self.backend.create_sampler(session.forward_id, session.source)
+            session.forward_id, session.source = f"{sampler_id}:forward:{uuid.uuid4().hex[:8]}", source
+            self.backend.create_sampler(session.forward_id, source)
         results = self.backend.sample(session.forward_id, requests)
         assert results is not None  # slice_s None: to the end
         return results
@@ -218,7 +252,8 @@ class VllmSampler:
             answers = self._forward(sampler_id, session, [f for _, f in forward_asks])
             for (i, _), answer in zip(forward_asks, answers, strict=True):
                 forward_results[i] = answer
-        job = _Job(sampler_id, list(requests), [e for e, _ in parts], forward_results, session.weights.gate)
+        weights = self.weights_now(session)
+        job = _Job(sampler_id, list(requests), [e for e, _ in parts], forward_results, weights)
         key = job_id or f"vllm-{id(job)}"
         self.jobs[key] = job
         return self._advance(key, slice_s)
@@ -258,10 +293,9 @@ class VllmSampler:
             _, still = wait(busy, timeout=slice_s, return_when=FIRST_COMPLETED)
             if slice_s is not None and still:
                 return False
-        session = self.sessions.get(job.sampler_id)
-        if session is None:
+        if job.sampler_id not in self.sessions:
             raise UserInputError(f"sampling_session_id={job.sampler_id!r}: the session ended before it was sampled")
-        model = self._prepare(session.weights)
+        model = self._prepare(job.weights)
         job.futures = [
             self.pool.submit(self.engine.post, "/v1/completions", completion_body(part, model))
             for part in job.engine_parts
