@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from vllm_fixtures import live_group_members
 
@@ -95,7 +96,7 @@ def test_started_engine_restarts_after_a_kill_and_stops_with_its_group(stand_in_
 
 
 def test_attached_engine_is_never_started_or_stopped(stand_in_python, tmp_path: Path):
-    server = VllmEngine(_config(python=stand_in_python))
+    server = VllmEngine(_config(python=stand_in_python, max_restarts=0))  # the operator's engine: kept as it is
     server.start()
     try:
         attached = VllmEngine(_config(url=server.url + "/", max_restarts=5))
@@ -105,7 +106,7 @@ def test_attached_engine_is_never_started_or_stopped(stand_in_python, tmp_path: 
         _wait(lambda: attached.state == "failed")
         with pytest.raises(EngineUnavailableError):
             attached.check_serving()
-        server.post("/up")  # the operator's engine answers again: it serves, as a new incarnation
+        httpx.post(f"{server.url}/up", json=None)  # the operator's engine answers again: a new incarnation
         _wait(lambda: attached.state == "serving")
         assert attached.incarnation == 2 and attached.restarts == 0
         attached.stop()
