@@ -199,6 +199,7 @@ BAD_SAMPLING = {
     "unknown_session": ({"sampling_session_id": "nope"}, "sampling_session_id"),
     "last_n_over_prompt": ({"prompt_logprobs": True, "prompt_logprobs_last_n": 5}, "prompt_logprobs_last_n=5"),
     "last_n_without_prompt_logprobs": ({"prompt_logprobs_last_n": 2}, "needs prompt_logprobs=true"),
+    "record_stability_info_not_bool": ({"record_stability_info": "yes"}, "record_stability_info='yes'"),
     "targets_float": (
         {"target_prompt_logprobs": {"data": [1.0] * 4, "dtype": "float32", "shape": [4, 1]}},
         "target_prompt_logprobs.dtype='float32'",

@@ -44,6 +44,8 @@ from ringtune.gateway.runs import RunBook
 from ringtune.gateway.sampling import CreateSamplingSessionBody, SamplingService
 from ringtune.gateway.sampling_sessions import create_sampling_session
 from ringtune.gateway.scheduler import FairExecutor
+from ringtune.gateway.stability_records import DIRECTORY_NAME as STABILITY_DIRECTORY
+from ringtune.gateway.stability_records import StabilityRecords
 from ringtune.gateway.state import Registry
 from ringtune.gateway.training_ops import TrainingOps
 from ringtune.gateway.vllm_sampling import SamplingEngine, VllmSampler
@@ -61,6 +63,9 @@ class GatewayService:
     replayed for matching training datums: ``--routing-replay``; else None), ``restored`` (the runs brought back
     at start-up by ``--restore-live-runs``), ``engine_sampler`` (``sampling_engine`` given, ``serve --sampler vllm``:
     the :class:`~ringtune.gateway.vllm_sampling.VllmSampler` that answers sampling; closed with the service).
+    replayed for matching training datums: ``--routing-replay``; else None), ``stability`` (what the sampler
+    recorded for ``record_stability_info`` samples, persisted under the checkpoint root), ``restored`` (the runs
+    brought back at start-up by ``--restore-live-runs``).
     """
 
     def __init__(
@@ -84,6 +89,7 @@ class GatewayService:
         if sampling_engine is not None:
             scratch = Path(config.checkpoint_root) / ".vllm" / "snapshots"
             self.engine_sampler = VllmSampler(sampling_engine, self.backend, scratch)
+        self.stability = StabilityRecords(Path(config.checkpoint_root) / STABILITY_DIRECTORY)
         self.sampling = SamplingService(
             self.backend,
             self.futures,
@@ -93,10 +99,13 @@ class GatewayService:
             slice_s=config.sample_slice_s,
             routing=self.routing,
             sampler=self.engine_sampler,
+            stability=self.stability,
         )
         self.runs = RunBook(config, self.backend, self.registry, self.paths, self.dispatcher, self.sampling)
         self.creation = RunCreation(self.runs, self.backend, self.dispatcher, self.autosave)
-        self.training = TrainingOps(self.runs, self.backend, self.dispatcher, self.autosave, self.routing)
+        self.training = TrainingOps(
+            self.runs, self.backend, self.dispatcher, self.autosave, self.routing, self.stability
+        )
         self.checkpoints = CheckpointOps(
             self.runs, self.backend, self.paths, self.dispatcher, self.autosave, self.sampling, self.creation
         )
