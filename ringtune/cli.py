@@ -233,6 +233,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-body-mb", type=int, default=d.max_body_bytes // 2**20)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    from ringtune.worker.vllm_options import add_sampler_options
+
+    add_sampler_options(p)  # --sampler builtin|vllm and the engine's --vllm-* options
     # Parity negative controls only (ringtune.debug_faults): hidden from --help, never for real training.
     p.add_argument("--debug-fault", default=None, choices=DEBUG_FAULTS, help=argparse.SUPPRESS)
 

@@ -45,6 +45,7 @@ from ringtune.worker.model_set import (
     parse_model_args,
 )
 from ringtune.worker.preflight import Preflight, ServeSettings, preflight, read_config
+from ringtune.worker.vllm_options import engine_config, start_sampling_engine
 
 
 def gateway_config(args: argparse.Namespace, root: Path, live_runs: dict[str, int] | None = None) -> GatewayConfig:
@@ -248,6 +249,7 @@ def run_serve(args: argparse.Namespace) -> int:
         for m, checked in zip(models, checks, strict=True)
     ]
     checked = checks[0]
+    engine = engine_config(args, dtype=device.dtype, root=root)  # --sampler vllm, checked before any rank starts
     backend = start_backend(args, specs, root, device)
     if backend is None:
         return 0  # a torchrun worker rank: served commands until shutdown
@@ -255,7 +257,10 @@ def run_serve(args: argparse.Namespace) -> int:
     # One line per operation (ringtune.gateway.observe) beside uvicorn's own lines.
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        serve(backend, config, host=args.host, port=args.port, log_level=args.log_level)
+        sampling_engine = start_sampling_engine(engine, backend)  # --sampler vllm (None: the built-in sampler)
+        serve(
+            backend, config, host=args.host, port=args.port, log_level=args.log_level, sampling_engine=sampling_engine
+        )
     except KeyboardInterrupt:  # uvicorn already shut down gracefully (the backend and workers are closed)
         pass
     return 0
