@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict
 from tinker.proto import tinker_public_pb2 as pb
 
 from ringtune.errors import UserInputError
+from ringtune.gateway.backend import served_info
 from ringtune.gateway.futures import FutureStore, Outcome
 from ringtune.gateway.routing_records import RoutingRecords
 from ringtune.gateway.sample_targets import TargetLayout, encode_targets, parse_targets
@@ -247,6 +248,9 @@ class SamplingService:
         max_prompt_tokens: the served context length (prompt + max_tokens).
         slice_s: decode time per turn of a job (0: each job runs to its end in one turn).
         routing: where the sampled sequences' MoE routing is recorded for replay (``--routing-replay``), or None.
+        sampler: what answers the sampling verbs (``create_sampler``, ``free_sampler``, ``sample``,
+            ``sample_more``): the backend itself (the built-in sampler), or an external engine's
+            (:class:`~ringtune.gateway.vllm_sampling.VllmSampler`, ``serve --sampler vllm``).
         stability: where ``record_stability_info`` requests' sequences are recorded, or None (such a request is
             then refused).
     """
@@ -261,9 +265,11 @@ class SamplingService:
         max_prompt_tokens: int,
         slice_s: float = 0.0,
         routing: RoutingRecords | None = None,
+        sampler: Any = None,
         stability: StabilityRecords | None = None,
     ) -> None:
         self.backend, self.futures, self.submit, self.call_on_loop = backend, futures, submit, call_on_loop
+        self.sampler = backend if sampler is None else sampler
         self.max_prompt_tokens, self.slice_s, self.routing = max_prompt_tokens, slice_s, routing
         self.stability = stability
         self._recorded: dict[str, list[str]] = {}  # request_id -> its sequence ids, while it records
@@ -275,7 +281,7 @@ class SamplingService:
 
     def register(self, sampler_id: str, base_model: str, model_path: str | None, source: SamplerSource) -> None:
         """Backend thread: create the session's snapshot, then (on the loop) make the session known."""
-        self.backend.create_sampler(sampler_id, source)
+        self.sampler.create_sampler(sampler_id, source)
         session = SamplerSession(sampler_id, base_model, model_path)
         self.call_on_loop(lambda: self.sessions.__setitem__(sampler_id, session))
 
@@ -289,7 +295,7 @@ class SamplingService:
             del self.sessions[sid]
         self._seen = {key: value for key, value in self._seen.items() if key[0] not in freed}
         if freed:
-            self.submit(DRAIN_KEY, lambda: [self.backend.free_sampler(sid) for sid in freed])
+            self.submit(DRAIN_KEY, lambda: [self.sampler.free_sampler(sid) for sid in freed])
         return freed
 
     def asample(self, body: SampleBody) -> dict[str, Any]:
@@ -302,7 +308,8 @@ class SamplingService:
         key = (sampler_id, body.seq_id) if isinstance(body.seq_id, int) else None
         if key is not None and key in self._seen:
             return self._seen[key]
-        request, layout = sample_request(body, self.backend.info().vocab_size, self.max_prompt_tokens)
+        vocab_size = served_info(self.backend.models(), self.sessions[sampler_id].base_model).vocab_size
+        request, layout = sample_request(body, vocab_size, self.max_prompt_tokens)
         record = body.record_stability_info
         if record is not None and not isinstance(record, bool):
             raise UserInputError(f"record_stability_info={record!r} must be true or false")
@@ -365,9 +372,9 @@ class SamplingService:
         slice_s = self.slice_s or None
         try:
             if first:
-                results = self.backend.sample(sampler_id, [r for r, _, _ in items], job_id=job_id, slice_s=slice_s)
+                results = self.sampler.sample(sampler_id, [r for r, _, _ in items], job_id=job_id, slice_s=slice_s)
             else:
-                results = self.backend.sample_more(job_id, slice_s)
+                results = self.sampler.sample_more(job_id, slice_s)
             if results is None:
                 more = lambda: self._turn(job_id, sampler_id, items, first=False)  # noqa: E731
                 self._queue(f"{DRAIN_KEY}:{job_id}", more, lambda: [request_id for _, request_id, _ in items])
