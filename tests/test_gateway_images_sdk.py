@@ -9,8 +9,8 @@ Qwen3.5-VL checkpoint (transformers' ``save_pretrained``, with its image process
   image conversations (the loss falls), bad images refused as ``user``, the ``vlm_classifier`` recipe's own
   dataset and the cookbook's supervised train loop, unmodified, on a local image folder; then a sample with an
   image in the prompt and ``compute_logprobs`` against the trainer. They need the model side of issue 35 (the
-  vision tower loaded as ``CausalLM.model.visual``, MRoPE under CP) and the sampler's image prefill, and skip,
-  naming the missing piece, without them.
+  vision tower loaded as ``CausalLM.model.visual``, MRoPE under CP, the sampler's image prefill) and skip, naming
+  the missing piece, without it.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.serve_process import ServeProcess
 from ringtune.gateway.server import ServerThread
 from ringtune.models.checkpoints.load import load_model
-from ringtune.sample import pool
 from ringtune.worker.local import LocalBackend
 
 API_KEY = "tml-images"
@@ -182,7 +181,7 @@ def test_image_datums_reach_the_engine(gateway, model_dir, image_folder):
 
 def test_sample_prompts_with_images_through_the_sdk(gateway, model_dir):
     """``asample`` JSON with base64 images: decoded off the event loop, a bad image a 400 naming the chunk, and a
-    good one handed to the sampler (which, until it prefills images, refuses it as a ``user`` error)."""
+    good one sampled from."""
     renderer = renderer_for(model_dir)
     client = tinker.ServiceClient(base_url=gateway["url"], api_key=API_KEY)
     sampler = client.create_sampling_client(base_model=MODEL_NAME)
@@ -191,11 +190,7 @@ def test_sample_prompts_with_images_through_the_sdk(gateway, model_dir):
     wrong = with_image_chunk(tinker.Datum(model_input=prompt, loss_fn_inputs={}), expected_tokens=3).model_input
     with pytest.raises(tinker.BadRequestError, match=r"chunks\[\d+\]\.expected_tokens=3 but the image is 2 tokens"):
         sampler.sample(wrong, 1, params).result()
-    if hasattr(pool, "check_no_images"):  # this branch: the sampler's image prefill is the model side's
-        with pytest.raises(tinker.RequestFailedError, match=r"2 image\(s\); this sampler does not prefill images"):
-            sampler.sample(prompt, 1, params).result()
-    else:
-        assert len(sampler.sample(prompt, 1, params).result().sequences[0].tokens) >= 1
+    assert len(sampler.sample(prompt, 1, params).result().sequences[0].tokens) >= 1
 
 
 @pytest.fixture(scope="module")
@@ -266,11 +261,6 @@ def test_serve_cp2_trains_on_images(served, model_dir, image_folder):
 
 def test_serve_cp2_samples_with_an_image(served, model_dir):
     """A sample with an image in the prompt, and ``compute_logprobs`` of an image datum equal to the trainer's."""
-    if hasattr(pool, "check_no_images"):
-        pytest.skip(
-            "needs the sampler's image prefill (ringtune/sample: prefill through the vision tower, decode "
-            "MRoPE positions after images); pool.check_no_images still refuses prompt images"
-        )
     renderer = renderer_for(model_dir)
     client = tinker.ServiceClient(base_url=served["url"], api_key=API_KEY)
     training = client.create_lora_training_client(str(model_dir), rank=0).result()

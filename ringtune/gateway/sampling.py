@@ -235,6 +235,9 @@ class SamplingService:
         max_prompt_tokens: the served context length (prompt + max_tokens).
         slice_s: decode time per turn of a job (0: each job runs to its end in one turn).
         routing: where the sampled sequences' MoE routing is recorded for replay (``--routing-replay``), or None.
+        sampler: what answers the sampling verbs (``create_sampler``, ``free_sampler``, ``sample``,
+            ``sample_more``): the backend itself (the built-in sampler), or an external engine's
+            (:class:`~ringtune.gateway.vllm_sampling.VllmSampler`, ``serve --sampler vllm``).
         stability: where ``record_stability_info`` requests' sequences are recorded, or None (such a request is
             then refused).
     """
@@ -249,9 +252,11 @@ class SamplingService:
         max_prompt_tokens: int,
         slice_s: float = 0.0,
         routing: RoutingRecords | None = None,
+        sampler: Any = None,
         stability: StabilityRecords | None = None,
     ) -> None:
         self.backend, self.futures, self.submit, self.call_on_loop = backend, futures, submit, call_on_loop
+        self.sampler = backend if sampler is None else sampler
         self.max_prompt_tokens, self.slice_s, self.routing = max_prompt_tokens, slice_s, routing
         self.stability = stability
         self._recorded: dict[str, list[str]] = {}  # request_id -> its sequence ids, while it records
@@ -263,7 +268,7 @@ class SamplingService:
 
     def register(self, sampler_id: str, base_model: str, model_path: str | None, source: SamplerSource) -> None:
         """Backend thread: create the session's snapshot, then (on the loop) make the session known."""
-        self.backend.create_sampler(sampler_id, source)
+        self.sampler.create_sampler(sampler_id, source)
         session = SamplerSession(sampler_id, base_model, model_path)
         self.call_on_loop(lambda: self.sessions.__setitem__(sampler_id, session))
 
@@ -277,7 +282,7 @@ class SamplingService:
             del self.sessions[sid]
         self._seen = {key: value for key, value in self._seen.items() if key[0] not in freed}
         if freed:
-            self.submit(DRAIN_KEY, lambda: [self.backend.free_sampler(sid) for sid in freed])
+            self.submit(DRAIN_KEY, lambda: [self.sampler.free_sampler(sid) for sid in freed])
         return freed
 
     async def asample_decoding_images(self, body: SampleBody) -> dict[str, Any]:
@@ -370,9 +375,9 @@ class SamplingService:
         slice_s = self.slice_s or None
         try:
             if first:
-                results = self.backend.sample(sampler_id, [r for r, _, _ in items], job_id=job_id, slice_s=slice_s)
+                results = self.sampler.sample(sampler_id, [r for r, _, _ in items], job_id=job_id, slice_s=slice_s)
             else:
-                results = self.backend.sample_more(job_id, slice_s)
+                results = self.sampler.sample_more(job_id, slice_s)
             if results is None:
                 more = lambda: self._turn(job_id, sampler_id, items, first=False)  # noqa: E731
                 self._queue(f"{DRAIN_KEY}:{job_id}", more, lambda: [request_id for _, request_id, _ in items])

@@ -67,7 +67,7 @@ class SampleRequest:
     prompt_logprobs_last_n: int | None = None  # only the last n prompt log-probs are reported (the gateway's mask)
     target_tokens: torch.Tensor | None = None  # int64 [len(prompt) − 1, K]: ids whose prompt log-probs to return
     prompt_alt_tokens_k: int = 0  # draws per prompt position from the model's distribution (0: off)
-    images: tuple[ImageInput, ...] = ()  # the prompt's images (token_start indexes ``prompt``), in token order
+    images: tuple[ImageInput, ...] = ()  # the prompt's images (VL models; their pad tokens are in ``prompt``)
 
     def with_fixed_seed(self) -> SampleRequest:
         """This request, its seed drawn now when it has none and it asks for prompt alt tokens.
@@ -200,7 +200,6 @@ class SamplerPool:
         holds the snapshot: evicting it or freeing the session meanwhile does not stop the generation.
         """
         model = self.model(sampler_id)
-        check_no_images(requests)
         forwards = list(prefilled) if prefilled is not None else [None] * len(requests)
         groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):
@@ -231,6 +230,7 @@ class SamplerPool:
                 targets=[requests[i].target_tokens for i in members] if target_k else None,  # type: ignore[misc]
                 record_routing=self.record_routing,
                 decodes=self.decodes,
+                images=[requests[i].images for i in members] if any(requests[i].images for i in members) else None,
             )
             parts.append((members, generation))
         return PoolGeneration(len(requests), parts)
@@ -280,18 +280,6 @@ class PoolGeneration:
             for i, result in zip(members, generation.results(), strict=True):
                 out[i] = result
         return [o for o in out if o is not None]
-
-
-def check_no_images(requests: Sequence[SampleRequest]) -> None:
-    """UserInputError naming the first request whose prompt has images: the sampler's prefill and decode do not
-    take images yet (the vision tower's prefill and the MRoPE positions of decode are issue 35's model side); the
-    gateway only sends images to a model with a vision tower (:attr:`BackendInfo.image_dir`)."""
-    for i, request in enumerate(requests):
-        if request.images:
-            raise UserInputError(
-                f"requests[{i}].prompt: {len(request.images)} image(s); this sampler does not prefill images yet "
-                "(sample from a text prompt, or train on images with forward_backward)"
-            )
 
 
 def tokenizer_decoder(tokenizer_dir: str | None) -> Callable[[list[int]], str] | None:
