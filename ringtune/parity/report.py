@@ -4,13 +4,11 @@ one per debug fault, the measured noise floors behind the bf16 limits and the ma
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ringtune.parity.compare import Comparison
+from ringtune.parity.matrix_types import MatrixConfig, MatrixReport
 from ringtune.parity.servers import ServeSpec
-
-if TYPE_CHECKING:
-    from ringtune.parity.matrix import MatrixConfig, MatrixReport
 
 
 def replica_cell(dump: dict[str, Any]) -> str:

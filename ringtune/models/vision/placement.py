@@ -53,13 +53,22 @@ class ShardImages:
         )
 
 
+def _grid(image: ImageInput) -> tuple[int, int, int]:
+    """``image.grid_thw`` as a tuple of three ints (a list or tensor from a caller is read the same)."""
+    t, h, w = image.grid_thw
+    return int(t), int(h), int(w)
+
+
 def shard_images(plan: ZigzagPlan, images: Sequence[Sequence[ImageInput]], spatial_merge_size: int) -> ShardImages:
     """The :class:`ShardImages` of ``plan``'s rank for a row whose sequence ``i`` carries ``images[i]`` (token
     order, ``token_start`` relative to the sequence). Pure index work on the host."""
     if len(images) != len(plan.seq_lens):
         raise ValueError(f"images: {len(images)} lists for the row's {len(plan.seq_lens)} sequences")
     row_index = plan.row_index
-    pixels, grids, local, embed = [], [], [], []
+    pixels: list[torch.Tensor] = []
+    grids: list[tuple[int, int, int]] = []
+    local: list[torch.Tensor] = []
+    embed: list[torch.Tensor] = []
     offset = 0
     for row_start, seq_images in zip(plan.row_starts, images, strict=True):
         for image in seq_images:
@@ -68,13 +77,13 @@ def shard_images(plan: ZigzagPlan, images: Sequence[Sequence[ImageInput]], spati
             if held.numel() == 0:
                 continue
             pixels.append(image.pixel_values.to(torch.float32))
-            grids.append(tuple(image.grid_thw))
+            grids.append(_grid(image))
             local.append(held)
             embed.append(offset + row_index[held] - start)
             offset += image.num_tokens
     width = images_width(images)
     return ShardImages(
-        spans=tuple(tuple((im.token_start, tuple(im.grid_thw)) for im in seq) for seq in images),
+        spans=tuple(tuple((im.token_start, _grid(im)) for im in seq) for seq in images),
         spatial_merge_size=spatial_merge_size,
         pixel_values=torch.cat([torch.zeros(0, width), *pixels]),
         grids=tuple(grids),
