@@ -243,10 +243,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
 def _add_probe_parser(sub: argparse._SubParsersAction) -> None:
     d, z = LayerProbeConfig(), ProbeSizes()
     p = sub.add_parser(
-        "probe", help="GDN and gated attention layer: CP 2/4/8 vs no CP, cosines and norm ratios (gloo, CPU)"
+        "probe",
+        help="GDN, gated attention, MoE MLP and vision tower: CP 2/4/8 vs no CP, cosines and norm ratios (gloo, CPU)",
     )
     p.add_argument("--cp", type=int, nargs="+", default=list(d.cps), help="CP sizes (one world each)")
-    p.add_argument("--layers", type=_csv, default=d.layers, help="comma list of gdn,attention,moe")
+    p.add_argument("--layers", type=_csv, default=d.layers, help="comma list of gdn,attention,moe,vision")
     p.add_argument("--gdn-modes", type=_csv, default=d.gdn_modes, help="comma list of headwise,chunkwise")
     p.add_argument("--attention-modes", type=_csv, default=d.attention_modes, help="ring,allgather,alltoall")
     p.add_argument("--moe-modes", type=_csv, default=d.moe_modes, help="replicated,expert_parallel")

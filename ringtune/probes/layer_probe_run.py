@@ -34,13 +34,19 @@ from ringtune.probes.layer_probe import (
     probe_row,
     row_order,
 )
+from ringtune.probes.vision_probe import VISION_MODES, vision_entry
 
 # Pass limits per dtype: (min cosine, max |norm ratio - 1|, max share of compared rows below cosine 0.99).
 # CP and no CP run the same dtype and differ only in summation order: float64 agrees to ~1e-13; float32
 # to ~1e-6 relative; bfloat16 rounds every layer input/output (8 bits of mantissa, ~4e-3 relative per
 # op), so whole-tensor cosines stay above 0.999 and single rows may dip, most of all rows of tiny norm.
 LIMITS = {"float64": (1 - 1e-10, 1e-8, 0.0), "float32": (0.9999, 1e-3, 0.0), "bfloat16": (0.99, 0.03, 0.01)}
-MODES = {"gdn": GATED_DELTA_MODES, "attention": ATTENTION_MODES, "moe": MOE_MODES}
+MODES = {"gdn": GATED_DELTA_MODES, "attention": ATTENTION_MODES, "moe": MOE_MODES, "vision": VISION_MODES}
+# The vision tower's CP run repeats the reference's per-image computation (whole images, the same ops) and differs
+# only in which images share a matmul and the order the ranks' gradient partials are summed: float64 within
+# 1e-10 of the largest reference element (the issue's bar); float32 within 1e-5 (a few ulps of 6e-8 over the
+# tower's sums, with margin); bfloat16 within 2e-2 (one rounding of 4e-3 per op over three blocks).
+VISION_MAX_REL_DIFF = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 2e-2}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,7 +54,7 @@ class LayerProbeConfig:
     """What ``ringtune probe`` runs; one field per flag."""
 
     cps: tuple[int, ...] = (2, 4, 8)
-    layers: tuple[str, ...] = ("gdn", "attention", "moe")
+    layers: tuple[str, ...] = ("gdn", "attention", "moe", "vision")
     gdn_modes: tuple[str, ...] = MODES["gdn"]
     attention_modes: tuple[str, ...] = MODES["attention"]
     moe_modes: tuple[str, ...] = MODES["moe"]
@@ -121,12 +127,19 @@ def probe_world(rank: int, config: LayerProbeConfig, cp: int) -> list[dict] | No
     group = dist.group.WORLD
     dtype = getattr(torch, config.dtype)
     seq_lens = probe_row(config.tokens, config.seed)
-    layers = build_layers(config.sizes, dtype=dtype, seed=config.seed, sharpness=config.attention_sharpness)
+    layers = (
+        build_layers(config.sizes, dtype=dtype, seed=config.seed, sharpness=config.attention_sharpness)
+        if set(config.layers) - {"vision"}
+        else {}
+    )
     hidden = config.sizes.scaled(config.sizes.hidden)
     x_row, w_row = probe_inputs(config.tokens, hidden, dtype=dtype, seed=config.seed)
     mask, datum, split = loss_mask(seq_lens, cp)
     report = []
     for kind in config.layers:
+        if kind == "vision":  # its own row (images) and tower: ringtune.probes.vision_probe
+            report.append(vision_entry(rank, cp, group, dtype=dtype, seed=config.seed, cps=config.cps))
+            continue
         layer = layers[kind]
         ref = _reference(layer, x_row, w_row, mask, seq_lens) if rank == 0 else None
         modes = {"gdn": config.gdn_modes, "attention": config.attention_modes, "moe": config.moe_modes}[kind]
@@ -159,13 +172,21 @@ def probe_world(rank: int, config: LayerProbeConfig, cp: int) -> list[dict] | No
     return report if rank == 0 else None
 
 
-def _print_entry(entry: dict, limits: tuple[float, float, float]) -> bool:
+def _print_entry(entry: dict, limits: tuple[float, float, float], dtype: str) -> bool:
     min_cos, max_norm, max_low = limits
     head = f"{entry['layer']:<9} {entry['mode']:<9} C={entry['cp']}"
     if "skipped" in entry:
         print(f"{head}  n/a: {entry['skipped']}")
         return True
     ok = True
+    if "images" in entry:
+        images, shared, sequences = entry["images"]
+        good = entry["max_rel_diff"] <= VISION_MAX_REL_DIFF[dtype]
+        ok &= good
+        print(
+            f"{head}  {images} images in {sequences} sequences, {shared} on two ranks; max |CP-ref|/max|ref| "
+            f"{entry['max_rel_diff']:.1e} (limit {VISION_MAX_REL_DIFF[dtype]:.0e})  {'ok' if good else 'HIGH'}"
+        )
     for name, (cos, ratio) in entry["metrics"].items():
         good = cos >= min_cos and abs(ratio - 1) <= max_norm
         ok &= good
@@ -211,6 +232,6 @@ def run_layer_probe(config: LayerProbeConfig) -> bool:
                 continue
             if "split" in entry and entry is report[0]:
                 print(f"C={entry['cp']}: loss on datum {entry['datum']} from position {entry['split']} (first split)")
-            ok &= _print_entry(entry, LIMITS[config.dtype])
+            ok &= _print_entry(entry, LIMITS[config.dtype], config.dtype)
     print("probe PASS" if ok else "probe FAIL")
     return ok
