@@ -47,7 +47,7 @@ PROBE_TOWER = VisionConfig(
     rope_theta=10000.0,
     image_token_id=1,
 )
-"""Qwen3.5's tower shape at toy size: 3 blocks of 4 heads of 8 (2-D rotary), 2×2 merge, a 4×4 position grid."""
+"""Qwen3.5's tower shape at toy size: 3 blocks of 4 heads of 8 (2-D rotary), 2x2 merge, a 4x4 position grid."""
 
 GRIDS = ((1, 4, 4), (1, 4, 6), (1, 6, 4), (1, 8, 6), (1, 6, 10), (1, 2, 4), (1, 10, 6))
 """Image patch grids (t, h, w) drawn per image: 2 to 15 decoder tokens each, square and not."""
@@ -122,7 +122,9 @@ def _encoded(plan: ZigzagPlan, images: list[list[ImageInput]]) -> list[int]:
     """Row-order indices of the images ``plan``'s rank encodes (it holds a token of): placement's rule."""
     held = torch.zeros(sum(plan.seq_lens), dtype=torch.bool)
     held[plan.row_index[plan.is_real]] = True
-    flat = [(row_start + im.token_start, im.num_tokens) for row_start, seq in zip(plan.row_starts, images) for im in seq]
+    flat = [
+        (row_start + im.token_start, im.num_tokens) for row_start, seq in zip(plan.row_starts, images) for im in seq
+    ]
     return [i for i, (start, k) in enumerate(flat) if bool(held[start : start + k].any())]
 
 
