@@ -123,7 +123,9 @@ def _encoded(plan: ZigzagPlan, images: list[list[ImageInput]]) -> list[int]:
     held = torch.zeros(sum(plan.seq_lens), dtype=torch.bool)
     held[plan.row_index[plan.is_real]] = True
     flat = [
-        (row_start + im.token_start, im.num_tokens) for row_start, seq in zip(plan.row_starts, images) for im in seq
+        (row_start + im.token_start, im.num_tokens)
+        for row_start, seq in zip(plan.row_starts, images, strict=True)
+        for im in seq
     ]
     return [i for i, (start, k) in enumerate(flat) if bool(held[start : start + k].any())]
 
