@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 from types import SimpleNamespace
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -143,7 +144,8 @@ def _run(tower: VisionTower, shard: PackedShard, w_row: torch.Tensor, images: li
     dtype = tower.pos_embed.weight.dtype
     embed_tokens = nn.Embedding(2, PROBE_TOWER.out_hidden_size).to(dtype).requires_grad_(False)
     nn.init.zeros_(embed_tokens.weight)
-    model = SimpleNamespace(model=SimpleNamespace(embed_tokens=embed_tokens, visual=tower))
+    # Only ``model.embed_tokens`` and ``model.visual`` are read by input_embeddings: a holder of the two stands in.
+    model = cast(CausalLM, SimpleNamespace(model=SimpleNamespace(embed_tokens=embed_tokens, visual=tower)))
     ids = torch.full((shard.plan.local_len,), PROBE_TOWER.image_token_id, dtype=torch.int64)
     try:
         x = CausalLM.input_embeddings(model, ids, shard)  # the decoder's own call into the tower
@@ -153,9 +155,12 @@ def _run(tower: VisionTower, shard: PackedShard, w_row: torch.Tensor, images: li
     counts = [im.pixel_values.shape[0] for seq in images for im in seq]
     offsets = [sum(counts[:i]) for i in range(len(counts))]
     patch_grad = w_row.new_zeros(sum(counts), PROBE_TOWER.hidden_size)
-    if patches:
-        local = patches[0].grad.split([counts[i] for i in _encoded(shard.plan, images)])
-        for i, g in zip(_encoded(shard.plan, images), local, strict=True):
+    if patches:  # this rank encoded images: their patches' gradients, in its encoding order
+        encoded = _encoded(shard.plan, images)
+        local_grad = patches[0].grad
+        if local_grad is None or local_grad.shape[0] != sum(counts[i] for i in encoded):
+            raise RuntimeError(f"patch gradient of the encoded images {encoded} is missing or misshapen")
+        for i, g in zip(encoded, local_grad.split([counts[i] for i in encoded]), strict=True):
             patch_grad[offsets[i] : offsets[i] + counts[i]] = g
     grads = {
         n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone() for n, p in tower.named_parameters()
