@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ringtune.layout.zigzag import ZigzagPlan, chunk_len, zigzag_plan, zigzag_slice
+from ringtune.layout.zigzag import chunk_len, zigzag_plan, zigzag_slice
 from ringtune.models.decoder import CausalLM
 from ringtune.models.image_input import ImageInput
 from ringtune.models.shard import PackedShard, shard_of
@@ -119,16 +119,30 @@ def build_tower(*, dtype: torch.dtype, seed: int) -> VisionTower:
     return VisionTower(PROBE_TOWER).to(dtype)
 
 
-def _encoded(plan: ZigzagPlan, images: list[list[ImageInput]]) -> list[int]:
-    """Row-order indices of the images ``plan``'s rank encodes (it holds a token of): placement's rule."""
-    held = torch.zeros(sum(plan.seq_lens), dtype=torch.bool)
-    held[plan.row_index[plan.is_real]] = True
+def _encoded(shard: PackedShard, images: list[list[ImageInput]]) -> list[int]:
+    """Row-order indices (over all the row's images) of the images ``shard.images`` encodes, in its encoding
+    order: read from the placement itself (each kept embedding's row token names its image, its ``embed_index``
+    the encoded image it comes from), so the probe measures the product's choice rather than restating it."""
+    placed = shard.images
+    if placed is None:
+        return []
+    image_of_row = torch.full((sum(shard.plan.seq_lens),), -1, dtype=torch.int64)
     flat = [
-        (row_start + im.token_start, im.num_tokens)
-        for row_start, seq in zip(plan.row_starts, images, strict=True)
+        (r + im.token_start, r + im.token_end)
+        for r, seq in zip(shard.plan.row_starts, images, strict=True)
         for im in seq
     ]
-    return [i for i, (start, k) in enumerate(flat) if bool(held[start : start + k].any())]
+    for i, (start, end) in enumerate(flat):
+        image_of_row[start:end] = i
+    merge = placed.spatial_merge_size**2
+    ends = torch.tensor([t * h * w // merge for t, h, w in placed.grids], dtype=torch.int64).cumsum(0)
+    block = torch.searchsorted(ends, placed.embed_index, right=True)
+    encoded = [-1] * len(placed.grids)
+    for b, row in zip(block.tolist(), shard.plan.row_index[placed.local_index].tolist(), strict=True):
+        encoded[b] = int(image_of_row[row])
+    if -1 in encoded:
+        raise RuntimeError(f"an image encoded by this rank keeps no token (grids {placed.grids}): {encoded}")
+    return encoded
 
 
 def _run(tower: VisionTower, shard: PackedShard, w_row: torch.Tensor, images: list[list[ImageInput]]):
@@ -151,12 +165,14 @@ def _run(tower: VisionTower, shard: PackedShard, w_row: torch.Tensor, images: li
         x = CausalLM.input_embeddings(model, ids, shard)  # the decoder's own call into the tower
     finally:
         hook.remove()
-    (x * zigzag_slice(w_row, shard.plan)).sum().backward()
+    loss = (x * zigzag_slice(w_row, shard.plan)).sum()
+    if loss.requires_grad:  # else this rank keeps no image token: every gradient is zero
+        loss.backward()
     counts = [im.pixel_values.shape[0] for seq in images for im in seq]
     offsets = [sum(counts[:i]) for i in range(len(counts))]
     patch_grad = w_row.new_zeros(sum(counts), PROBE_TOWER.hidden_size)
     if patches:  # this rank encoded images: their patches' gradients, in its encoding order
-        encoded = _encoded(shard.plan, images)
+        encoded = _encoded(shard, images)
         local_grad = patches[0].grad
         if local_grad is None or local_grad.shape[0] != sum(counts[i] for i in encoded):
             raise RuntimeError(f"patch gradient of the encoded images {encoded} is missing or misshapen")
