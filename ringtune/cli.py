@@ -166,6 +166,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         choices=GATED_DELTA_MODES,
         help="CP GatedDeltaNet mode (default: the first that fits the model's heads)",
     )
+    p.add_argument(
+        "--freeze-vision",
+        action="store_true",
+        help="full fine-tuning of a VL model leaves its vision tower as loaded (LoRA never adapts it; docs/vision.md)",
+    )
     from ringtune.models.recompute import RECOMPUTE_MODES
 
     p.add_argument(
@@ -228,6 +233,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-body-mb", type=int, default=d.max_body_bytes // 2**20)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    from ringtune.worker.vllm_options import add_sampler_options
+
+    add_sampler_options(p)  # --sampler builtin|vllm and the engine's --vllm-* options
     # Parity negative controls only (ringtune.debug_faults): hidden from --help, never for real training.
     p.add_argument("--debug-fault", default=None, choices=DEBUG_FAULTS, help=argparse.SUPPRESS)
 

@@ -51,6 +51,9 @@ class BackendInfo:
         param_count: parameters of the served model (0: unknown; ``max_live_runs`` then counts runs).
         lora_params_per_rank: LoRA parameters per unit of rank by target group (``attn``, ``mlp``, ``unembed``;
             a group absent: not adaptable), for memory admission (:mod:`ringtune.gateway.run_memory`).
+        image_dir: the checkpoint directory whose ``config.json`` and ``preprocessor_config.json`` decode image
+            chunks (:mod:`ringtune.gateway.images`), for a served model that takes images; None: image chunks are
+            refused (a text model, or a vision-language checkpoint loaded without its vision tower).
     """
 
     model_name: str
@@ -66,6 +69,7 @@ class BackendInfo:
     modes: Mapping[str, object] = field(default_factory=dict)
     param_count: int = 0
     lora_params_per_rank: Mapping[str, int] = field(default_factory=dict)
+    image_dir: str | None = None
 
 
 @dataclass(frozen=True)

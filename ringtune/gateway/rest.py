@@ -111,8 +111,9 @@ def server_capabilities(service: GatewayService) -> dict[str, Any]:
     sampleable), the first ``--model`` first.
 
     The extra ``ringtune`` key (ignored by the SDK, which drops unknown fields) describes the layout for
-    ``ringtune parity run``: DP, CP, dtype, per-rank token budget, context length, vocabulary and CP modes of the
-    first model, and under ``models`` each served model's name, aliases, architecture and vocabulary.
+    ``ringtune parity run``: DP, CP, dtype, per-rank token budget, context length, vocabulary, CP modes and the
+    ``image_dir`` images are decoded with (None: a text model) of the first model, and under ``models`` each served
+    model's name, aliases, architecture and vocabulary.
     """
     models = service.backend.models()
     info = models[0]
@@ -124,6 +125,7 @@ def server_capabilities(service: GatewayService) -> dict[str, Any]:
         "max_tokens_per_rank": info.max_tokens_per_rank,
         "context_length": info.context_length,
         "vocab_size": info.vocab_size,
+        "image_dir": info.image_dir,
         **dict(info.modes),
         "models": [
             {"model_name": m.model_name, "aliases": list(m.aliases), "arch": m.arch, "vocab_size": m.vocab_size}

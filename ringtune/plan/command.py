@@ -68,6 +68,12 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         help=f"whole sampler snapshots each rank holds beside the step (default {DEFAULT_MAX_SNAPSHOTS}, the sampler "
         "pool's limit; 0 for training without sampling from run weights)",
     )
+    p.add_argument(
+        "--image-tokens",
+        type=int,
+        default=0,
+        help="image-pad tokens per row (a vision-language model: the vision tower's patches, m^2 per token; 0: text)",
+    )
     p.add_argument("--top", type=int, default=12, help="rows of the table (0: every layout)")
     p.add_argument("--json", action="store_true", help="every layout as JSON on stdout")
 
@@ -140,6 +146,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
                 precisions=tuple(args.precision),
                 recompute=tuple(args.recompute),
                 sampler_snapshots=args.sampler_snapshots,
+                image_tokens=args.image_tokens,
             )
             for _, cfg in models
         ]
@@ -155,6 +162,7 @@ def run_plan_command(args: argparse.Namespace) -> int:
             "gpu_memory_bytes": memory,
             "margin": MARGIN,
             "sampler_snapshots": args.sampler_snapshots,
+            "image_tokens": args.image_tokens,
             "layouts": [
                 {**p.estimate.as_dict(), "fits": p.fits, "fits_with_margin": p.fits_with_margin, "cost": p.cost}
                 for p in planned

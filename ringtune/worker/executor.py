@@ -97,6 +97,9 @@ class ModelSpec:
             "gated_delta": options.get("gated_delta", DEFAULT_GATED_DELTA),
             "pad_multiplier": int(options.get("pad_multiplier", PAD_MULTIPLIER)),
             "debug_fault": options.get("debug_fault"),
+            "shard_params": check_sharding(options.get("shard_params", False)),
+            "recompute": options.get("recompute", "none"),
+            "device_type": self.device_type,
         }
 
     @property

@@ -45,6 +45,7 @@ from ringtune.worker.model_set import (
     parse_model_args,
 )
 from ringtune.worker.preflight import Preflight, ServeSettings, preflight, read_config
+from ringtune.worker.vllm_options import engine_config, start_sampling_engine
 
 
 def gateway_config(args: argparse.Namespace, root: Path, live_runs: dict[str, int] | None = None) -> GatewayConfig:
@@ -98,8 +99,8 @@ def serve_settings(
 
 def trainer_options(args: argparse.Namespace, checked: Preflight) -> dict[str, Any]:
     """The :class:`~ringtune.engine.trainer.Trainer` options of every run: the modes preflight chose, recompute,
-    sharding, the debug fault (parity negative controls only) and the MoE auxiliary loss weight (UserInputError
-    unless finite and >= 0)."""
+    sharding, the debug fault (parity negative controls only), the MoE auxiliary loss weight (UserInputError
+    unless finite and >= 0) and ``--freeze-vision``."""
     options: dict[str, Any] = {
         "attention": checked.attention,
         "gated_delta": checked.gated_delta,
@@ -113,6 +114,8 @@ def trainer_options(args: argparse.Namespace, checked: Preflight) -> dict[str, A
         if not (math.isfinite(args.router_aux_loss_coef) and args.router_aux_loss_coef > 0):
             raise UserInputError(f"--router-aux-loss-coef={args.router_aux_loss_coef} must be finite and >= 0")
         options["router_aux_loss_coef"] = args.router_aux_loss_coef
+    if getattr(args, "freeze_vision", False):  # a VL model's tower stays as loaded (no-op for a text model)
+        options["freeze_vision"] = True
     return options
 
 
@@ -246,6 +249,7 @@ def run_serve(args: argparse.Namespace) -> int:
         for m, checked in zip(models, checks, strict=True)
     ]
     checked = checks[0]
+    engine = engine_config(args, dtype=device.dtype, root=root)  # --sampler vllm, checked before any rank starts
     backend = start_backend(args, specs, root, device)
     if backend is None:
         return 0  # a torchrun worker rank: served commands until shutdown
@@ -253,7 +257,10 @@ def run_serve(args: argparse.Namespace) -> int:
     # One line per operation (ringtune.gateway.observe) beside uvicorn's own lines.
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        serve(backend, config, host=args.host, port=args.port, log_level=args.log_level)
+        sampling_engine = start_sampling_engine(engine, backend)  # --sampler vllm (None: the built-in sampler)
+        serve(
+            backend, config, host=args.host, port=args.port, log_level=args.log_level, sampling_engine=sampling_engine
+        )
     except KeyboardInterrupt:  # uvicorn already shut down gracefully (the backend and workers are closed)
         pass
     return 0
