@@ -16,9 +16,10 @@ exactly), asks the teacher's sampling client (``create_sampling_client(base_mode
 What is asserted: the recipe runs unmodified against one server holding both models, ``teacher_kl`` is reported
 every step, starts far from zero (another model) and falls: the last step's is below 0.7 x the first's. Measured
 (lr 1e-2, 3 steps, 2 groups of 4, 12 tokens), teacher_kl at steps 0, 1, 2: seed 1 (the test's) 1.22, 0.006,
-0.017 / 1.40, 0.015, 0.003 / 1.33, 0.028, 0.010 (the student moves its mass onto the class, uniform within it:
-its sampled entropy 7.58 = ln 1,979, and the KL of that to the teacher is 0.007-0.04 per position); seed 2 1.36,
-0.36, 0.36 / 1.15, 0.35, 0.38; seed 0 1.11, 0.56, 0.56 / 1.00, 0.49, 0.58 / 1.09, 0.59, 0.57 / 1.11, 0.62, 0.51
+0.017 / 1.40, 0.015, 0.003 / 1.33, 0.028, 0.010 / 1.11, 0.018, 0.021 / 1.44, 0.022, 0.014 / 1.54, 0.022,
+0.008 (the student moves its mass onto the class, uniform within it: its sampled entropy 7.58 = ln 1,979, and the
+KL of that to the teacher is 0.007-0.04 per position); seed 2 1.36, 0.36, 0.36 / 1.15, 0.35, 0.38;
+seed 0 1.11, 0.56, 0.56 / 1.00, 0.49, 0.58 / 1.09, 0.59, 0.57 / 1.11, 0.62, 0.51
 (its student learns the class only in part). lr 3e-2 overshoots (seed 0: 1.12, 0.54, 0.32, 1.30); full
 fine-tuning (``lora_rank=0``) falls alike (seed 0: 1.15, 0.57, 0.54, 0.58). The previous pair (one random model,
 the teacher's unembedding flatter) stayed flat (0.94, 0.86, 0.89): nothing there was learnable in a few steps.
@@ -118,5 +119,5 @@ def test_on_policy_distillation_teacher_kl_falls(server, tmp_path):
     print(f"teacher_kl by step: {[round(k, 4) for k in kl]}")
     assert len(kl) == STEPS, rows
     assert all(torch.isfinite(torch.tensor(kl))), kl
-    assert kl[0] > 0.5, kl  # the teacher is another model: far from the student at first (measured 1.22-1.40)
-    assert kl[-1] < 0.7 * kl[0], kl  # the student learnt the teacher's class preference (measured 0.002-0.014 x)
+    assert kl[0] > 0.5, kl  # the teacher is another model: far from the student at first (measured 1.11-1.54)
+    assert kl[-1] < 0.7 * kl[0], kl  # the student learnt the teacher's class preference (measured 0.002-0.019 x)
