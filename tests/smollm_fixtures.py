@@ -54,6 +54,26 @@ def tiny_smollm_class_dir(dest: Path, *, seed: int = 0, scale: float = 12.0) -> 
     return dest
 
 
+def tiny_smollm_class_teacher_dir(dest: Path, *, seed: int = 0, scale: float = 12.0, shift: float = 0.05) -> Path:
+    """:func:`tiny_smollm_class_dir` (same ``seed`` and ``scale``, so the same weights) with its class direction
+    switched on: the final norm's weight of hidden dim 0 raised by ``shift`` and of dim 1 lowered by ``shift``.
+
+    Every token without ASCII letters then gains about ``2 * shift * scale * c`` in logit at every position
+    (``c`` the nearly constant norm output on dims 0 and 1), so this model prefers that class where the balanced
+    one does not. A teacher for a student built by :func:`tiny_smollm_class_dir`: the two differ in two weights,
+    and the student reaches the teacher exactly by moving those two, or by a rank-2 change of its unembedding
+    (columns 0 and 1 scaled), which a LoRA adapter on ``lm_head`` can hold.
+    """
+    from safetensors.torch import load_file, save_file
+
+    tiny_smollm_class_dir(dest, seed=seed, scale=scale)
+    weights = load_file(dest / "model.safetensors")
+    weights["model.norm.weight"][0] += shift
+    weights["model.norm.weight"][1] -= shift
+    save_file(weights, dest / "model.safetensors", metadata={"format": "pt"})
+    return dest
+
+
 def _smollm_config(family: str):
     """The tiny ``family`` config with SmolLM2's vocabulary and special token ids."""
     config = hf_config(family)

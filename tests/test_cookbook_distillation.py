@@ -1,36 +1,40 @@
 """The cookbook's on-policy distillation (``tinker_cookbook.distillation.train_on_policy.main``), unmodified, with
 teacher and student both served by one ``ringtune serve`` (``--model`` given twice), offline.
 
-Two tiny random Llamas with SmolLM2's real tokenizer (so the cookbook's ``role_colon`` renderer works), drawn from
-one seed: the student with its unembedding scaled by 16 (a peaked next-token distribution), the teacher by 4 (the
-same preferences, flatter). The recipe samples from the student (a LoRA run of the recipe's default rank 32), asks
-the teacher's sampling client (``create_sampling_client(base_model=<teacher>)``) for ``compute_logprobs`` of every
-sampled sequence, and trains the student on the reverse-KL advantages with ``importance_sampling``. Local prompts
-stand in for the recipe's DeepMath / Tulu-3 downloads.
+A pair with a learnable gap, both tiny Llamas with SmolLM2's real tokenizer (so the cookbook's ``role_colon``
+renderer works) from one seed: the student is :func:`tiny_smollm_class_dir` (every token without ASCII letters,
+1,979 of 49,152, shares one direction through the final norm's weights of hidden dims 0 and 1, which cancel), the
+teacher the same weights with that direction switched on (:func:`tiny_smollm_class_teacher_dir`: norm weight of
+dim 0 +0.05, dim 1 -0.05, about +4.8 nats for the whole class; after a no-letter continuation of a prompt the
+seed-1 teacher puts 97-100 % of its mass on the class, the student 20-95 %). The recipe samples from the student
+(a LoRA run of its default rank 32; LoRA does not reach the norm weights, but it adapts ``lm_head``, and the
+teacher is a rank-2 change of the student's unembedding, its columns 0 and 1 scaled, so the adapter can reach it
+exactly), asks the teacher's sampling client (``create_sampling_client(base_model=<teacher>)``) for
+``compute_logprobs`` of every sampled sequence, and trains the student on the reverse-KL advantages with
+``importance_sampling``. Local prompts stand in for the recipe's DeepMath / Tulu-3 downloads.
 
 What is asserted: the recipe runs unmodified against one server holding both models, ``teacher_kl`` is reported
-every step and is the KL to a different model (large, finite). What is NOT asserted: that it falls. Measured on
-these tiny models (lr 1e-3, 6 steps, 2 groups of 4, 12 tokens; load average ~60): 0.98, 0.86, 1.04, 0.86, 1.10,
-1.03, flat within the step-to-step noise of a ~100-token estimate; other pairs (a different-seed teacher, a sharper
-teacher, full fine-tuning, lr 1e-2 to 5e-2) were flat or rose. With the teacher identical to the student (two
-served copies), teacher_kl at step 0 is 0.0, so the teacher's log-probs are aligned with the sampled tokens; after
-one step it was 0.13: Adam turns the near-zero gradient into a full-size step, and on a model this small such
-steps are as large as the signal. Showing the fall needs a teacher the student can learn from in a few steps (a
-real model pair, or many more samples), a longer benchmark than a test.
+every step, starts far from zero (another model) and falls: the last step's is below 0.7 x the first's. Measured
+(lr 1e-2, 3 steps, 2 groups of 4, 12 tokens), teacher_kl at steps 0, 1, 2: seed 1 (the test's) 1.22, 0.006,
+0.017 / 1.40, 0.015, 0.003 / 1.33, 0.028, 0.010 / 1.11, 0.018, 0.021 / 1.44, 0.022, 0.014 / 1.54, 0.022,
+0.008 (the student moves its mass onto the class, uniform within it: its sampled entropy 7.58 = ln 1,979, and the
+KL of that to the teacher is 0.007-0.04 per position); seed 2 1.36, 0.36, 0.36 / 1.15, 0.35, 0.38;
+seed 0 1.11, 0.56, 0.56 / 1.00, 0.49, 0.58 / 1.09, 0.59, 0.57 / 1.11, 0.62, 0.51
+(its student learns the class only in part). lr 3e-2 overshoots (seed 0: 1.12, 0.54, 0.32, 1.30); full
+fine-tuning (``lora_rank=0``) falls alike (seed 0: 1.15, 0.57, 0.54, 0.58). The previous pair (one random model,
+the teacher's unembedding flatter) stayed flat (0.94, 0.86, 0.89): nothing there was learnable in a few steps.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from pathlib import Path
 
 import chz
 import pytest
 import tinker
 import torch
-from safetensors.torch import load_file, save_file
-from smollm_fixtures import tiny_smollm_dir
+from smollm_fixtures import tiny_smollm_class_dir, tiny_smollm_class_teacher_dir
 from tinker_cookbook.distillation import train_on_policy
 from tinker_cookbook.distillation.datasets import DistillationDatasetConfig, PromptOnlyDataset, TeacherConfig
 from tinker_cookbook.renderers import get_renderer
@@ -43,15 +47,8 @@ API_KEY = "tml-cookbook-distill"
 RENDERER = "role_colon"
 PROMPTS = ["Name a fruit.", "Say hello.", "Count to three.", "Pick a colour.", "Spell cat.", "Greet me."] * 2
 STEPS = 3
-STUDENT_SHARPNESS, TEACHER_SHARPNESS = 16.0, 4.0  # unembedding scales of one random model (module docstring)
-
-
-def sharpen_unembedding(model_dir: Path, factor: float) -> None:
-    """Scale ``lm_head.weight`` of the HF checkpoint in ``model_dir`` by ``factor`` (in place)."""
-    path = model_dir / "model.safetensors"
-    tensors = load_file(path)
-    tensors["lm_head.weight"] = tensors["lm_head.weight"] * factor
-    save_file(tensors, path, metadata={"format": "pt"})
+SEED = 1  # seed 0 falls less (to 0.46-0.58 x), seed 2 to 0.27-0.33 x; module docstring
+LEARNING_RATE = 1e-2  # 3e-2 overshoots (module docstring)
 
 
 @chz.chz
@@ -71,10 +68,8 @@ class LocalPromptsBuilder(RLDatasetBuilder):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     root = tmp_path_factory.mktemp("cookbook-distill")
-    student = tiny_smollm_dir(root / "models" / "student", seed=0)
-    teacher = tiny_smollm_dir(root / "models" / "teacher", seed=0)
-    sharpen_unembedding(student, STUDENT_SHARPNESS)
-    sharpen_unembedding(teacher, TEACHER_SHARPNESS)
+    student = tiny_smollm_class_dir(root / "models" / "student", seed=SEED)
+    teacher = tiny_smollm_class_teacher_dir(root / "models" / "teacher", seed=SEED)
     with pytest.MonkeyPatch.context() as env:
         env.setenv("HF_HUB_OFFLINE", "1")
         env.setenv("TINKER_API_KEY", API_KEY)
@@ -99,7 +94,7 @@ def test_on_policy_distillation_teacher_kl_falls(server, tmp_path):
     log_path = tmp_path / "distill"
     dataset = LocalPromptsBuilder(model_name=server["student"], batch_size=2, group_size=4)
     config = train_on_policy.Config(
-        learning_rate=1e-3,
+        learning_rate=LEARNING_RATE,
         dataset_configs=[
             DistillationDatasetConfig(
                 dataset_builder=dataset,
@@ -124,5 +119,5 @@ def test_on_policy_distillation_teacher_kl_falls(server, tmp_path):
     print(f"teacher_kl by step: {[round(k, 4) for k in kl]}")
     assert len(kl) == STEPS, rows
     assert all(torch.isfinite(torch.tensor(kl))), kl
-    # the teacher is another model: far from the student at every step (measured 0.86-1.10)
-    assert all(k > 0.3 for k in kl), kl
+    assert kl[0] > 0.5, kl  # the teacher is another model: far from the student at first (measured 1.11-1.54)
+    assert kl[-1] < 0.7 * kl[0], kl  # the student learnt the teacher's class preference (measured 0.002-0.019 x)
