@@ -18,14 +18,48 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+CHUNK_ELEMENTS = 1 << 19
+"""Elements of a non-float64 CPU tensor widened to float64 at a time by :func:`sum_of_squares` (a 4 MiB float64
+buffer, reused: it stays in cache, where widening the whole tensor at once writes and re-reads twice its bytes)."""
+
+
 def sum_of_squares(tensors: list[torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
-    """Σ_t Σ_i t_i², a float64 0-d tensor: each tensor's L2 norm accumulated in float64 (``_foreach_norm`` with
-    ``dtype=float64``), squared and summed. Non-finite elements give inf / NaN. 0 for an empty list."""
+    """Σ_t Σ_i t_i², a float64 0-d tensor: each tensor's sum of squares accumulated in float64, summed. Non-finite
+    elements give inf / NaN. 0 for an empty list.
+
+    float64 tensors, and every tensor on CUDA: each tensor's L2 norm by ``_foreach_norm(dtype=float64)`` (one fused
+    kernel on CUDA), squared and summed. Other dtypes on the CPU, where that op widens each whole tensor to a fresh
+    float64 copy (about 9x a float32 norm): :func:`_widened_squares` (the same float64 arithmetic, in another order:
+    equal to float64 rounding, ~1e-16 relative).
+    """
     nonempty = [t.detach() for t in tensors if t.numel() > 0]
     if not nonempty:
         return torch.zeros((), dtype=torch.float64, device=device)
-    norms = torch._foreach_norm(nonempty, 2, dtype=torch.float64)
-    return torch.stack([n.to(nonempty[0].device) for n in norms]).square().sum()
+    native = [t for t in nonempty if t.dtype == torch.float64 or t.device.type != "cpu"]
+    parts = []
+    if native:
+        norms = torch._foreach_norm(native, 2, dtype=torch.float64)
+        parts.append(torch.stack([n.to(nonempty[0].device) for n in norms]).square().sum())
+    widened = [t for t in nonempty if not (t.dtype == torch.float64 or t.device.type != "cpu")]
+    if widened:
+        parts.append(_widened_squares(widened).to(nonempty[0].device))
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+
+
+def _widened_squares(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Σ t_i² over CPU tensors of a narrower float dtype, each element widened to float64 (exact) and squared and
+    summed in float64, :data:`CHUNK_ELEMENTS` at a time through one reused buffer (``copy_`` widens, ``dot`` sums
+    the squares). A float64 0-d CPU tensor."""
+    buffer = torch.empty(min(CHUNK_ELEMENTS, max(t.numel() for t in tensors)), dtype=torch.float64)
+    partial = []
+    for t in tensors:
+        flat = t.reshape(-1)
+        for start in range(0, flat.numel(), CHUNK_ELEMENTS):
+            chunk = flat[start : start + CHUNK_ELEMENTS]
+            wide = buffer[: chunk.numel()]
+            wide.copy_(chunk)
+            partial.append(torch.dot(wide, wide))
+    return torch.stack(partial).sum()
 
 
 def max_abs(tensors: list[torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
