@@ -267,13 +267,17 @@ class Trainer:
         self._check_usable()
         on = self.target if target is None else target
         stash = None if forward_only else GradientStash.take(on.params, on.invariant)
+        if stash is not None and target is None:
+            self.grad_sync.drop_overlap()  # the gradients will change: an earlier request's reduction is stale
+        # The step's only request so far: its gradients are reduced while its last backward runs (grad_overlap.py).
+        overlap = stash is not None and target is None and stash.holds_nothing()
         mine: dict[int, dict[str, torch.Tensor]] = {}
         loss_bad: set[int] = set()  # datums whose loss or log-probs are not finite
         grad_bad: set[int] = set()  # datums of the microbatch after which the gradient became non-finite
         error: BaseException | None = None
         count = batch.plan.microbatches_per_rank
         loads: dict[str, torch.Tensor] = {}  # per MoE layer: expert assignments of this rank's real tokens
-        rows = zip(batch.plan.rows[self.dp_rank], batch.plan.local_lens[self.dp_rank], strict=True)
+        rows = list(zip(batch.plan.rows[self.dp_rank], batch.plan.local_lens[self.dp_rank], strict=True))
         run = MicrobatchRun.of(
             on, cp_size=self.cp_size, cp_rank=self.cp_rank, cp_group=self.cp_group, attention=self.attention,
             gated_delta=self.gated_delta, pad_multiplier=self.pad_multiplier, debug_fault=self.debug_fault,
@@ -282,6 +286,8 @@ class Trainer:
         try:
             for m, (row, local_len) in enumerate(rows):
                 self.faults.microbatch_started(m)  # DEBUG-FAULT HOOK (failure injection in tests; no-op)
+                if overlap and m == len(rows) - 1:
+                    self.grad_sync.start_overlap(on.params)
                 out, bad_loss, bad_grad = run.run(
                     batch, row, local_len, backward=not forward_only, flagged=bool(grad_bad)
                 )
@@ -289,10 +295,15 @@ class Trainer:
                 loads = router_stats.add_counts(loads, router_stats.layer_counts(named_moe_blocks(on.model)))
                 loss_bad |= bad_loss
                 grad_bad |= bad_grad
+            if overlap:
+                self.grad_sync.finish_overlap()
         except NOT_CAUGHT:
+            self.grad_sync.drop_overlap()
             raise
         except BaseException as exc:
             error = exc
+        if overlap and (error is not None or loss_bad or grad_bad):
+            self.grad_sync.drop_overlap()  # refused: its gradients are dropped below
         settle_request(
             error, loss_bad, grad_bad, batch=batch, forward_only=forward_only, stash=stash,
             group=self.control_group, repair=self._repair, mark_broken=self._mark_broken,
@@ -348,7 +359,8 @@ class Trainer:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             self.grad_sync.reduce(self.params)
-            figures = read_step_figures(self.params, self.optimizer, self.grad_sync.norm(self.params))
+            norm_tensor, grad_maxima = self.grad_sync.norm_and_grad_maxima(self.params)
+            figures = read_step_figures(self.params, self.optimizer, norm_tensor, grad_maxima)
             norm = figures.norm
             bad_weights = [self.names[id(self.params[i])] for i in figures.non_finite_weights()]
             if math.isfinite(norm) and not bad_weights:  # clipped here; dropped with the gradients if refused
