@@ -10,6 +10,9 @@ Counted on every rank, per step (median over the steps after the first, which cr
   counted too, as it would sync on GPU), per optim_step (those inside torch's own AdamW step shown apart: on CPU its
   per-tensor loop reads each step count back; fused on CUDA reads none) and per microbatch (between two calls of the
   trainer's ``faults.before_microbatch``; the last microbatch also carries the request's tail);
+- gradient overlap: the replicated gradients' buckets all-reduced from backward hooks during the request's last
+  microbatch (:mod:`ringtune.engine.grad_overlap`), how many were launched before backward ended, and the wait
+  for them at the request's end (communication not hidden behind backward); optim_step then copies them in;
 - collectives: calls of ``torch.distributed`` collectives (outermost only: an ``all_gather_object`` counts once) and
   of the control plane's store exchanges (:data:`STORE_EXCHANGES`), per optim_step and per microbatch, with the
   seconds spent in them;
@@ -194,8 +197,11 @@ def measure(ctx, *, cp: int, tokens: int, steps: int) -> dict[str, float]:
         data = _data(model.config.vocab_size, lens, seed=step)
         marks.clear()
         with counts.counting():
+            start = time.perf_counter()
             trainer.forward_backward(data, "cross_entropy")
+            fb_s = time.perf_counter() - start
             end_fb = counts.total()
+            pending = getattr(trainer.grad_sync, "overlapped", None)  # the reduction made during backward, if any
             before = counts.total()
             sites = Counter(counts.syncs)
             inside.clear()
@@ -227,6 +233,11 @@ def measure(ctx, *, cp: int, tokens: int, steps: int) -> dict[str, float]:
                 "mb_syncs_first": per_mb[0],
                 "mb_syncs_last": per_mb[-1],
                 "mb_collectives_first": coll_mb[0],
+                "mb_collectives_last": coll_mb[-1],
+                "forward_backward_s": fb_s,
+                "buckets": float(len(pending.buckets)) if pending is not None else 0.0,
+                "buckets_in_backward": float(pending.launched_in_backward) if pending is not None else 0.0,
+                "overlap_wait_s": pending.wait_s if pending is not None else 0.0,
                 "microbatches": len(per_mb),
                 "optim_step_s": step_s,
                 "collective_s": after[2] - before[2],
@@ -282,7 +293,11 @@ def main() -> None:
             f"AdamW step itself, {r['step_syncs_outside_adamw']:.0f} outside), {r['step_collectives']:.0f} "
             f"collectives ({r['collective_s']:.2f} s; the gradient reduction with its check {r['reduce_s']:.2f} s)\n"
             f"    per microbatch: {r['mb_syncs_first']:.0f} host syncs (the last of {r['microbatches']:.0f}, with the "
-            f"request's tail: {r['mb_syncs_last']:.0f}), {r['mb_collectives_first']:.0f} collectives\n"
+            f"request's tail: {r['mb_syncs_last']:.0f}), {r['mb_collectives_first']:.0f} collectives (the last: "
+            f"{r['mb_collectives_last']:.0f})\n"
+            f"    gradient buckets reduced during the last backward: {r['buckets_in_backward']:.0f} of "
+            f"{r['buckets']:.0f} (the rest launched after it), waited for at the request's end "
+            f"{r['overlap_wait_s']:.2f} s; forward_backward {r['forward_backward_s']:.2f} s\n"
             f"    optim_step {r['optim_step_s']:.2f} s, less the reduction and collectives {r['optimizer_s']:.2f} s = "
             f"{r['optimizer_over_adamw_in_step']:.2f} x its AdamW step ({r['adamw_in_step_s']:.2f} s; "
             f"{r['without_replica_check']:.2f} x without the replica check's {r['replica_check_s']:.2f} s); "
