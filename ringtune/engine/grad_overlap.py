@@ -16,11 +16,15 @@ agreement) and all-reduced asynchronously over the DP×CP group while backward g
   makes them ready in), a ready bucket waiting for the later ones; what is still unlaunched when the request's
   microbatches end (parameters without a gradient here) is launched then, in that order. Every rank issues the
   same collectives in the same order whatever its hooks saw.
-- **Used only if still true**: :meth:`finish` waits for every all-reduce at the end of the request (a peer that
-  failed shows here, as in any data collective of the request) and records each packed gradient's identity and
-  version counter; :meth:`matches` at ``optim_step`` accepts the reduced buffers only if the canary's gradient
-  and every packed gradient are the same tensors at the same versions (a later request, a refused step, a load,
-  a fault that edits a gradient all change one of them); otherwise the step reduces as before, at ``optim_step``.
+- **Waited for once the ranks agreed**: :meth:`finish` launches what is left and waits, after the request's
+  agreement (:func:`~ringtune.engine.request_guard.settle_request`): on success every rank launched the same
+  buckets; on a refusal the ranks agreed on, they are still finished so the group stays in step; when a rank
+  raised, the data groups are rebuilt and what was pending on the old ones is dropped (a failed peer does not
+  keep the others waiting for buckets it never sent).
+- **Used only if still true**: each packed gradient's identity and version counter are recorded; :meth:`matches`
+  at ``optim_step`` accepts the reduced buffers only if the canary's gradient and every packed gradient are the
+  same tensors at the same versions (a later request, a refused step, a load, a fault that edits a gradient all
+  change one of them); otherwise the step reduces as before, at ``optim_step``.
 
 Memory: the reduced buffers (one copy of the replicated gradients) are held from the request's end until
 ``optim_step`` or the next request. Collectives per step: one all-reduce per bucket, as before, issued during the

@@ -82,6 +82,20 @@ class GradientSync:
         """Forget a reduction made during backward (its hooks removed): the request failed or the gradients are
         about to change; local, no collective."""
 
+    def abandon_overlap(self, *, in_step: bool) -> str | None:
+        """A refused request's overlapped reduction: with ``in_step`` (the ranks agreed on the refusal and the data
+        groups were not rebuilt) its buckets are still launched and waited for on every rank, so the DP×CP group
+        stays in step (a rank may have launched more of them during backward than another); then dropped.
+        Returns why the trainer is broken if that wait failed, else None."""
+        why = None
+        if in_step:
+            try:
+                self.finish_overlap()
+            except Exception as exc:
+                why = f"the gradient buckets of a refused request failed ({type(exc).__name__}: {exc})"
+        self.drop_overlap()
+        return why
+
     def grads_finite(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
         """A bool 0-d device tensor: every ``.grad`` accumulated so far is finite (this rank's, which under
         replication is the whole local gradient). One fused reduction; no collective here."""

@@ -5,7 +5,8 @@ validated :class:`~ringtune.engine.batch.Batch` (a pure function: a user error i
 alike, before any compute). Then each DP rank runs its microbatches, each a packed row split over the CP
 group by the zigzag layout. Per-datum outputs are gathered to full length (one CP all-reduce per
 microbatch) and collected on the result rank (rank 0 of the DP×CP group). Gradients accumulate locally
-over calls and are SUMMED over DP×CP at optim_step, checked by the gradient invariant.
+over calls and are SUMMED over DP×CP at optim_step (or, replicated, during the backward of a step's only
+request, :mod:`ringtune.engine.grad_overlap`), checked by the gradient invariant.
 
 All-or-nothing: a request either completes on every rank or leaves weights, AdamW state, accumulated
 gradients and the step unchanged on every rank, and every rank raises the same error. The ranks agree on
@@ -295,19 +296,24 @@ class Trainer:
                 loads = router_stats.add_counts(loads, router_stats.layer_counts(named_moe_blocks(on.model)))
                 loss_bad |= bad_loss
                 grad_bad |= bad_grad
-            if overlap:
-                self.grad_sync.finish_overlap()
         except NOT_CAUGHT:
             self.grad_sync.drop_overlap()
             raise
         except BaseException as exc:
             error = exc
-        if overlap and (error is not None or loss_bad or grad_bad):
-            self.grad_sync.drop_overlap()  # refused: its gradients are dropped below
-        settle_request(
-            error, loss_bad, grad_bad, batch=batch, forward_only=forward_only, stash=stash,
-            group=self.control_group, repair=self._repair, mark_broken=self._mark_broken,
-        )  # fmt: skip
+        generation = self.mesh.generation if self.mesh else 0
+        try:
+            settle_request(
+                error, loss_bad, grad_bad, batch=batch, forward_only=forward_only, stash=stash,
+                group=self.control_group, repair=self._repair, mark_broken=self._mark_broken,
+            )  # fmt: skip
+        except BaseException:
+            if overlap:  # refused: launch and wait what is pending unless the data groups were rebuilt; drop it
+                repaired = self.mesh is not None and self.mesh.generation != generation
+                self.broken = self.broken or self.grad_sync.abandon_overlap(in_step=not (self.broken or repaired))
+            raise
+        if overlap:  # every rank succeeded, so every rank launched the same buckets: wait for them
+            self.grad_sync.finish_overlap()
         if stash is not None:
             stash.merge()
             on.invariant.count(count)
