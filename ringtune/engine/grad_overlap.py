@@ -34,6 +34,7 @@ last microbatch's backward instead of in ``optim_step``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -83,7 +84,9 @@ class OverlappedReduction:
             if leaf.requires_grad
         ]
 
-    def _hook(self, index: int):
+    def _hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        """The hook of leaf ``index``: mark it ready, launch every bucket that is now next and complete."""
+
         def ready(_leaf: torch.Tensor) -> None:
             self.ready[index] = True
             while self.next_bucket >= 0 and all(self.ready[i] for i in self.buckets[self.next_bucket]):
