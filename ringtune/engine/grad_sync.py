@@ -128,12 +128,18 @@ class ReplicatedSync(GradientSync):
         self.overlapped = None
 
     def reduce(self, params: list[torch.nn.Parameter]) -> None:
-        """The reduction made during backward when it still holds (its ``matches()``), else the buckets now."""
+        """The reduction made during backward when it still holds on every rank (its ``matches()``, agreed by one
+        MIN all-reduce of a flag over the DP×CP group: a rank whose gradient was edited since must not be the
+        only one to reduce again), else the buckets now."""
         done, self.overlapped = self.overlapped, None
-        if done is not None and done.group is not self.group():
+        group = self.group()
+        if done is not None and done.group is not group:
             done = None  # the data groups were rebuilt since (a rank failed): reduce on the new ones
-        ready = done if done is not None and done.matches() else None
-        self.invariant.reduce_and_check([p.grad for p in params], overlapped=ready)
+        ready = done is not None and done.matches()
+        if group is not None and dist.get_world_size(group) > 1:
+            flag = torch.tensor(int(ready), dtype=torch.int32, device=self.invariant.canary.device)
+            ready = bool(all_reduce_(flag, group, dist.ReduceOp.MIN))
+        self.invariant.reduce_and_check([p.grad for p in params], overlapped=done if ready else None)
 
     def norm(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
         return sum_of_squares(_local_grads(params), _device(params)).sqrt()
