@@ -102,6 +102,12 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=EMBEDDED_DEFAULT, help="HF checkpoint dir, .gguf file, or smollm2-135m")
     p.add_argument("--model-name", default=None, help="base_model name clients pass (default: --model)")
     p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the model dir if it has one)")
+    p.add_argument(
+        "--tokenizer-id",
+        default=None,
+        help="get_info's tokenizer_id for remote clients, e.g. a hub id (default: the tokenizer's hub id if known, "
+        "else its local dir)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--checkpoint-root", default="ringtune-checkpoints", help="where runs and checkpoints live")

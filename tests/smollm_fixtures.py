@@ -6,7 +6,7 @@ step costs milliseconds: 4 layers of hidden size 32 (about 3.2 M parameters, alm
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -25,6 +25,32 @@ def tiny_smollm_dir(dest: Path, *, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     transformers.LlamaForCausalLM(_smollm_config("llama")).save_pretrained(dest)
     smollm2_tokenizer_dir(dest)
+    return dest
+
+
+def tiny_smollm_class_dir(dest: Path, *, seed: int = 0, scale: float = 12.0) -> Path:
+    """:func:`tiny_smollm_dir` with one learnable direction shared by a class of tokens, so that RL on a reward
+    over that class has something to learn in a few steps (a random model's tokens share nothing).
+
+    Every input embedding gets +1 on hidden dims 0 and 1, so the final norm's output holds a nearly constant
+    ``c`` on both at every position; the unembedding row of every token whose text holds no ASCII letter gets
+    ``+scale`` on dim 0 and ``-scale`` on dim 1. At start the two cancel (logits as random as before); a gradient
+    that favours those tokens moves the final norm's weights of dims 0 and 1 apart, which raises all of them.
+    """
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    tiny_smollm_dir(dest, seed=seed)
+    weights = load_file(dest / "model.safetensors")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(dest)
+    no_letters = [
+        i for i in range(SMOLLM2_VOCAB) if not any(c.isascii() and c.isalpha() for c in tokenizer.decode([i]))
+    ]
+    weights["model.embed_tokens.weight"][:, :2] += 1.0
+    head = weights["lm_head.weight"]
+    head[no_letters, 0] += scale
+    head[no_letters, 1] -= scale
+    save_file(weights, dest / "model.safetensors", metadata={"format": "pt"})
     return dest
 
 
@@ -53,10 +79,18 @@ def tiny_smollm_moe_dir(dest: Path, *, seed: int = 0) -> Path:
 
 
 @contextmanager
-def cookbook_server(root: Path, *, api_key: str, context_length: int) -> Iterator[dict]:
+def cookbook_server(
+    root: Path,
+    *,
+    api_key: str,
+    context_length: int,
+    extra_args: tuple[str, ...] = (),
+    make_model: Callable[[Path], Path] = tiny_smollm_dir,
+) -> Iterator[dict]:
     """``ringtune serve`` over :func:`tiny_smollm_dir` in ``root``, with the environment the cookbook reads
-    (``HF_HUB_OFFLINE=1``, ``TINKER_API_KEY``) set for the duration; yields url, model_dir, root and the process."""
-    model_dir = tiny_smollm_dir(root / "models" / "tiny-smollm")
+    (``HF_HUB_OFFLINE=1``, ``TINKER_API_KEY``) set for the duration; yields url, model_dir, root and the process.
+    ``extra_args``: more ``serve`` arguments (``--cp 2``, ``--model-name ...``); ``make_model`` writes the model."""
+    model_dir = make_model(root / "models" / "tiny-smollm")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("HF_HUB_OFFLINE", "1")
         env.setenv("TINKER_API_KEY", api_key)
@@ -65,7 +99,7 @@ def cookbook_server(root: Path, *, api_key: str, context_length: int) -> Iterato
             checkpoint_root=root / "checkpoints",
             log_path=root / "server.log",
             api_key=api_key,
-            extra_args=["--context-length", str(context_length)],
+            extra_args=["--context-length", str(context_length), *extra_args],
         )
         with proc:
             yield {"url": proc.url, "model_dir": model_dir, "root": root, "proc": proc}

@@ -1,6 +1,7 @@
-"""The unmodified cookbook RL trainer (``tinker_cookbook.rl.train.main``) against a live ``ringtune serve``
-child (a tiny random Llama with SmolLM2's real tokenizer, so the cookbook's ``role_colon`` renderer, its stop
-string ``"\\n\\nUser:"`` and ``parse_response`` work as for a real model), offline.
+"""The unmodified cookbook RL trainer (``tinker_cookbook.rl.train.main``) and ``recipes/rl_loop.py`` against a
+live ``ringtune serve --cp 2`` child (a tiny random Llama with SmolLM2's real tokenizer, so the cookbook's
+``role_colon`` renderer, its stop string ``"\\n\\nUser:"`` and ``parse_response`` work as for a real model; the
+tokens without ASCII letters share one learnable logit direction, ``tiny_smollm_class_dir``), offline.
 
 - ``test_rl_train_letters``: a single-turn environment written here (reward = the fraction of ASCII letters in
   the reply, which varies within a group, so the advantages and the gradient are not zero), 3 steps of
@@ -10,6 +11,9 @@ string ``"\\n\\nUser:"`` and ``parse_response`` work as for a real model), offli
 - ``test_rl_train_guess_number``: the cookbook's own multi-turn recipe environment
   (``recipes/multiplayer_rl/guess_number``), unmodified, for 1 step: 10 turns per episode, one ``asample`` per
   turn, with the recipe's default ``lora_rank=32`` (a LoRA run; its sampler serves the merged adapters).
+- ``test_rl_train_async_stable_reinforce``: the async mode with its default loss ``stable_reinforce`` (sampling
+  clients with ``record_stability_info``, datums with provenance), 5 steps, one step off-policy: the reward rises.
+- ``test_rl_loop_stable_reinforce``: ``rl_loop`` as it comes (default ``stable_reinforce``), local data.
 
 What shows that sampler and trainer agree on-policy: ``optim/kl_sample_train_v1`` (mean of sampled log-prob minus
 the trainer's log-prob of the same tokens in the ``forward_backward`` pass) and ``kl_policy_base`` at step 0
@@ -22,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import sys
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +35,7 @@ from pathlib import Path
 import chz
 import pytest
 import tinker
-from smollm_fixtures import cookbook_server
+from smollm_fixtures import cookbook_server, tiny_smollm_class_dir
 from tinker_cookbook.completers import StopCondition
 from tinker_cookbook.recipes.multiplayer_rl.guess_number.env import GuessNumberDatasetBuilder
 from tinker_cookbook.renderers import Renderer, get_renderer, get_text_content
@@ -47,15 +53,23 @@ def letter_fraction(text: str) -> float:
     return sum(c.isascii() and c.isalpha() for c in text) / len(text) if text else 0.0
 
 
+def non_letter_fraction(text: str) -> float:
+    """A reward a random model starts low on (~0.1): the fraction of the reply's characters that are not ASCII
+    letters (0 if empty)."""
+    return 1.0 - letter_fraction(text) if text else 0.0
+
+
+RULES = {"letter_fraction": letter_fraction, "non_letter_fraction": non_letter_fraction}
+"""Reward rules by name (the metric the environment reports)."""
+
+
 class LettersEnv(Env):
-    """One user turn, one sampled reply, reward :func:`letter_fraction` of the parsed reply (a subclass swaps
-    ``score`` and ``metric`` for another rule)."""
+    """One user turn, one sampled reply, reward ``RULES[metric]`` of the parsed reply (default
+    :func:`letter_fraction`)."""
 
-    score = staticmethod(letter_fraction)
-    metric = "letter_fraction"
-
-    def __init__(self, prompt: str, renderer: Renderer) -> None:
-        self.prompt, self.renderer = prompt, renderer
+    def __init__(self, prompt: str, renderer: Renderer, metric: str = "letter_fraction") -> None:
+        self.prompt, self.renderer, self.metric = prompt, renderer, metric
+        self.score = RULES[metric]
 
     @property
     def stop_condition(self) -> StopCondition:
@@ -81,9 +95,10 @@ class LettersGroupBuilder(EnvGroupBuilder):
     prompt: str
     renderer: Renderer
     group_size: int
+    metric: str = "letter_fraction"
 
     async def make_envs(self) -> Sequence[Env]:
-        return [LettersEnv(self.prompt, self.renderer) for _ in range(self.group_size)]
+        return [LettersEnv(self.prompt, self.renderer, self.metric) for _ in range(self.group_size)]
 
     def logging_tags(self) -> list[str]:
         return ["letters"]
@@ -95,10 +110,11 @@ class LettersDataset(RLDataset):
     renderer: Renderer
     batch_size: int
     group_size: int
+    metric: str = "letter_fraction"
 
     def get_batch(self, index: int) -> Sequence[EnvGroupBuilder]:
         chosen = self.prompts[index * self.batch_size : (index + 1) * self.batch_size]
-        return [LettersGroupBuilder(p, self.renderer, self.group_size) for p in chosen]
+        return [LettersGroupBuilder(p, self.renderer, self.group_size, self.metric) for p in chosen]
 
     def __len__(self) -> int:
         return len(self.prompts) // self.batch_size
@@ -110,17 +126,34 @@ class LettersDatasetBuilder(RLDatasetBuilder):
     renderer_name: str
     batch_size: int
     group_size: int
+    metric: str = "letter_fraction"
 
     async def __call__(self) -> tuple[RLDataset, RLDataset]:
         renderer = get_renderer(self.renderer_name, get_tokenizer(self.model_name))
-        train_ds = LettersDataset(PROMPTS, renderer, self.batch_size, self.group_size)
+        train_ds = LettersDataset(PROMPTS, renderer, self.batch_size, self.group_size, self.metric)
         test_ds = LettersDataset(["Tell me a word.", "Say yes."], renderer, batch_size=2, group_size=2)
         return train_ds, test_ds
 
 
+LLAMA_NAME = "meta-llama/Llama-3.2-1B"
+"""The name the server also serves the tiny model as: the cookbook's model registry gives it ``role_colon``, and a
+directory of that relative path (a link to the model) lets ``get_tokenizer`` load it offline (``rl_loop`` reads
+its renderer from the registry)."""
+
+
+def class_model(dest: Path) -> Path:
+    """The tiny model with a learnable direction shared by every token without ASCII letters (scale 6: measured,
+    async stable_reinforce at lr 1e-2 takes the non-letter reward from ~0.09 to 1.0 by its third step; at scale 3
+    the stale tokens' ratios leave the token band before the class is learned and 5 steps may not show it)."""
+    return tiny_smollm_class_dir(dest, scale=6.0)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with cookbook_server(tmp_path_factory.mktemp("cookbook-rl"), api_key=API_KEY, context_length=1024) as served:
+    root = tmp_path_factory.mktemp("cookbook-rl")
+    extra = ("--cp", "2", "--model-name", LLAMA_NAME)
+    settings = {"context_length": 1024, "extra_args": extra, "make_model": class_model}
+    with cookbook_server(root, api_key=API_KEY, **settings) as served:  # type: ignore[arg-type]
         yield served
 
 
@@ -235,4 +268,77 @@ def test_rl_train_guess_number(server, tmp_path):
         run_id_of(records[-1]["state_path"])
     )
     assert (run.result().is_lora, run.result().lora_rank) == (True, 32)
+    assert server["proc"].proc.poll() is None, server["proc"].log_tail()
+
+
+def test_rl_train_async_stable_reinforce(server, tmp_path):
+    """The async default: ``AsyncConfig`` trains with ``stable_reinforce`` on samples up to one step stale (its
+    sampling clients record stability info, every datum carries provenance the server resolves), and the reward
+    (the non-letter fraction, ~0.09 for the untrained model) rises."""
+    model = str(server["model_dir"])
+    log_path = tmp_path / "rl-async"
+    builder = LettersDatasetBuilder(
+        model_name=model, renderer_name=RENDERER, batch_size=2, group_size=4, metric="non_letter_fraction"
+    )
+    async_config = train.AsyncConfig(max_steps_off_policy=1, groups_per_batch=2)
+    config = rl_config(server, log_path, builder, num_epochs=2, max_steps=5, async_config=async_config)
+    assert config.training_loss_fn() == "stable_reinforce" and config.records_stability_info()
+    asyncio.run(train.main(config))
+
+    rows = read_jsonl(log_path / "metrics.jsonl")
+    steps = [r for r in rows if "optim/kl_sample_train_v1" in r]
+    assert len(steps) == 5, [r.get("step") for r in rows]
+    for row in steps:
+        assert math.isfinite(row["optim/kl_sample_train_v1"]) and row["optim/kl_sample_train_v2"] >= 0.0, row
+    rewards = [r["env/all/reward/total"] for r in steps]
+    print(f"\nasync stable_reinforce, reward by step: {[round(r, 3) for r in rewards]}")
+    print(f"optim/kl_sample_train_v1 by step: {[round(r['optim/kl_sample_train_v1'], 4) for r in steps]}")
+    print(f"optim/kl_sample_train_v2 by step: {[round(r['optim/kl_sample_train_v2'], 4) for r in steps]}")
+    assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.3, rewards  # measured 0.09, 0.09, 1.0, 1.0, 1.0
+    assert any(r.get("async/staleness_max", 0) >= 1 for r in steps), "no step trained on stale samples"
+    records = list((server["root"] / "checkpoints" / ".stability_records").glob("*.jsonl"))
+    assert records, "the sampling clients recorded nothing"
+    assert server["proc"].proc.poll() is None, server["proc"].log_tail()
+
+
+def test_rl_loop_stable_reinforce(server, tmp_path, monkeypatch):
+    """The cookbook's ``recipes/rl_loop.py`` as it comes (its default loss ``stable_reinforce``, its own
+    provenance, LoRA rank 32) for 2 batches. Replaced around it: GSM8K by local rows, its boxed-answer reward by
+    the non-letter fraction (a random tiny model never writes a boxed answer, so every group would tie and the
+    loop would skip every training step), and the math-rl extra ``pylatexenc`` (not installed here; only the
+    replaced grader uses it) by an empty module."""
+    import datasets
+
+    latex = types.ModuleType("pylatexenc")
+    latex.latex2text = types.ModuleType("pylatexenc.latex2text")  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pylatexenc", latex)
+    monkeypatch.setitem(sys.modules, "pylatexenc.latex2text", latex.latex2text)
+    from tinker_cookbook.recipes import rl_loop
+
+    (tmp_path / "meta-llama").mkdir()
+    (tmp_path / LLAMA_NAME).symlink_to(server["model_dir"], target_is_directory=True)
+    monkeypatch.chdir(tmp_path)
+    rows = {"question": [f"What is {i} plus {i}?" for i in range(4)], "answer": [f"#### {2 * i}" for i in range(4)]}
+    local = datasets.DatasetDict({"train": datasets.Dataset.from_dict(rows)})
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: local)
+    monkeypatch.setattr(rl_loop, "get_reward", lambda response, answer: non_letter_fraction(response))
+    log_path = tmp_path / "rl-loop"
+    config = rl_loop.Config(
+        base_url=server["url"],
+        log_path=str(log_path),
+        model_name=LLAMA_NAME,
+        batch_size=2,
+        group_size=4,
+        learning_rate=1e-3,
+        max_tokens=6,
+        max_steps=2,
+    )
+    assert config.loss_fn == "stable_reinforce"
+    rl_loop.main(config)
+
+    steps = read_jsonl(log_path / "metrics.jsonl")
+    assert [r["progress/batch"] for r in steps] == [0, 1], steps
+    assert all("optim/lr" in r and 0.0 <= r["reward/total"] <= 1.0 for r in steps), steps
+    records = read_jsonl(log_path / "checkpoints.jsonl")
+    assert [c["name"] for c in records] == ["final"], records
     assert server["proc"].proc.poll() is None, server["proc"].log_tail()

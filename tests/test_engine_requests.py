@@ -207,7 +207,7 @@ CATALOGUE: dict[str, tuple[tuple, tuple[str, ...]]] = {
     ),
     # loss_fn and its config
     "loss_unknown": (fb("foo"), ("loss_fn='foo'", "choose one of")),
-    "loss_stable_reinforce": (fb("stable_reinforce"), ("stable_reinforce", "importance_sampling or ppo")),
+    "loss_stable_reinforce": (fb("stable_reinforce"), ("stable_reinforce", "lacks", "sampled_mask")),
     "loss_custom": (fb("custom"), ("forward_backward_custom",)),
     "loss_none": (fb(None), ("loss_fn=None",)),
     "loss_int": (fb(3), ("loss_fn=3",)),

@@ -102,6 +102,8 @@ class Target:
                 "sampling_params": {"max_tokens": 2, "temperature": 0.0},
             },
             "retrieve_future": {"request_id": "nope"},
+            "cancel_future": {"request_id": "nope"},
+            "copy_weights": {"source_path": self.weights_path, "destination_project_id": "proj-attack"},
             "weights_info": {"tinker_path": self.weights_path},
             "ringtune/probe": {"name": "ring_accumulation"},
             "save_weights_external": {"model_id": model, "path": "attack_x", "seq_id": 0},

@@ -192,7 +192,8 @@ CONTENT_ERRORS = [
     ("float targets", {"target_tokens": np.ones(6, np.float32)}, "cross_entropy", "target_tokens"),
     ("target out of vocab", {"target_tokens": np.full(6, 500, np.int64)}, "cross_entropy", "[0, 96)"),
     ("unknown loss", {}, "hinge", "not a supported loss"),
-    ("stable_reinforce", {}, "stable_reinforce", "not supported"),
+    ("stable_reinforce without provenance", {}, "stable_reinforce", "needs provenance"),
+    ("a server-set key", {"sampled_mask": np.ones(6, np.float32)}, "cross_entropy", "set by the server"),
     ("missing RL inputs", {}, "ppo", "lacks"),
     ("unknown input key", {"bonus": np.ones(6, np.float32)}, "cross_entropy", "unknown loss_fn_inputs key"),
 ]

@@ -199,6 +199,7 @@ BAD_SAMPLING = {
     "unknown_session": ({"sampling_session_id": "nope"}, "sampling_session_id"),
     "last_n_over_prompt": ({"prompt_logprobs": True, "prompt_logprobs_last_n": 5}, "prompt_logprobs_last_n=5"),
     "last_n_without_prompt_logprobs": ({"prompt_logprobs_last_n": 2}, "needs prompt_logprobs=true"),
+    "record_stability_info_not_bool": ({"record_stability_info": "yes"}, "record_stability_info='yes'"),
     "targets_float": (
         {"target_prompt_logprobs": {"data": [1.0] * 4, "dtype": "float32", "shape": [4, 1]}},
         "target_prompt_logprobs.dtype='float32'",
@@ -281,7 +282,7 @@ def test_raw_sample_and_bad_session_sources(gateway, raw_sampler):
         ({"model_path": "tinker://nope/sampler_weights/x"}, "nope"),
         ({"model_path": "/etc/passwd"}, "tinker path"),
         ({"base_model": "other/model"}, "other/model"),
-        ({}, "exactly one"),
+        ({}, "needs base_model, model_path or both"),
     ):
         body = {"session_id": session, "sampling_session_seq_id": 1, **source}
         response = httpx.post(f"{gateway['url']}/api/v1/create_sampling_session", json=body, headers=headers)

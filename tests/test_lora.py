@@ -248,6 +248,74 @@ def test_peft_export_loads_in_peft(roots, tmp_path, family):
     assert float((lp[real] - ref[shard.plan.row_index[real]]).abs().max()) <= 1e-5  # measured 1e-6
 
 
+def keep_block_diagonal(peft_model, r: int) -> int:
+    """docs/lora.md's gradient mask: every fused ``in_proj_qkv`` ``lora_B`` of a GatedDeltaNet trains only its
+    diagonal blocks (q, k, v rows x their r columns), so peft trains ringtune's three rank-r adapters. Returns
+    how many modules it masked."""
+    text = peft_model.base_model.model.config.get_text_config()
+    key = text.linear_num_key_heads * text.linear_key_head_dim
+    value = text.linear_num_value_heads * text.linear_value_head_dim
+    mask = torch.block_diag(torch.ones(key, r), torch.ones(key, r), torch.ones(value, r))  # [2 key + value, 3r]
+    masked = 0
+    for name, module in peft_model.named_modules():
+        if name.endswith("linear_attn.in_proj_qkv") and hasattr(module, "lora_B"):
+            weight = module.lora_B["default"].weight
+            block_mask = mask.to(weight)
+            weight.register_hook(lambda grad, m=block_mask: grad * m)
+            masked += 1
+    return masked
+
+
+def test_peft_training_of_the_fused_qkv_adapter_needs_the_block_mask(roots, tmp_path):
+    """Trained further in peft, the exported rank-3r ``in_proj_qkv`` adapter moves its off-diagonal blocks (another
+    parameterisation than ringtune's three rank-r adapters); with :func:`keep_block_diagonal` its gradients are
+    exactly ours laid out by the exporter, and an AdamW step keeps the off-diagonal blocks at 0."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from ringtune.models.lora_peft import peft_tensors
+
+    ours = LoraModel(load_hf(pathlib.Path(roots) / "qwen3_5", dtype=torch.float32), LoraSpec(rank=RANK, seed=1))
+    randomize_adapters(ours, seed=11, std=0.05)
+    write_peft_adapter(ours, tmp_path)
+    ids = packed_tokens(LENS, ours.config.vocab_size, seed=3)
+    labels = next_token_labels(ids, LENS)
+    shard = shard_of(LENS)
+    weights = torch.randn(len(ids), generator=torch.Generator().manual_seed(4))
+    (
+        row_logprobs(ours, ids, labels, shard) * weights[shard.plan.row_index.clamp(min=0)] * shard.plan.is_real
+    ).sum().backward()
+    grads, _ = peft_tensors(ours.spec, [(t, a.grad, b.grad) for t, a, b in ours.adapters.named_pairs()])
+
+    def peft_grads(mask: bool):
+        config = LoraConfig.from_pretrained(tmp_path)
+        config.inference_mode = False  # the export is written for inference; training it needs trainable adapters
+        model = get_peft_model(hf_model("qwen3_5", seed=21), config)
+        set_peft_model_state_dict(model, load_file(tmp_path / "adapter_model.safetensors"))
+        masked = keep_block_diagonal(model, RANK) if mask else 0
+        (hf_row_logprobs(model, ids, labels, LENS) * weights).sum().backward()
+        params = dict(model.named_parameters())
+        return model, masked, {k: params[k.replace(".weight", ".default.weight")].grad for k in grads}
+
+    _, _, free = peft_grads(mask=False)
+    model, masked, kept = peft_grads(mask=True)
+    fused = [k for k in grads if "in_proj_qkv.lora_B" in k]
+    assert masked == len(fused) > 0
+    for k in fused:
+        off_diagonal = grads[k] == 0  # the exporter's block_diag of our three B gradients is 0 off its blocks
+        assert float(free[k][off_diagonal].abs().max()) > 1e-6  # unmasked, peft would move them
+        assert float(kept[k][off_diagonal].abs().max()) == 0.0
+    for k in grads:
+        # float32: ours packs the row, transformers runs one sequence at a time; measured ~1e-6 relative
+        assert float((kept[k] - grads[k]).abs().max()) <= 1e-4 * float(grads[k].abs().max()), k
+    optimizer = torch.optim.AdamW([p for n, p in model.named_parameters() if "lora_" in n], lr=1e-2)
+    optimizer.step()
+    params = dict(model.named_parameters())
+    for k in fused:
+        after = params[k.replace(".weight", ".default.weight")]
+        assert float(after.detach()[grads[k] == 0].abs().max()) == 0.0
+
+
 def test_spec_checks():
     for bad, field in (
         (LoraSpec(rank=0), "rank"),

@@ -38,6 +38,14 @@ ROWS: dict[str, tuple[int, ...]] = {**SCENARIOS, "pad_only_budget": (), "tiny_un
 PAD_MULTIPLE = {"tiny_unpadded": 1, "pad_only": 1}
 PAD_TO = {"pad_only_budget": 8}
 
+TIGHT_STABLE = {
+    "token_ratio_low": 0.8,
+    "token_ratio_high": 1.25,
+    "sequence_ratio_low": 0.9,
+    "sequence_ratio_high": 1.1,
+    "kl_coef": 0.3,
+}
+
 # name -> (loss_fn, loss_fn_config, K of [N, K] targets or None, per-token clip thresholds)
 VARIANTS = {
     "cross_entropy": ("cross_entropy", None, None, False),
@@ -49,7 +57,11 @@ VARIANTS = {
     "dro": ("dro", {"beta": 0.3}, None, False),
     "gspo": ("gspo", None, None, False),
     "gspo_tight_per_token": ("gspo", {"clip_low_threshold": 0.95, "clip_high_threshold": 1.05}, None, True),
+    "stable_reinforce": ("stable_reinforce", None, None, False),
+    "stable_reinforce_tight_kl": ("stable_reinforce", TIGHT_STABLE, None, False),
 }
+"""``sampled_mask`` of a stable_reinforce datum (as the gateway resolves it) is its response, nothing, or the
+response's first half (a datum whose later rows a prompt span attributes), by datum."""
 
 
 def make_row(seq_lens: tuple[int, ...], seed: int, variant: str):
@@ -88,6 +100,11 @@ def make_row(seq_lens: tuple[int, ...], seed: int, variant: str):
                 datum["sequence_ratio_mask"] = torch.zeros(n, dtype=torch.float64)
             else:
                 datum["sequence_ratio_mask"] = (torch.rand(n, generator=gen) < 0.5).double()
+            if loss_fn == "stable_reinforce":
+                datum["sampled_mask"] = [resp, torch.zeros(n, dtype=torch.float64), resp * (torch.arange(n) < n // 2)][
+                    mode
+                ].double()
+                del datum["sequence_ratio_mask"]
         if per_token_clip:  # odd datums "did not send" the key: the engine fills the config value
             lo = 0.7 + 0.25 * torch.rand(n, generator=gen, dtype=torch.float64)
             hi = 1.05 + 0.3 * torch.rand(n, generator=gen, dtype=torch.float64)
@@ -165,7 +182,8 @@ def loss_case(ctx, *, variant: str, cp: int, no_reduce: bool = False, rows=None)
             "graph": graph,
             "local_len": plan.local_len,
             "scored": int((real & ~zero_input).sum()),
-            "clip_frac": metrics.get("clip_frac:mean"),
+            "clip_frac": metrics.get("clip_frac:mean", metrics.get("masked_token_frac:mean")),
+            "masked_sequences": metrics.get("masked_sequence_frac:mean"),
             "loss_sum": metrics["loss:sum"],
             "unmodified": all(torch.equal(local[key], before[key]) for key in local),
         }
@@ -196,8 +214,11 @@ def test_cp_float64_equals_reference(pool4, variant, cp):
         assert max_err(per_rank, cp, name, "out") <= 1e-10, (name, max_err(per_rank, cp, name, "out"))
         assert max_err(per_rank, cp, name, "grad") <= 1e-10, (name, max_err(per_rank, cp, name, "grad"))
         assert per_rank[0][name]["loss_sum"] == pytest.approx(float(per_rank[0][name]["ref_out"].sum()), abs=1e-12)
-    if VARIANTS[variant][0] in ("ppo", "cispo", "gspo"):  # the ratios do fall outside the clip range, not always
+    if VARIANTS[variant][0] in ("ppo", "cispo", "gspo", "stable_reinforce"):  # ratios fall out of range, not always
         fracs = [res[name]["clip_frac"] for res in per_rank for name in ROWS]
+        assert 0 < max(fracs) and min(fracs) < 1, fracs
+    if variant == "stable_reinforce_tight_kl":  # the sequence band drops some datums whole, not all
+        fracs = [res[name]["masked_sequences"] for res in per_rank for name in ROWS]
         assert 0 < max(fracs) and min(fracs) < 1, fracs
     # The scenarios do reach the hard cases: a rank with no local token, and (CP>1) a rank with local
     # tokens of which none is scored.
@@ -252,6 +273,17 @@ def test_reference_hand_computed():
     out, grad = grad_of(parse_loss_config("gspo", None), [ln(2.0), ln(1.5), ln(9.0)], inputs)
     s = math.sqrt(3.0)
     assert out == pytest.approx([-1.2, -1.2, s]) and grad == pytest.approx([0.0, 0.0, s])
+    # stable_reinforce: r = 1.5 kept (weight 1.5), r = 3 outside [0.5, 2] masked, the prompt row (not sampled)
+    # and its advantage ignored; sequence ratio exp((ln 1.5 + ln 3) / 2) = 2.12 > 2 masks the whole datum.
+    config = parse_loss_config("stable_reinforce", {"kl_coef": 1.0})
+    inputs = {"logprobs": [0.0, 0.0, 0.0], "advantages": [5.0, 2.0, 2.0], "sampled_mask": [0.0, 1.0, 1.0]}
+    lp = [-1.0, ln(1.5), ln(3.0)]
+    out, grad = grad_of(config, lp, inputs)
+    assert out == pytest.approx([0.0, 0.5 * ln(1.5) ** 2, 0.5 * ln(3.0) ** 2])  # only the kl term: masked
+    assert grad == pytest.approx([0.0, ln(1.5), ln(3.0)])
+    config = parse_loss_config("stable_reinforce", {"sequence_ratio_high": 3.0})
+    out, grad = grad_of(config, lp, inputs)  # the datum is kept: the token band alone masks r = 3
+    assert out == pytest.approx([0.0, -1.5 * ln(1.5) * 2.0, 0.0]) and grad == pytest.approx([0.0, -3.0, 0.0])
     # gspo with nothing marked: s = 1.
     inputs = {"logprobs": [5.0], "advantages": [2.0], "sequence_ratio_mask": [0.0]}
     out, grad = grad_of(parse_loss_config("gspo", None), [-1.0], inputs)
@@ -299,6 +331,18 @@ def test_loss_metrics():
     inputs = [{"logprobs": torch.zeros(2), "advantages": torch.ones(2), "sequence_ratio_mask": torch.ones(2)}]
     lp = [torch.log(torch.tensor([2.0, 1.5]))]
     assert loss_metrics(gspo, [torch.zeros(2)], lp, inputs)["clip_frac:mean"] == 1.0  # s = sqrt(3)
+    stable = parse_loss_config("stable_reinforce", None)
+    inputs = [
+        {"logprobs": torch.zeros(3), "advantages": torch.ones(3), "sampled_mask": torch.tensor([0.0, 1.0, 1.0])},
+        {"logprobs": torch.zeros(1), "advantages": torch.ones(1), "sampled_mask": torch.ones(1)},
+        {"logprobs": torch.zeros(2), "advantages": torch.ones(2), "sampled_mask": torch.zeros(2)},
+    ]
+    lp = [torch.log(torch.tensor([9.0, 1.5, 3.0])), torch.log(torch.tensor([1.0])), torch.zeros(2)]
+    metrics = loss_metrics(stable, [torch.zeros(3), torch.zeros(1), torch.zeros(2)], lp, inputs)
+    assert metrics["masked_token_frac:mean"] == pytest.approx(1 / 3)  # 3 is outside [0.5, 2]; row 0 not sampled
+    assert metrics["masked_sequence_frac:mean"] == pytest.approx(1 / 2)  # sqrt(4.5) > 2; datum 2 has no sampled row
+    assert metrics["kl_sample_train_v1:mean"] == pytest.approx(-(math.log(1.5) + math.log(3.0)) / 3)
+    assert metrics["kl_sample_train_v2:mean"] == pytest.approx((math.log(1.5) ** 2 + math.log(3.0) ** 2) / 6)
 
 
 # ---- config and input validation -------------------------------------------------------------------
@@ -313,15 +357,22 @@ def test_parse_loss_config_defaults_and_overrides():
     assert parse_loss_config("cross_entropy", None) == LossConfig(loss_fn="cross_entropy")
     cfg = parse_loss_config("ppo", {"clip_high_threshold": 1.5})
     assert (cfg.clip_low, cfg.clip_high) == (0.8, 1.5)
-    assert set(LOSS_FNS) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo"}
+    assert set(LOSS_FNS) == {"cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"}
+    stable = parse_loss_config("stable_reinforce", None)
+    assert (stable.token_band, stable.sequence_band, stable.kl_coef) == ((0.5, 2.0), (0.5, 2.0), 0.0)
+    stable = parse_loss_config("stable_reinforce", {"kl_coef": 0.1, "token_ratio_high": 3})
+    assert (stable.token_band, stable.kl_coef) == ((0.5, 3.0), 0.1)
 
 
 @pytest.mark.parametrize(
     ("loss_fn", "config", "needles"),
     [
-        ("stable_reinforce", None, ["'stable_reinforce'", "not supported", "importance_sampling"]),
+        ("stable_reinforce", {"token_ratio_low": 1.2}, ["token_ratio_low=1.2", "0 <= low <= 1 <= high"]),
+        ("stable_reinforce", {"sequence_ratio_high": 0.9}, ["sequence_ratio_high=0.9", "must hold"]),
+        ("stable_reinforce", {"kl_coef": -1}, ["'kl_coef'", ">= 0"]),
+        ("stable_reinforce", {"beta": 0.1}, ["'beta'", "takes only token_ratio_low"]),
         ("custom", None, ["'custom'", "forward_backward_custom"]),
-        ("sft", None, ["'sft'", "cross_entropy, importance_sampling, ppo, cispo, dro, gspo"]),
+        ("sft", None, ["'sft'", "cross_entropy, importance_sampling, ppo, cispo, dro, gspo, stable_reinforce"]),
         ("ppo", {"clip_eps": 0.2}, ["'clip_eps'", "0.2", "clip_low_threshold, clip_high_threshold"]),
         ("importance_sampling", {"clip_low_threshold": 0.8}, ["'clip_low_threshold'", "takes no loss_fn_config"]),
         ("dro", {"clip_low_threshold": 0.8}, ["takes only beta"]),
@@ -345,6 +396,7 @@ def test_required_inputs():
     for loss_fn in ("importance_sampling", "ppo", "cispo", "dro"):
         assert required_inputs(loss_fn) == ("target_tokens", "logprobs", "advantages")
     assert required_inputs("gspo") == ("target_tokens", "logprobs", "advantages", "sequence_ratio_mask")
+    assert required_inputs("stable_reinforce") == ("target_tokens", "logprobs", "advantages", "sampled_mask")
     with pytest.raises(UserInputError, match="custom"):
         required_inputs("custom")
 

@@ -23,9 +23,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ringtune.errors import UserInputError
 from ringtune.gateway import rest
+from ringtune.gateway.checkpoint_admin import CopyWeightsBody, TtlBody
 from ringtune.gateway.downloads import DOWNLOAD_PREFIX
 from ringtune.gateway.refusal import RefusedError
 from ringtune.gateway.sampling import CreateSamplingSessionBody, SampleBody
+from ringtune.gateway.sdk_routes import SDK_ROUTES, SdkRoute, refusal_message
 from ringtune.gateway.service import GatewayService
 from ringtune.gateway.wire import (
     CreateModelBody,
@@ -137,6 +139,17 @@ def json_route(name: str, body_type: type, handle: Callable[[Any], dict[str, Any
     return route
 
 
+def refusing(route: SdkRoute) -> Callable[..., Any]:
+    """The endpoint of an SDK route this server refuses: a JSON 404 naming the route and why
+    (:mod:`ringtune.gateway.sdk_routes`)."""
+
+    async def refuse() -> dict[str, Any]:
+        raise RefusedError(404, refusal_message(route))
+
+    refuse.__name__ = refuse.__qualname__ = f"refuse {route.method} {route.path}"
+    return refuse
+
+
 def create_app(service: GatewayService) -> Guard:
     """The ASGI app of ``service`` (with the :class:`Guard` in front). Its lifespan binds the service to the
     loop, runs ``service.tick`` every second, and closes the service at shutdown."""
@@ -149,7 +162,7 @@ def create_app(service: GatewayService) -> Guard:
             while True:
                 await asyncio.sleep(1.0)
                 try:
-                    service.runs.tick()
+                    await service.tick()
                 except Exception:
                     log.exception("gateway tick failed")
 
@@ -172,11 +185,13 @@ def create_app(service: GatewayService) -> Guard:
         return problem(400, str(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        # Starlette's own refusals (unknown route 404, wrong method 405, an unparsable body 400) in our shape
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Starlette's own refusals (unknown route 404, wrong method 405, an unparsable body 400) in our shape,
+        # naming the route
+        route = f"{request.method} {request.url.path}"
         if exc.status_code >= 500:
-            return problem(exc.status_code, f"internal error: {exc.detail}", "server")
-        return problem(exc.status_code, f"{exc.detail} ({exc.status_code})")
+            return problem(exc.status_code, f"{route}: internal error: {exc.detail}", "server")
+        return problem(exc.status_code, f"{route}: {exc.detail} ({exc.status_code})")
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -261,6 +276,22 @@ def create_app(service: GatewayService) -> Guard:
     async def run_checkpoints(run_id: str) -> dict[str, Any]:
         return rest.list_checkpoints(service, run_id)
 
+    # before the routes whose {checkpoint_id:path} would swallow their last segment
+    @app.put(f"{PREFIX}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}/ttl")
+    async def checkpoint_ttl(run_id: str, checkpoint_id: str, body: TtlBody) -> dict[str, Any]:
+        service.admin.set_ttl(run_id, checkpoint_id, body.ttl_seconds)
+        return {}
+
+    @app.post(f"{PREFIX}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}/publish")
+    async def publish_checkpoint(run_id: str, checkpoint_id: str) -> dict[str, Any]:
+        service.admin.set_public(run_id, checkpoint_id, True)
+        return {}
+
+    @app.delete(f"{PREFIX}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}/publish")
+    async def unpublish_checkpoint(run_id: str, checkpoint_id: str) -> dict[str, Any]:
+        service.admin.set_public(run_id, checkpoint_id, False)
+        return {}
+
     @app.delete(f"{PREFIX}/training_runs/{{run_id}}/checkpoints/{{checkpoint_id:path}}")
     async def delete_checkpoint(run_id: str, checkpoint_id: str) -> dict[str, Any]:
         return await rest.delete_checkpoint(service, run_id, checkpoint_id)
@@ -292,6 +323,26 @@ def create_app(service: GatewayService) -> Guard:
     @app.get(f"{PREFIX}/samplers/{{sampler_id}}")
     async def sampler(sampler_id: str) -> dict[str, Any]:
         return rest.get_sampler(service, sampler_id)
+
+    @app.post(f"{PREFIX}/copy_weights")
+    async def copy_weights(body: CopyWeightsBody, request: Request) -> dict[str, Any]:
+        return await service.admin.copy_weights(body, request.headers.get("x-idempotency-key"))
+
+    @app.get(f"{PREFIX}/sessions")
+    async def sessions(limit: int = 20, offset: int = 0) -> dict[str, Any]:
+        return rest.list_sessions(service, limit, offset)
+
+    @app.post(f"{PREFIX}/cancel_future")
+    async def cancel_future(body: RetrieveFutureBody) -> dict[str, Any]:
+        rest.cancel_future(service, body.request_id)
+        return {}
+
+    for refused in (r for r in SDK_ROUTES if r.refused is not None):
+        app.add_api_route(f"{PREFIX}{refused.path}", refusing(refused), methods=[refused.method])
+
+    @app.get(f"{PREFIX}/sessions/{{session_id}}")
+    async def session(session_id: str) -> dict[str, Any]:
+        return rest.get_session(service, session_id)
 
     @app.get(f"{PREFIX}/healthz")
     async def healthz() -> JSONResponse:

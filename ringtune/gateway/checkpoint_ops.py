@@ -29,6 +29,9 @@ from ringtune.gateway.state import CheckpointRecord, RunRecord, now_utc
 from ringtune.gateway.wire import LoadWeightsBody, SaveWeightsBody, SaveWeightsExternalBody, SaveWeightsForSamplerBody
 from ringtune.sample.pool import SamplerSource
 
+SAMPLER_KINDS = ("snapshot", "inflight")
+"""``save_weights_for_sampler``'s ``kind`` values (the SDK's ``SamplingClientKind``)."""
+
 
 class CheckpointOps:
     """The checkpoint verbs over ``runs`` (lookups), ``backend``, ``paths`` (the checkpoint root), ``dispatcher``
@@ -70,10 +73,21 @@ class CheckpointOps:
         return self.dispatcher.ordered(record, body.seq_id, "save_weights", job)
 
     def save_weights_for_sampler(self, body: SaveWeightsForSamplerBody) -> dict[str, Any]:
-        """Named: HF export to ``<root>/<run>/sampler_weights/<name>``; unnamed: a sampling session on an in-memory
-        snapshot of the run's current weights, behind a new ``sampling_session_id``."""
+        """Named: HF export to ``<root>/<run>/sampler_weights/<name>``; unnamed: a sampling session behind a new
+        ``sampling_session_id`` on an in-memory snapshot of the run's current weights (``kind="snapshot"``) or on
+        the run's shared inflight target, which this save republishes (``kind="inflight"``: every inflight
+        session of the run, earlier ones too, then samples the newest published weights;
+        :mod:`ringtune.sample.pool`). A named save is a snapshot: ``kind="inflight"`` with a path is a user error."""
         record = self.runs.run(body.model_id)
         run_id = record.run_id
+        if body.kind not in SAMPLER_KINDS:
+            raise RefusedError(400, f"kind={body.kind!r} is not one of {list(SAMPLER_KINDS)}")
+        if body.kind == "inflight" and body.path is not None:
+            raise RefusedError(
+                400,
+                f"kind='inflight' with path={body.path!r}: an inflight save publishes the run's weights to its "
+                "inflight sampling sessions and has no name; send no path, or kind='snapshot' for a named export",
+            )
 
         def job() -> tuple[Outcome, Commit | None]:
             if body.path is None:
@@ -82,9 +96,11 @@ class CheckpointOps:
                     raise UserInputError(
                         f"sampling_session_seq_id={seq!r}: an unnamed save_weights_for_sampler needs an integer >= 0"
                     )
-                # An in-memory snapshot of the run's current weights (shared while they do not change).
+                # An in-memory snapshot of the run's current weights (shared while they do not change), or the
+                # run's inflight target republished with them.
                 sampler_id = new_sampler_id(record.session_id, seq)
-                self.sampling.register(sampler_id, record.base_model, None, SamplerSource(run_id=run_id))
+                source = SamplerSource(run_id=run_id, inflight=body.kind == "inflight")
+                self.sampling.register(sampler_id, record.base_model, None, source)
                 return Outcome("json", {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}), None
             name = check_name("path", body.path)
             ttl = translate.check_ttl(body.ttl_seconds)

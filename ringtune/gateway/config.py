@@ -38,6 +38,10 @@ class GatewayConfig:
             shared base (:mod:`ringtune.gateway.passes`); 1 (the default) = each request alone. Off by
             default because on CPU it does not pay (docs/lora.md: the matmuls of one run's request are already
             large enough, and a joined pass holds every run's merged unembedding at once).
+        tokenizer_id: ``get_info``'s ``model_data.tokenizer_id`` (e.g. a hub id), overriding the one found from the
+            served tokenizer (:mod:`ringtune.gateway.tokenizer_id`); None: found.
+        reap_every_s: seconds between two passes of the checkpoint reaper (expired TTLs,
+            :mod:`ringtune.gateway.checkpoint_reaper`).
     """
 
     checkpoint_root: str
@@ -60,6 +64,8 @@ class GatewayConfig:
     restore_live_runs: bool = False
     routing_replay: bool = False
     lora_pass_runs: int = 1
+    tokenizer_id: str | None = None
+    reap_every_s: float = 30.0
 
     def validate(self) -> None:
         """UserInputError naming the setting, its value and the limit."""
@@ -75,6 +81,7 @@ class GatewayConfig:
             ("autosave_keep", self.autosave_keep, self.autosave_keep >= 1, ">= 1"),
             ("sample_slice_s", self.sample_slice_s, self.sample_slice_s >= 0, ">= 0 (0 = no slicing)"),
             ("lora_pass_runs", self.lora_pass_runs, self.lora_pass_runs >= 1, ">= 1 (1 = each request alone)"),
+            ("reap_every_s", self.reap_every_s, self.reap_every_s > 0, "> 0"),
         )
         for name, value, ok, limit in checks:
             if not ok:

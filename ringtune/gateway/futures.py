@@ -73,6 +73,10 @@ class FutureStore:
         entry.outcome, entry.done_at = outcome, self.clock()
         entry.event.set()
 
+    def known(self, request_id: str) -> bool:
+        """True while the future exists (pending, or finished and not yet dropped)."""
+        return request_id in self._entries
+
     def pending(self, request_id: str) -> bool:
         """True while the future exists and has no outcome."""
         entry = self._entries.get(request_id)

@@ -10,6 +10,11 @@ head of other runs' queues (up to ``--lora-pass-runs``) run with it as one backe
 run's ops keep their ``seq_id`` order, and a request waits for nobody: it joins whatever is waiting when its
 turn comes.
 
+A ``stable_reinforce`` request's provenance is resolved here, before the backend call
+(:mod:`ringtune.gateway.provenance`): a datum whose spans do not match the records fails its request alone
+with ``category: user``, and nothing of that request reaches a rank. Its answer carries the loss's metrics
+(:func:`~ringtune.losses.stable_reinforce_metrics`) beside the engine's.
+
 Each request still gets exactly its own answer: its outputs and loss, its own error for a bad request
 (decoded here, checked per run on the ranks), and its metrics line. A rank failure fails every request of
 the pass with ``category: server``, as it would fail each alone.
@@ -22,11 +27,16 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ringtune.errors import RankFailedError, UserInputError
 from ringtune.gateway import proto, translate
 from ringtune.gateway.backend import Backend
 from ringtune.gateway.futures import Outcome
+from ringtune.gateway.provenance import LOSS_WITH_PROVENANCE, resolve_provenance
 from ringtune.gateway.routing_records import RoutingRecords, attach_routing
+from ringtune.gateway.stability_records import StabilityRecords
+from ringtune.losses import parse_loss_config, stable_reinforce_metrics
 
 log = logging.getLogger(__name__)
 
@@ -49,21 +59,34 @@ def pass_kind(msg: Any) -> Hashable | None:
     return ("lora_pass", msg.loss_fn, bool(msg.forward_only), tuple(sorted(call_config.items())))
 
 
-def run_pass(backend: Backend, parts: list[PassPart], routing: RoutingRecords | None) -> list[tuple[Outcome, None]]:
-    """Decode each part, run the good ones in one backend call (one alone: :meth:`Backend.forward_backward`),
-    and encode each answer. Never raises: every part gets its outcome."""
+def run_pass(
+    backend: Backend,
+    parts: list[PassPart],
+    routing: RoutingRecords | None,
+    stability: StabilityRecords | None = None,
+) -> list[tuple[Outcome, None]]:
+    """Decode each part (resolving ``stable_reinforce`` provenance against ``stability``), run the good ones in
+    one backend call (one alone: :meth:`Backend.forward_backward`), and encode each answer. Never raises: every
+    part gets its outcome."""
     outcomes: list[Outcome | None] = [None] * len(parts)
     ready: list[tuple[int, list, int]] = []  # (part index, engine datums, tokens given replayed routing)
     loss_fn, forward_only, config = parts[0].msg.loss_fn, bool(parts[0].msg.forward_only), None
+    data_of: dict[int, list] = {}
     for i, part in enumerate(parts):
         try:
             call = proto.decode_request(part.msg)
             data = translate.train_data(call)
             config = translate.loss_config(call.loss_config)
             replayed = 0
+            if call.loss_fn == LOSS_WITH_PROVENANCE:
+                if stability is None:
+                    raise UserInputError("loss_fn='stable_reinforce': this server keeps no stability records")
+                data, replayed = resolve_provenance(call.data, data, stability)
             if routing is not None:  # R3: the experts the sampler used, where a datum matches a sample
-                data, replayed = attach_routing(data, routing)
+                data, matched = attach_routing(data, routing)
+                replayed += matched
             ready.append((i, data, replayed))
+            data_of[i] = data
         except UserInputError as exc:
             outcomes[i] = Outcome.error(str(exc), "user")
     try:
@@ -94,6 +117,8 @@ def run_pass(backend: Backend, parts: list[PassPart], routing: RoutingRecords | 
             outputs, metrics = result
             if routing is not None:
                 metrics = {**metrics, "routing_replay_tokens:sum": float(replayed)}
+            if loss_fn == LOSS_WITH_PROVENANCE and outputs:
+                metrics = {**metrics, **_stable_metrics(parts[i].msg, data_of[i], outputs)}
             try:
                 arrays = [{k: v.detach().cpu().numpy() for k, v in o.items()} for o in outputs]
                 outcomes[i] = Outcome("proto", proto.encode_output(arrays, metrics))
@@ -101,3 +126,11 @@ def run_pass(backend: Backend, parts: list[PassPart], routing: RoutingRecords | 
                 log.exception("encoding the answer of %s failed", parts[i].run_id)
                 outcomes[i] = Outcome.error(f"internal error: {type(exc).__name__}: {exc}", "server")
     return [(outcome, None) for outcome in outcomes]  # type: ignore[misc]
+
+
+def _stable_metrics(msg: Any, data: list, outputs: list) -> dict[str, float]:
+    """stable_reinforce's metrics of one answered request (its resolved datums, its per-datum outputs)."""
+    config = parse_loss_config(msg.loss_fn, translate.loss_config(proto.decode_loss_config(msg)))
+    logprobs = [o["logprobs"].detach().cpu().double() for o in outputs]
+    inputs = [{k: torch.as_tensor(d.inputs[k]).double() for k in ("logprobs", "sampled_mask")} for d in data]
+    return stable_reinforce_metrics(config, logprobs, inputs)

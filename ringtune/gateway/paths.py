@@ -8,6 +8,8 @@ keeps the gateway's stricter names (no ``:``). Layout::
     <root>/<run_id>/weights/<name>            training state (weights + AdamW + step; engine DCP format)
     <root>/<run_id>/sampler_weights/<name>    HF export for sampling
     <root>/<run_id>/ephemeral/<id>            HF export behind an ephemeral sampling session
+    <root>/<run_id>/weights_export/<name>.<v> HF export of weights/<name> (version <v>) for a sampling session
+                                              on that path; deleted with weights/<name>
 """
 
 from __future__ import annotations
@@ -74,12 +76,28 @@ class CheckpointPaths:
             return self.engine_root.path(run_id, kind, check_name("name", name))
         return self._inside(self.run_dir(run_id) / kind / check_name("name", name))
 
+    def weights_export(self, run_id: str, name: str) -> Path:
+        """``<root>/<run_id>/weights_export/<name>.<version>``: where the HF export of training checkpoint
+        ``weights/<name>`` goes for sampling (not created). ``<version>`` names the checkpoint's current version
+        (the hex of the ``.<name>.ckpt-<hex>`` it points to, or its mtime in ns for a plain directory), so an
+        overwritten checkpoint gets a new export and a sampler never reads a stale one."""
+        source = self.checkpoint(run_id, "weights", name)
+        match = re.search(r"\.ckpt-([0-9a-f]{32})$", source.resolve().name)
+        version = match.group(1) if match else str(source.stat().st_mtime_ns)
+        return self._inside(self.run_dir(run_id) / "weights_export" / f"{name}.{version}")
+
     def delete(self, run_id: str, kind: str, name: str) -> None:
-        """Remove a checkpoint's files (CheckpointRoot.delete; a name with no complete checkpoint is a no-op)."""
+        """Remove a checkpoint's files (CheckpointRoot.delete; a name with no complete checkpoint is a no-op),
+        and for ``weights`` its sampling exports (:meth:`weights_export`)."""
         try:
             self.engine_root.delete(run_id, kind, check_name("name", name))
         except CheckpointNotFoundError:
             remove_checkpoint(self.checkpoint(run_id, kind, name))  # leftovers of an incomplete save
+        exports = self.run_dir(run_id) / "weights_export"
+        if kind == "weights" and exports.is_dir():
+            pattern = re.compile(rf"^{re.escape(name)}\.([0-9a-f]{{32}}|[0-9]+)$")
+            for export in [e for e in exports.iterdir() if pattern.match(e.name)]:
+                shutil.rmtree(export, ignore_errors=True)
 
 
 def dir_bytes(path: Path) -> int:

@@ -6,7 +6,10 @@ Uses the schema the SDK ships (``tinker.proto.tinker_public_pb2``), so the bytes
 Request (``ForwardBackwardRequest``): every datum's input tokens are the concatenation of its
 ``encoded_text`` chunks (int32 little-endian); each ``loss_fn_inputs`` tensor is dense bytes or CSR
 (``values`` in the declared dtype, ``crow_indices``/``col_indices`` int64, missing entries 0), dtype
-FLOAT32 or INT64, row-major with ``shape``. ``loss_fn_config_v2`` wins over the legacy map when set.
+FLOAT32 or INT64, row-major with ``shape``. ``loss_fn_config_v2`` wins over the legacy map when set. A datum's
+``model_input_spans`` / ``loss_fn_input_spans`` (``Datum.with_provenance``: runs of ``prompt_tokens`` or
+``sampled_tokens``, each a ``sequence_id``, ``offset`` and ``length``) are decoded as given, both or neither;
+:mod:`ringtune.gateway.provenance` checks and resolves them.
 
 Output (``ForwardBackwardOutput``): one ``ArrayRecord`` with ``num_datums`` set and one ``BatchedTensor`` per
 field: per-datum float32 arrays back to back, int64 *byte* offsets (``num_datums + 1`` of them, from 0),
@@ -33,11 +36,25 @@ OUTPUT_TYPE = "ArrayRecord"
 
 
 @dataclass(frozen=True)
+class ProvenanceSpan:
+    """One run of a datum's provenance: positions ``[offset, offset + length)`` of the named sequence's prompt
+    (``sampled`` False: a ``PromptProvenanceSpan``) or of its sampled tokens (``sampled`` True)."""
+
+    sampled: bool
+    sequence_id: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
 class WireDatum:
-    """One decoded datum: ``tokens`` int64 [N]; ``inputs`` name -> dense float32 / int64 array."""
+    """One decoded datum: ``tokens`` int64 [N]; ``inputs`` name -> dense float32 / int64 array; its provenance
+    (runs tiling the input tokens, runs tiling the loss rows) or None for each when it sent none."""
 
     tokens: np.ndarray
     inputs: dict[str, np.ndarray]
+    model_input_spans: tuple[ProvenanceSpan, ...] | None = None
+    loss_fn_input_spans: tuple[ProvenanceSpan, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -151,6 +168,20 @@ def _tokens(datum: pb.Datum, i: int) -> np.ndarray:
     return np.concatenate([np.zeros(0, np.int64), *parts]).astype(np.int64)
 
 
+def _spans(spans, where: str) -> tuple[ProvenanceSpan, ...] | None:
+    """A repeated ``ProvenanceSpan`` field as :class:`ProvenanceSpan` runs (None when empty)."""
+    out = []
+    for j, span in enumerate(spans):
+        kind = span.WhichOneof("span")
+        if kind is None:
+            raise UserInputError(f"{where}[{j}]: neither prompt_tokens nor sampled_tokens is set")
+        arm = getattr(span, kind)
+        if not arm.sequence_id:
+            raise UserInputError(f"{where}[{j}]: empty sequence_id")
+        out.append(ProvenanceSpan(kind == "sampled_tokens", arm.sequence_id, int(arm.offset), int(arm.length)))
+    return tuple(out) or None
+
+
 def decode_loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float | str]:
     """The request's ``loss_fn_config_v2`` (numbers and text) or, when absent, ``loss_fn_config``."""
     if msg.loss_fn_config_v2:
@@ -172,7 +203,14 @@ def decode_request(msg: pb.ForwardBackwardRequest) -> ForwardBackwardCall:
             key: decode_tensor(tensor, f"data[{i}].loss_fn_inputs[{key!r}]")
             for key, tensor in sorted(datum.loss_fn_inputs.items())
         }
-        data.append(WireDatum(tokens=_tokens(datum, i), inputs=inputs))
+        model_spans = _spans(datum.model_input_spans, f"data[{i}].model_input_spans")
+        loss_spans = _spans(datum.loss_fn_input_spans, f"data[{i}].loss_fn_input_spans")
+        if (model_spans is None) != (loss_spans is None):
+            raise UserInputError(
+                f"data[{i}]: provenance comes as a pair (Datum.with_provenance): model_input_spans has "
+                f"{len(model_spans or ())} runs, loss_fn_input_spans {len(loss_spans or ())}"
+            )
+        data.append(WireDatum(_tokens(datum, i), inputs, model_spans, loss_spans))
     return ForwardBackwardCall(
         model_id=msg.model_id,
         seq_id=int(msg.seq_id),

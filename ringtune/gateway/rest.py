@@ -1,4 +1,7 @@
-"""The REST side of the protocol (no futures): training runs, checkpoints, weights info, capabilities.
+"""The REST side of the protocol (no futures): training runs, checkpoints, weights info, capabilities, sessions.
+
+Checkpoint TTL, publish and copy are :mod:`ringtune.gateway.checkpoint_admin`'s; the SDK routes this server
+refuses are listed in :mod:`ringtune.gateway.sdk_routes`.
 
 Functions of a :class:`~ringtune.gateway.service.GatewayService`, run on the event loop thread; unknown ids
 raise :class:`~ringtune.gateway.refusal.RefusedError` 404, malformed ones 400.
@@ -13,6 +16,7 @@ from typing import Any
 from ringtune.errors import UserInputError
 from ringtune.gateway import translate
 from ringtune.gateway.downloads import confined_file
+from ringtune.gateway.futures import Outcome
 from ringtune.gateway.refusal import RefusedError
 from ringtune.gateway.service import GatewayService
 from ringtune.gateway.state import RunRecord
@@ -135,6 +139,40 @@ def get_sampler(service: GatewayService, sampler_id: str) -> dict[str, Any]:
     if entry is None:
         raise RefusedError(404, f"sampler_id={sampler_id!r}: no such sampling session")
     return {"sampler_id": sampler_id, "base_model": entry.base_model, "model_path": entry.model_path}
+
+
+def list_sessions(service: GatewayService, limit: int, offset: int) -> dict[str, Any]:
+    """``ListSessionsResponse``: the session ids this server knows (open or finished since it started; a
+    restart keeps only the open ones it restores), newest first, paginated."""
+    limit, offset = _page(limit, offset)
+    sessions = sorted(service.registry.sessions.values(), key=lambda s: s.created, reverse=True)
+    return {"sessions": [s.session_id for s in sessions[offset : offset + limit]]}
+
+
+def get_session(service: GatewayService, session_id: str) -> dict[str, Any]:
+    """``GetSessionResponse``: the session's training runs (created, loaded or copied into it), its live sampling
+    sessions and its ``user_metadata`` (values as strings). RefusedError 404 for an unknown session."""
+    session = service.registry.sessions.get(session_id)
+    if session is None:
+        raise RefusedError(404, f"session_id={session_id!r}: no such session")
+    prefix = f"{session_id}:sample:"
+    return {
+        "training_run_ids": list(session.runs),
+        "sampler_ids": [sid for sid in service.sampling.sessions if sid.startswith(prefix)],
+        "user_metadata": {str(k): str(v) for k, v in session.user_metadata.items()} or None,
+    }
+
+
+def cancel_future(service: GatewayService, request_id: str) -> None:
+    """``cancel_future`` (the SDK sends it for a sampling future it abandoned): the future fails at once with a
+    ``user`` error saying so and its result is dropped when it comes; the decode itself is not stopped.
+    RefusedError 404 for an unknown request_id, 400 for one that is not a sampling request."""
+    futures = service.futures
+    if not futures.known(request_id):
+        raise RefusedError(404, f"request_id={request_id!r}: unknown (never issued, or dropped after retrieval)")
+    if not request_id.startswith("sample-"):
+        raise RefusedError(400, f"request_id={request_id!r}: only sampling requests can be cancelled")
+    futures.resolve(request_id, Outcome.error(f"request {request_id} was cancelled by the client", "user"))
 
 
 def external_weights_urls(service: GatewayService, run_id: str, checkpoint_id: str, base_url: str) -> dict[str, Any]:

@@ -85,9 +85,12 @@ class RoutingRecords:
 
 def attach_routing(data: list[TrainDatum], records: RoutingRecords) -> tuple[list[TrainDatum], int]:
     """``data`` with each matching datum's ``routing`` set (:meth:`RoutingRecords.lookup`), and how many tokens
-    got a recorded routing."""
+    got a recorded routing. A datum that already has one (resolved from its provenance) keeps it."""
     out, replayed = [], 0
     for datum in data:
+        if datum.routing is not None:
+            out.append(datum)
+            continue
         routing = records.lookup(datum.tokens.tolist())
         if routing is not None:
             replayed += int((routing[:, 0, 0] >= 0).sum())

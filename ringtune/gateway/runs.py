@@ -20,6 +20,7 @@ from ringtune.gateway.refusal import RefusedError, refusing_bad_input
 from ringtune.gateway.run_memory import check_admission
 from ringtune.gateway.sampling import SamplingService
 from ringtune.gateway.state import Registry, RunRecord, Session, now_utc
+from ringtune.gateway.tokenizer_id import remote_tokenizer_id
 
 log = logging.getLogger(__name__)
 
@@ -132,12 +133,14 @@ class RunBook:
         log.info("freed run %s: %s", record.run_id, why)
 
     def get_info(self, model_id: str) -> dict[str, Any]:
-        """``get_info`` of run ``model_id`` (live or not): the served model's data, LoRA rank, optimizer."""
+        """``get_info`` of run ``model_id`` (live or not): the served model's data, LoRA rank, optimizer.
+        ``model_data.tokenizer_id`` is one a remote client can load (:mod:`ringtune.gateway.tokenizer_id`)."""
         record = self.run(model_id, live=False)
         info = self.backend.info()
         model_data = {"arch": info.arch, "model_name": record.base_model}
-        if info.tokenizer_dir:
-            model_data["tokenizer_id"] = info.tokenizer_dir
+        tokenizer_id = remote_tokenizer_id(self.config.tokenizer_id, info.tokenizer_dir)
+        if tokenizer_id:
+            model_data["tokenizer_id"] = tokenizer_id
         return {
             "type": "get_info",
             "model_id": model_id,

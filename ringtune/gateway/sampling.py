@@ -14,6 +14,9 @@
   other clients' ops and newer sampling requests run between its slices: a long generation delays a short
   request by about one slice, not by its whole length.
 - Resubmits of a ``(sampling_session_id, seq_id)`` get the original ``request_id``.
+- ``record_stability_info=true`` (a sampling client made for ``stable_reinforce``): each finished sequence is
+  recorded under its ``sample_sequence_ids`` entry (:mod:`ringtune.gateway.stability_records`: prompt, tokens,
+  the float32 log-probs the answer carries, MoE routing when the sampler records it).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from ringtune.errors import UserInputError
 from ringtune.gateway.futures import FutureStore, Outcome
 from ringtune.gateway.routing_records import RoutingRecords
 from ringtune.gateway.sample_targets import TargetLayout, encode_targets, parse_targets
+from ringtune.gateway.stability_records import StabilityRecords
 from ringtune.sample.alt_tokens import MAX_PROMPT_ALT_TOKENS_K
 from ringtune.sample.params import DEFAULT_MAX_TOKENS, SamplingParams
 from ringtune.sample.pool import SampleRequest, SamplerSource
@@ -75,6 +79,7 @@ class SampleBody(BaseModel):
     prompt_alt_tokens_k: Any = 0
     target_prompt_logprobs: Any = None
     prompt_logprobs_last_n: Any = None
+    record_stability_info: Any = None
 
 
 def _int(value: Any, field: str, low: int, high: int) -> int:
@@ -242,6 +247,8 @@ class SamplingService:
         max_prompt_tokens: the served context length (prompt + max_tokens).
         slice_s: decode time per turn of a job (0: each job runs to its end in one turn).
         routing: where the sampled sequences' MoE routing is recorded for replay (``--routing-replay``), or None.
+        stability: where ``record_stability_info`` requests' sequences are recorded, or None (such a request is
+            then refused).
     """
 
     def __init__(
@@ -254,9 +261,12 @@ class SamplingService:
         max_prompt_tokens: int,
         slice_s: float = 0.0,
         routing: RoutingRecords | None = None,
+        stability: StabilityRecords | None = None,
     ) -> None:
         self.backend, self.futures, self.submit, self.call_on_loop = backend, futures, submit, call_on_loop
         self.max_prompt_tokens, self.slice_s, self.routing = max_prompt_tokens, slice_s, routing
+        self.stability = stability
+        self._recorded: dict[str, list[str]] = {}  # request_id -> its sequence ids, while it records
         self.sessions: dict[str, SamplerSession] = {}
         self._seen: dict[tuple[str, int], dict[str, Any]] = {}
         self._pending: list[tuple[str, SampleRequest, str, TargetLayout | None]] = []
@@ -293,11 +303,18 @@ class SamplingService:
         if key is not None and key in self._seen:
             return self._seen[key]
         request, layout = sample_request(body, self.backend.info().vocab_size, self.max_prompt_tokens)
+        record = body.record_stability_info
+        if record is not None and not isinstance(record, bool):
+            raise UserInputError(f"record_stability_info={record!r} must be true or false")
+        if record and self.stability is None:
+            raise UserInputError("record_stability_info=true: this server keeps no stability records")
         request_id = self.futures.create("sample")
         answer = {
             "request_id": request_id,
             "sample_sequence_ids": [f"{request_id}:{i}" for i in range(request.num_samples)],
         }
+        if record:
+            self._recorded[request_id] = answer["sample_sequence_ids"]
         if key is not None:
             self._seen[key] = answer
         with self._lock:
@@ -364,13 +381,26 @@ class SamplingService:
                     for seq in res.sequences:
                         if seq.routing is not None:
                             self.routing.add(request.prompt + seq.tokens[:-1], seq.routing)
+            self._record(sampler_id, results, items)
         except UserInputError as exc:
             outcomes = [Outcome.error(str(exc), "user")] * len(items)
         except Exception as exc:
             log.exception("sampling on %s failed", sampler_id)
             outcomes = [Outcome.error(f"internal error: {type(exc).__name__}: {exc}", "server")] * len(items)
         for (_, request_id, _), outcome in zip(items, outcomes, strict=True):
+            self._recorded.pop(request_id, None)
             self.call_on_loop(lambda rid=request_id, out=outcome: self.futures.resolve(rid, out))
+
+    def _record(
+        self, sampler_id: str, results: list[PromptSamples], items: list[tuple[SampleRequest, str, TargetLayout | None]]
+    ) -> None:
+        """Backend thread: record the sequences of the requests that asked (``record_stability_info``)."""
+        for res, (request, request_id, _) in zip(results, items, strict=True):
+            ids = self._recorded.get(request_id)
+            if ids is None or self.stability is None:
+                continue
+            for sequence_id, seq in zip(ids, res.sequences, strict=True):
+                self.stability.add(sampler_id, sequence_id, request.prompt, seq.tokens, seq.logprobs, seq.routing)
 
 
 def new_sampler_id(session_id: str, seq: int) -> str:

@@ -9,6 +9,8 @@ Each piece is one idea, in its own module:
 - :class:`~ringtune.gateway.training_ops.TrainingOps`: ``forward_backward`` / ``forward``, ``optim_step``;
 - :class:`~ringtune.gateway.checkpoint_ops.CheckpointOps`: ``save_weights*`` and ``load_weights``;
 - :class:`~ringtune.gateway.sampling.SamplingService` and :mod:`ringtune.gateway.sampling_sessions`: sampling;
+- :class:`~ringtune.gateway.checkpoint_admin.CheckpointAdmin`: checkpoint TTL, publish, ``copy_weights``;
+  :class:`~ringtune.gateway.checkpoint_reaper.CheckpointReaper`: expired checkpoints deleted;
 - :class:`~ringtune.gateway.autosave.Autosaver` and :func:`~ringtune.gateway.restore.restore_live_runs`.
 
 Threading: every method runs on the event loop thread (state needs no locks) except :meth:`GatewayService.drain`
@@ -19,11 +21,15 @@ future with ``category: user``; any other exception fails it with ``category: se
 
 from __future__ import annotations
 
+import asyncio
+from pathlib import Path
 from typing import Any
 
 from ringtune.gateway.autosave import Autosaver
 from ringtune.gateway.backend import Backend
+from ringtune.gateway.checkpoint_admin import CheckpointAdmin
 from ringtune.gateway.checkpoint_ops import CheckpointOps
+from ringtune.gateway.checkpoint_reaper import CheckpointReaper
 from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.dispatch import Dispatcher
 from ringtune.gateway.downloads import DownloadSigner
@@ -38,6 +44,8 @@ from ringtune.gateway.runs import RunBook
 from ringtune.gateway.sampling import CreateSamplingSessionBody, SamplingService
 from ringtune.gateway.sampling_sessions import create_sampling_session
 from ringtune.gateway.scheduler import FairExecutor
+from ringtune.gateway.stability_records import DIRECTORY_NAME as STABILITY_DIRECTORY
+from ringtune.gateway.stability_records import StabilityRecords
 from ringtune.gateway.state import Registry
 from ringtune.gateway.training_ops import TrainingOps
 from ringtune.probes.ring_accumulation import SERVED_PROBES
@@ -47,11 +55,13 @@ class GatewayService:
     """Sessions, training runs and their ops over a :class:`Backend` (see the module docstring).
 
     Attributes (the routes call the pieces directly): ``runs``, ``creation``, ``training``, ``checkpoints``,
-    ``sampling``, ``dispatcher``; and what they share: ``backend`` (observed), ``config``, ``paths``, ``registry``,
+    ``sampling``, ``dispatcher``, ``admin`` (checkpoint TTL / publish / copy), ``reaper`` (expired checkpoints);
+    and what they share: ``backend`` (observed), ``config``, ``paths``, ``registry``,
     ``futures``, ``executor`` (the backend thread; tools may run work on it), ``autosave``, ``downloads``
     (signed URLs of external weights, a new secret per server start), ``routing`` (sampled sequences' MoE routing,
-    replayed for matching training datums: ``--routing-replay``; else None), ``restored`` (the runs brought back
-    at start-up by ``--restore-live-runs``).
+    replayed for matching training datums: ``--routing-replay``; else None), ``stability`` (what the sampler
+    recorded for ``record_stability_info`` samples, persisted under the checkpoint root), ``restored`` (the runs
+    brought back at start-up by ``--restore-live-runs``).
     """
 
     def __init__(self, backend: Backend, config: GatewayConfig) -> None:
@@ -69,6 +79,7 @@ class GatewayService:
         self.dispatcher = Dispatcher(self.futures, self.executor)
         self.downloads = DownloadSigner()
         self.routing = RoutingRecords() if config.routing_replay else None
+        self.stability = StabilityRecords(Path(config.checkpoint_root) / STABILITY_DIRECTORY)
         self.sampling = SamplingService(
             self.backend,
             self.futures,
@@ -77,12 +88,22 @@ class GatewayService:
             max_prompt_tokens=backend.info().context_length,
             slice_s=config.sample_slice_s,
             routing=self.routing,
+            stability=self.stability,
         )
         self.runs = RunBook(config, self.backend, self.registry, self.paths, self.dispatcher, self.sampling)
         self.creation = RunCreation(self.runs, self.backend, self.dispatcher, self.autosave)
-        self.training = TrainingOps(self.runs, self.backend, self.dispatcher, self.autosave, self.routing)
+        self.training = TrainingOps(
+            self.runs, self.backend, self.dispatcher, self.autosave, self.routing, self.stability
+        )
         self.checkpoints = CheckpointOps(
             self.runs, self.backend, self.paths, self.dispatcher, self.autosave, self.sampling, self.creation
+        )
+        self.admin = CheckpointAdmin(self.runs, self.paths)
+        self.reaper = CheckpointReaper(
+            self.registry,
+            self.paths,
+            lambda: [s.model_path for s in self.sampling.sessions.values()],
+            every_s=config.reap_every_s,
         )
         self.restored = []
         if config.restore_live_runs:
@@ -115,6 +136,15 @@ class GatewayService:
         if outcome is None:
             return Outcome("json", {"type": "try_again", "request_id": request_id, "queue_state": "active"})
         return outcome
+
+    async def tick(self) -> None:
+        """Housekeeping, once a second on the event loop: :meth:`RunBook.tick`, and a pass of the reaper when due
+        (its deletions off the loop)."""
+        self.runs.tick()
+        if self.reaper.pass_due():
+            expired = self.reaper.due()
+            if expired:
+                await asyncio.to_thread(self.reaper.delete, expired)
 
     def drain(self) -> None:
         """Shutdown, first part (any thread): see :meth:`Dispatcher.drain`."""

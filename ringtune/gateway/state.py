@@ -45,6 +45,8 @@ class CheckpointRecord:
     size_bytes: int | None = None
     user_metadata: dict[str, str] = field(default_factory=dict)
     expires_at: datetime | None = None
+    public: bool = False
+    """Published (``publish_checkpoint``): a recorded flag; docs/gateway.md says what it means here."""
 
     @property
     def checkpoint_id(self) -> str:
@@ -59,7 +61,7 @@ class CheckpointRecord:
             "time": self.time.isoformat(),
             "tinker_path": f"tinker://{run_id}/{self.checkpoint_id}",
             "size_bytes": self.size_bytes,
-            "public": False,
+            "public": self.public,
             "user_metadata": self.user_metadata or None,
             "expires_at": self.expires_at.isoformat() if self.expires_at else None,
         }
@@ -73,6 +75,7 @@ class CheckpointRecord:
             "size_bytes": self.size_bytes,
             "user_metadata": self.user_metadata,
             "expires_at": self.expires_at.isoformat() if self.expires_at else None,
+            "public": self.public,
         }
 
     @staticmethod
@@ -85,6 +88,7 @@ class CheckpointRecord:
             size_bytes=d.get("size_bytes"),
             user_metadata=dict(d.get("user_metadata") or {}),
             expires_at=datetime.fromisoformat(d["expires_at"]) if d.get("expires_at") else None,
+            public=bool(d.get("public", False)),
         )
 
 

@@ -20,12 +20,14 @@ from ringtune.gateway.passes import PassPart, pass_kind, run_pass
 from ringtune.gateway.refusal import refusing_bad_input
 from ringtune.gateway.routing_records import RoutingRecords
 from ringtune.gateway.runs import RunBook
+from ringtune.gateway.stability_records import StabilityRecords
 from ringtune.gateway.wire import OptimStepBody
 
 
 class TrainingOps:
     """The training verbs over ``runs`` (lookups), ``backend``, ``dispatcher`` (per-run order, joined LoRA passes
-    when its executor joins more than one run), ``autosave`` and ``routing`` (MoE routing replay, or None)."""
+    when its executor joins more than one run), ``autosave``, ``routing`` (MoE routing replay, or None) and
+    ``stability`` (the sampler's records that ``stable_reinforce`` provenance resolves against, or None)."""
 
     def __init__(
         self,
@@ -34,9 +36,10 @@ class TrainingOps:
         dispatcher: Dispatcher,
         autosave: Autosaver,
         routing: RoutingRecords | None,
+        stability: StabilityRecords | None = None,
     ) -> None:
         self.runs, self.backend, self.dispatcher = runs, backend, dispatcher
-        self.autosave, self.routing = autosave, routing
+        self.autosave, self.routing, self.stability = autosave, routing, stability
 
     def forward_backward(self, body: bytes) -> dict[str, Any]:
         """Protobuf ``ForwardBackwardRequest`` (``forward_only`` for forward); result: protobuf output.
@@ -44,15 +47,15 @@ class TrainingOps:
         with refusing_bad_input():
             msg = proto.parse_request(body)
         record = self.runs.run(msg.model_id)
-        run_id, backend, routing = record.run_id, self.backend, self.routing
+        run_id, backend, routing, stability = record.run_id, self.backend, self.routing, self.stability
 
         def job() -> tuple[Outcome, Commit | None]:  # the request alone: a pass of one part
-            return run_pass(backend, [PassPart(run_id, msg)], routing)[0]
+            return run_pass(backend, [PassPart(run_id, msg)], routing, stability)[0]
 
         join = None
         kind = pass_kind(msg) if record.lora is not None and self.dispatcher.executor.max_join > 1 else None
         if kind is not None:  # a LoRA run: may share one pass over the base with other runs' waiting requests
-            join = (kind, PassPart(run_id, msg), lambda parts: run_pass(backend, parts, routing))
+            join = (kind, PassPart(run_id, msg), lambda parts: run_pass(backend, parts, routing, stability))
         op = "forward" if msg.forward_only else "forward_backward"
         return self.dispatcher.ordered(record, msg.seq_id, op, job, join)
 

@@ -15,6 +15,7 @@ from ringtune.engine.trainer import TrainDatum
 from ringtune.errors import UserInputError
 from ringtune.gateway.paths import KINDS, check_name, check_run_id
 from ringtune.gateway.proto import ForwardBackwardCall
+from ringtune.losses import SERVER_INPUT_KEYS
 from ringtune.models.lora import LoraSpec
 
 TINKER_SCHEME = "tinker://"
@@ -24,11 +25,19 @@ ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_c
 def train_data(call: ForwardBackwardCall) -> list[TrainDatum]:
     """The call's datums as engine ``TrainDatum``s (tokens int64 [N]; inputs as decoded, float32 / int64).
 
-    Only structure is checked here (at least one datum); shapes, ids and finiteness are the engine's to
-    check (:func:`ringtune.losses.check_datum_inputs`), before it computes anything.
+    Only structure is checked here (at least one datum, no key only the server sets: ``sampled_mask``); shapes,
+    ids and finiteness are the engine's to check (:func:`ringtune.losses.check_datum_inputs`), before it
+    computes anything. Provenance spans are not read here (:mod:`ringtune.gateway.provenance`).
     """
     if not call.data:
         raise UserInputError("forward_backward_input.data: the request holds no datums; send at least 1")
+    for i, d in enumerate(call.data):
+        for key in SERVER_INPUT_KEYS:
+            if key in d.inputs:
+                raise UserInputError(
+                    f"data[{i}].loss_fn_inputs[{key!r}]: set by the server from the datum's provenance spans, "
+                    f"never sent by a client"
+                )
     return [
         TrainDatum(tokens=torch.from_numpy(d.tokens), inputs={k: torch.from_numpy(v) for k, v in d.inputs.items()})
         for d in call.data

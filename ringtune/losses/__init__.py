@@ -8,6 +8,8 @@ from ringtune.losses.config import (
     INPUT_KEYS,
     LOSS_FNS,
     PER_TARGET_KEYS,
+    SERVER_INPUT_KEYS,
+    STABLE_REINFORCE_DEFAULTS,
     TARGET_K_LOSSES,
     LossConfig,
     check_datum_inputs,
@@ -17,7 +19,7 @@ from ringtune.losses.config import (
     required_inputs,
     used_inputs,
 )
-from ringtune.losses.metrics import loss_metrics
+from ringtune.losses.metrics import loss_metrics, stable_reinforce_metrics
 from ringtune.losses.reference import reference_datum_losses, reference_losses, sequence_log_ratio
 from ringtune.losses.token_losses import datum_mean_log_ratio, fixed_logprob_gradient, local_token_losses
 
@@ -29,6 +31,8 @@ __all__ = [
     "INPUT_KEYS",
     "LOSS_FNS",
     "PER_TARGET_KEYS",
+    "SERVER_INPUT_KEYS",
+    "STABLE_REINFORCE_DEFAULTS",
     "TARGET_K_LOSSES",
     "LossConfig",
     "check_datum_inputs",
@@ -43,5 +47,6 @@ __all__ = [
     "reference_losses",
     "required_inputs",
     "sequence_log_ratio",
+    "stable_reinforce_metrics",
     "used_inputs",
 ]

@@ -24,6 +24,11 @@ Choices this module makes (the SDK and the docs leave them open):
   Every other key is ``[N]``.
 - Defaults of optional keys (:func:`input_default`): per-token thresholds take the config value;
   ``mask`` (carried by the cookbook's RL datums, used by no loss) is 1. A required key has no default.
+- ``stable_reinforce`` (ringtune's definition, docs/losses.md) takes ``token_ratio_low`` /
+  ``token_ratio_high`` (default 0.5 / 2.0), ``sequence_ratio_low`` / ``sequence_ratio_high`` (default 0.5 / 2.0)
+  and ``kl_coef`` (default 0). Each band must hold 1 (``0 <= low <= 1 <= high``): an on-policy token is never
+  masked. Its ``logprobs`` and ``sampled_mask`` are not the client's: the gateway resolves the datum's
+  provenance spans against the sampler's records (:mod:`ringtune.gateway.stability_records`) and sets them.
 """
 
 from __future__ import annotations
@@ -37,14 +42,10 @@ import torch
 
 from ringtune.errors import UserInputError
 
-LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo")
+LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce")
 """The built-in Tinker losses ringtune computes."""
 
 _REJECTED_LOSS_FNS = {
-    "stable_reinforce": (
-        "it needs per-sequence stability info recorded by the sampler, which this server does not keep; "
-        "use importance_sampling or ppo"
-    ),
     "custom": (
         "server-side uploaded losses are not supported; use forward_backward_custom (the SDK's "
         "client-side path), which sends cross_entropy"
@@ -60,8 +61,24 @@ CONFIG_KEYS: dict[str, tuple[str, ...]] = {
     "cispo": CLIP_KEYS,
     "gspo": CLIP_KEYS,
     "dro": ("beta",),
+    "stable_reinforce": (
+        "token_ratio_low",
+        "token_ratio_high",
+        "sequence_ratio_low",
+        "sequence_ratio_high",
+        "kl_coef",
+    ),
 }
 """The ``loss_fn_config`` keys each loss accepts."""
+
+STABLE_REINFORCE_DEFAULTS: dict[str, float] = {
+    "token_ratio_low": 0.5,
+    "token_ratio_high": 2.0,
+    "sequence_ratio_low": 0.5,
+    "sequence_ratio_high": 2.0,
+    "kl_coef": 0.0,
+}
+"""``stable_reinforce``'s ``loss_fn_config`` defaults (ringtune's choice; hosted Tinker publishes none)."""
 
 CLIP_DEFAULTS: dict[str, tuple[float, float]] = {"ppo": (0.8, 1.2), "gspo": (0.8, 1.2), "cispo": (0.0, 4.0)}
 """Default ``(clip_low_threshold, clip_high_threshold)`` of the clipped losses."""
@@ -78,8 +95,13 @@ INPUT_KEYS = (
     "clip_low_threshold",
     "clip_high_threshold",
     "mask",
+    "sampled_mask",
 )
-"""Every ``loss_fn_inputs`` key the SDK knows; any other key is refused."""
+"""Every ``loss_fn_inputs`` key the engine takes; any other key is refused. ``sampled_mask`` is set by the gateway
+from a datum's provenance spans (1 at loss rows a ``SampledProvenanceSpan`` covers), never taken from a client."""
+
+SERVER_INPUT_KEYS = ("sampled_mask",)
+"""Keys only the gateway sets (from provenance); a client that sends one is refused at the gateway."""
 
 _RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 
@@ -107,12 +129,17 @@ class LossConfig:
         loss_fn: one of :data:`LOSS_FNS`.
         clip_low, clip_high: ratio thresholds of ppo / cispo / gspo (None for the other losses).
         beta: dro's quadratic penalty weight (None for the other losses).
+        token_band, sequence_band: stable_reinforce's ``(low, high)`` ratio bands (None for the other losses).
+        kl_coef: stable_reinforce's weight of ``1/2 (lp - q)^2`` on sampled rows (None for the other losses).
     """
 
     loss_fn: str
     clip_low: float | None = None
     clip_high: float | None = None
     beta: float | None = None
+    token_band: tuple[float, float] | None = None
+    sequence_band: tuple[float, float] | None = None
+    kl_coef: float | None = None
 
 
 def check_loss_fn(loss_fn: str) -> str:
@@ -133,7 +160,7 @@ def parse_loss_config(loss_fn: str, config: Mapping[str, float] | None) -> LossC
         loss_fn: the request's loss name.
         config: the request's ``loss_fn_config`` (numbers only), or None / empty for the defaults.
     Raises:
-        UserInputError: unknown loss (incl. ``stable_reinforce`` and ``custom``), a key the loss does
+        UserInputError: unknown loss (incl. ``custom``), a key the loss does
             not take, a value that is not a finite real number, ``low > high``, ``low < 0`` or ``beta < 0``.
     """
     loss_fn = check_loss_fn(loss_fn)
@@ -162,7 +189,26 @@ def parse_loss_config(loss_fn: str, config: Mapping[str, float] | None) -> LossC
         if beta < 0:
             raise UserInputError(f"loss_fn_config['beta']={beta} must be >= 0")
         return LossConfig(loss_fn=loss_fn, beta=beta)
+    if loss_fn == "stable_reinforce":
+        return _stable_reinforce_config(values)
     return LossConfig(loss_fn=loss_fn)
+
+
+def _stable_reinforce_config(values: Mapping[str, float]) -> LossConfig:
+    """stable_reinforce's bands (each ``0 <= low <= 1 <= high``) and ``kl_coef >= 0``, defaults filled in."""
+    full = {**STABLE_REINFORCE_DEFAULTS, **values}
+    bands = []
+    for name in ("token", "sequence"):
+        low, high = full[f"{name}_ratio_low"], full[f"{name}_ratio_high"]
+        if not 0 <= low <= 1 <= high:
+            raise UserInputError(
+                f"loss_fn_config {name}_ratio_low={low}, {name}_ratio_high={high}: the band must hold the "
+                f"on-policy ratio 1 (0 <= low <= 1 <= high)"
+            )
+        bands.append((low, high))
+    if full["kl_coef"] < 0:
+        raise UserInputError(f"loss_fn_config['kl_coef']={full['kl_coef']} must be >= 0")
+    return LossConfig(loss_fn="stable_reinforce", token_band=bands[0], sequence_band=bands[1], kl_coef=full["kl_coef"])
 
 
 def required_inputs(loss_fn: str) -> tuple[str, ...]:
@@ -172,6 +218,8 @@ def required_inputs(loss_fn: str) -> tuple[str, ...]:
         return ("target_tokens", "weights")
     if loss_fn == "gspo":
         return (*_RL_INPUTS, "sequence_ratio_mask")
+    if loss_fn == "stable_reinforce":
+        return (*_RL_INPUTS, "sampled_mask")
     return _RL_INPUTS
 
 

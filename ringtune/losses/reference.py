@@ -36,6 +36,20 @@ def _ppo_objective(ratio: torch.Tensor, adv: torch.Tensor, lo: torch.Tensor, hi:
     return torch.where(unclipped_obj <= clipped_obj, unclipped_obj, clipped_obj)
 
 
+def _stable_reinforce(
+    config: LossConfig, lp: torch.Tensor, q: torch.Tensor, adv: torch.Tensor, sampled: torch.Tensor
+) -> torch.Tensor:
+    """docs/losses.md's stable_reinforce over one datum, in ratio space: masked REINFORCE with importance weights."""
+    assert config.token_band is not None and config.sequence_band is not None and config.kl_coef is not None
+    ratio = (lp.detach() - q).exp()
+    seq_ratio = (lp.detach() - q)[sampled].mean().exp() if bool(sampled.any()) else lp.new_ones(())
+    seq_kept = config.sequence_band[0] <= float(seq_ratio) <= config.sequence_band[1]
+    token_kept = (ratio >= config.token_band[0]) & (ratio <= config.token_band[1])
+    weight = torch.where(sampled & token_kept, ratio, torch.zeros_like(ratio)) * float(seq_kept)
+    penalty = 0.5 * config.kl_coef * (lp - q).square() * sampled.to(lp.dtype)
+    return -(weight * lp * adv) + penalty
+
+
 def reference_datum_losses(config: LossConfig, lp: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """The per-token loss terms of one datum.
 
@@ -51,6 +65,8 @@ def reference_datum_losses(config: LossConfig, lp: torch.Tensor, inputs: Mapping
     n = lp.shape[0]
     q = inputs["logprobs"].to(lp.dtype)
     adv = inputs["advantages"].to(lp.dtype)
+    if loss_fn == "stable_reinforce":
+        return _stable_reinforce(config, lp, q, adv, inputs["sampled_mask"] != 0)
     if loss_fn == "importance_sampling":
         return -(lp - q).exp() * adv
     if loss_fn == "dro":

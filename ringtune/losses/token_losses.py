@@ -12,17 +12,23 @@ dro                    ``-(lp·A - ½·β·(lp - q)²)``  (no mask: A = 0 tokens
 gspo (GSPO-token)      as ppo with ``r`` replaced by ``s_t = s_d·exp(lp - sg(lp))``, where
                        ``s_d = exp(mean over t in datum d with sequence_ratio_mask != 0 of (sg(lp) - q))``
                        (``s_d = 1`` when the datum marks no token)
+stable_reinforce       ``-M_d·m_t·sg(r_t)·lp·A + ½·κ·S_t·(lp - q)²`` on sampled rows ``S_t``
+                       (``sampled_mask``): ``m_t`` = 1 when ``r_t`` lies in the token band, ``M_d`` = 1
+                       when ``exp(mean over S of (sg(lp) - q))`` lies in the sequence band; 0 off ``S``
 =====================  ==============================================================
 
 ``lo``/``hi`` come from the config or, token by token, from ``clip_low_threshold`` /
-``clip_high_threshold`` inputs. The loss of a request is the plain SUM of these terms over every
-token of every datum: under CP each rank sums the terms of its local tokens, and the gradient rule
-(SUM over DP×CP) makes the total exact. Only gspo mixes tokens: ``s_d`` needs the whole datum, so
-the per-datum partial sums are all-reduced over the CP group (one collective per call, on every rank).
+``clip_high_threshold`` inputs; stable_reinforce's bands and ``κ`` (``kl_coef``) from its config
+(docs/losses.md). The loss of a request is the plain SUM of these terms over every token of every
+datum: under CP each rank sums the terms of its local tokens, and the gradient rule (SUM over
+DP×CP) makes the total exact. Only gspo and stable_reinforce mix tokens: ``s_d`` / ``M_d`` need the
+whole datum, so the per-datum partial sums are all-reduced over the CP group (one collective per
+call, on every rank).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -91,6 +97,40 @@ def datum_mean_log_ratio(
     return torch.where(real, mean[slot], 0.0).to(lp.dtype)
 
 
+def in_band(log_ratio: torch.Tensor, band: tuple[float, float]) -> torch.Tensor:
+    """Bool, elementwise: ``band[0] <= exp(log_ratio) <= band[1]``, compared in log space (low 0: no lower bound)."""
+    low, high = band
+    above = log_ratio >= math.log(low) if low > 0 else torch.ones_like(log_ratio, dtype=torch.bool)
+    return above & (log_ratio <= math.log(high))
+
+
+def stable_reinforce_terms(
+    config: LossConfig,
+    lp: torch.Tensor,
+    q: torch.Tensor,
+    adv: torch.Tensor,
+    sampled_mask: torch.Tensor,
+    datum_index: torch.Tensor,
+    num_datums: int,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """stable_reinforce's per-token terms (module table) of local tokens; all [T_local]; pads (index -1) give 0.
+
+    ``q``: the sampler's recorded log-probs; ``sampled_mask``: 1 at rows a sampled span covers. Collective: one
+    all-reduce over ``group`` (the per-datum sequence ratio), made by every rank.
+    """
+    assert config.token_band is not None and config.sequence_band is not None and config.kl_coef is not None
+    sampled = (sampled_mask != 0) & (datum_index >= 0)
+    log_ratio = lp.detach() - q
+    log_seq = datum_mean_log_ratio(lp, q, sampled_mask, datum_index, num_datums, group)
+    kept = sampled & in_band(log_ratio, config.token_band) & in_band(log_seq, config.sequence_band)
+    weight = torch.where(kept, torch.exp(log_ratio), 0.0)
+    terms = -weight * lp * adv
+    if config.kl_coef:
+        terms = terms + torch.where(sampled, 0.5 * config.kl_coef * (lp - q) ** 2, 0.0)
+    return terms
+
+
 def local_token_losses(
     config: LossConfig,
     lp: torch.Tensor,
@@ -111,7 +151,7 @@ def local_token_losses(
             ignored; never modified. With ``num_datums == 0`` (a pad-only microbatch) it may be empty.
         datum_index: int64 [T_local]: the datum (0..num_datums-1) each local token belongs to, -1 for pads.
         num_datums: the number of datums the indices refer to (the same on every rank of the group).
-        group: the CP group (None: single process). Only gspo talks over it, with one all-reduce
+        group: the CP group (None: single process). Only gspo and stable_reinforce talk over it, with one all-reduce
             that every rank makes, whatever its local tokens.
     Returns:
         [T_local] (or [T_local, K]) in lp's dtype, differentiable in lp only, exactly 0 at pads and
@@ -142,6 +182,9 @@ def local_token_losses(
     elif loss_fn == "dro":
         assert config.beta is not None
         terms = -(lp * adv - 0.5 * config.beta * (lp - q) ** 2)
+    elif loss_fn == "stable_reinforce":
+        sampled_mask = _get(inputs, "sampled_mask", lp, num_datums)
+        terms = stable_reinforce_terms(config, lp, q, adv, sampled_mask, datum_index, num_datums, group)
     else:  # gspo
         ratio_mask = _get(inputs, "sequence_ratio_mask", lp, num_datums)
         log_s = datum_mean_log_ratio(lp, q, ratio_mask, datum_index, num_datums, group)

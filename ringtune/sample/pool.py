@@ -8,6 +8,12 @@ copied again only when they changed since its last snapshot (``Trainer.weights_v
 ``max_snapshots`` snapshots are held; the least recently used one that no newer session needs is evicted
 first. A session whose snapshot was evicted reloads it if its source is on disk (base model, HF directory);
 an evicted run snapshot is gone (the run moved on): sampling it is a user error asking for a new session.
+
+**Inflight** sessions (``save_weights_for_sampler(kind="inflight")``) of a run share one snapshot, the run's
+*inflight target* (key ``("inflight", run_id)``): each inflight create publishes the run's current weights to it
+(a new snapshot replaces the old one, only if the weights changed since the last publish), and every inflight
+session of the run, earlier ones included, samples from it. A run thus holds at most one inflight target, however
+many inflight saves and sessions it has; a generation already running keeps the snapshot it started on.
 """
 
 from __future__ import annotations
@@ -36,10 +42,12 @@ DEFAULT_MAX_ADAPTER_SNAPSHOTS = 64
 @dataclass(frozen=True)
 class SamplerSource:
     """Where a sampling session's weights come from: ``path`` (an HF directory), ``run_id`` (a live run's
-    current weights), or neither (the served base model)."""
+    current weights), or neither (the served base model). ``inflight`` (with ``run_id``): the run's shared
+    inflight target, republished with the run's current weights by this create (module docstring)."""
 
     path: str | None = None
     run_id: str | None = None
+    inflight: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,12 +120,15 @@ class SamplerPool:
         self.load = lambda path: compute_like_trainer(load(path), compute_dtype, exact=exact)
         self.snapshots: OrderedDict[tuple, CausalLM] = OrderedDict()  # key -> model, least recently used first
         self.sessions: dict[str, tuple[tuple, SamplerSource]] = {}
+        self.inflight_versions: dict[str, int] = {}  # run id -> weights_version its inflight target holds
 
     def _key(self, source: SamplerSource, trainers: Mapping[str, object]) -> tuple:
         if source.run_id is not None:
             trainer = trainers.get(source.run_id)
             if trainer is None:
                 raise UserInputError(f"run {source.run_id!r} is not live; save sampler weights by name instead")
+            if source.inflight:
+                return ("inflight", source.run_id)
             return ("run", source.run_id, trainer.weights_version)  # type: ignore[attr-defined]
         return ("path", source.path)
 
@@ -143,6 +154,9 @@ class SamplerPool:
         if source.run_id is not None:
             trainer = trainers[source.run_id]  # a LoRA run's snapshot: its adapters on the shared base
             make = getattr(trainer, "sampler_snapshot", None)
+            if source.inflight and self.inflight_versions.get(source.run_id) != trainer.weights_version:  # type: ignore[attr-defined]
+                self.snapshots.pop(key, None)  # publish: the run's inflight sessions move to the new snapshot
+                self.inflight_versions[source.run_id] = trainer.weights_version  # type: ignore[attr-defined]
             self._hold(key, make or (lambda: snapshot_of(trainer.model)), adapters=make is not None)  # type: ignore[attr-defined]
         else:
             self._hold(key, lambda: self.load(source.path))

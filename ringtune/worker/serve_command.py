@@ -43,6 +43,7 @@ def gateway_config(args: argparse.Namespace, root: Path) -> GatewayConfig:
         restore_live_runs=args.restore_live_runs or torchrun_restarts() > 0,
         routing_replay=args.routing_replay,
         lora_pass_runs=args.lora_pass_runs,
+        tokenizer_id=args.tokenizer_id,
         max_body_bytes=args.max_body_mb * 2**20,
         fwdbwd_max_chunk_bytes=min(
             args.max_body_mb * 2**20 // 2, GatewayConfig(checkpoint_root="").fwdbwd_max_chunk_bytes
