@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from ringtune.engine.gradients import gradient_buckets
 from ringtune.engine import tensor_norms
+from ringtune.engine.gradients import gradient_buckets
 from ringtune.engine.tensor_norms import count_non_finite, max_abs, squares_and_max_abs, sum_of_squares
 
 
