@@ -24,7 +24,8 @@ agreement) and all-reduced asynchronously over the DP×CP group while backward g
 - **Used only if still true**: each packed gradient's identity and version counter are recorded; :meth:`matches`
   at ``optim_step`` accepts the reduced buffers only if the canary's gradient and every packed gradient are the
   same tensors at the same versions (a later request, a refused step, a load, a fault that edits a gradient all
-  change one of them); otherwise the step reduces as before, at ``optim_step``.
+  change one of them), on every rank (:meth:`~ringtune.engine.grad_sync.ReplicatedSync.reduce` agrees on it with
+  one MIN all-reduce of a flag); otherwise the step reduces as before, at ``optim_step``.
 
 Memory: the reduced buffers (one copy of the replicated gradients) are held from the request's end until
 ``optim_step`` or the next request. Collectives per step: one all-reduce per bucket, as before, issued during the
