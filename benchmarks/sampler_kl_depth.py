@@ -1,7 +1,16 @@
 """KL(sampler ‖ trainer) by context depth, per precision, through the SDK against real ``ringtune serve`` processes.
 
 `python benchmarks/sampler_kl_depth.py [--model smollm2-135m] [--dtypes float32 bf16-mixed bf16-exact bfloat16]
-[--depths 1024 4096 12288] [--samples 1] [--tokens 192] [--lora-rank 0] [--out FILE.json]`
+[--depths 1024 4096 12288] [--samples 1] [--tokens 192] [--lora-rank 0] [--samplers builtin vllm]
+[--vllm-python PY] [--out FILE.json]`
+
+``--random-tokens``: prompts of seeded random token ids instead of text (for a tiny random model whose tokenizer
+cannot read English, e.g. the vLLM tests' Llama: ``--model DIR --depths 64 192 384 --tokens 48``).
+
+``--samplers builtin vllm`` measures each precision once per sampler: ringtune's own (``serve``'s default) and a
+vLLM engine (``serve --sampler vllm``, started from ``--vllm-python``; docs/sampling.md). vLLM loads HF
+directories only: the embedded SmolLM2-135M is written as one first (ringtune's export of the GGUF weights and
+tokenizer), and both samplers serve that directory.
 
 For each precision a server is started (``--dtype``), a full fine-tuning client made (``rank=0``), and its weights
 handed to a sampling client (``save_weights_and_get_sampling_client``). ``--lora-rank R`` makes a LoRA client of
@@ -53,6 +62,18 @@ def natural_text() -> str:
     return "".join(parts) + PASSAGE * 5
 
 
+def hf_directory(model: str, dest: Path) -> Path:
+    """``model`` (a ``.gguf`` file or the embedded SmolLM2-135M) written as an HF directory with its tokenizer,
+    for an engine that loads only those (vLLM)."""
+    from ringtune.models.checkpoints.hf import save_hf
+    from ringtune.models.checkpoints.load import load_model
+    from ringtune.models.checkpoints.tokenizers import smollm2_tokenizer_dir
+
+    save_hf(load_model(model), dest)
+    smollm2_tokenizer_dir(dest, None if model == "smollm2-135m" else model)
+    return dest
+
+
 def kl_stats(sampler_lp: np.ndarray, trainer_lp: np.ndarray) -> dict[str, float]:
     """The cookbook's v1/v2 of d = sampler - trainer (float64 arrays [n]), the standard error of v1, max |d|."""
     d = sampler_lp - trainer_lp
@@ -66,14 +87,26 @@ def kl_stats(sampler_lp: np.ndarray, trainer_lp: np.ndarray) -> dict[str, float]
 
 
 def measure(
-    url: str, model: str, depths: list[int], samples: int, tokens: int, seed: int, report=None, lora_rank: int = 0
+    url: str,
+    model: str,
+    depths: list[int],
+    samples: int,
+    tokens: int,
+    seed: int,
+    report=None,
+    lora_rank: int = 0,
+    random_tokens: bool = False,
 ) -> dict[int, dict[str, float]]:
     """Per depth (shallow first): sample, score the samples on the trainer, record the stats (``report(depth, stats)``
     after each, so a run cut short keeps its shallower depths). ``lora_rank`` > 0: a LoRA run, stepped once first."""
     result: dict[int, dict[str, float]] = {}
     with tinker.ServiceClient(base_url=url, api_key=API_KEY) as sc:
         tc = sc.create_lora_training_client(model, rank=lora_rank).result()
-        ids = tc.get_tokenizer().encode(natural_text(), add_special_tokens=False)
+        tokenizer = tc.get_tokenizer()
+        if random_tokens:
+            ids = np.random.default_rng(seed).integers(0, len(tokenizer), max(depths) + 1).tolist()
+        else:
+            ids = tokenizer.encode(natural_text(), add_special_tokens=False)
         if len(ids) < max(depths):
             raise ValueError(f"depth {max(depths)} exceeds the {len(ids)} tokens of text")
         if lora_rank:  # fresh adapters add zero: one step makes them count
@@ -118,6 +151,10 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=0, help="0: full fine-tuning; R: a LoRA run of rank R")
     parser.add_argument("--label", default="", help="a name for this run in the table (e.g. before / after)")
     parser.add_argument("--out", type=Path)
+    parser.add_argument("--random-tokens", action="store_true", help="seeded random prompts instead of text")
+    parser.add_argument("--samplers", nargs="+", default=["builtin"], choices=["builtin", "vllm"])
+    parser.add_argument("--vllm-python", default=None, help="the engine's interpreter (serve's --vllm-python)")
+    parser.add_argument("--vllm-args", default="--enforce-eager", help="serve's --vllm-args (CPU: eager)")
     args = parser.parse_args()
     context = max(args.depths) + args.tokens + 64
     report: dict[str, dict] = {}
@@ -129,28 +166,43 @@ def main() -> None:
             )
 
     with tempfile.TemporaryDirectory(prefix="kl-depth-") as tmp:
-        for dtype in args.dtypes:
+        model = args.model
+        if "vllm" in args.samplers and not Path(model).is_dir():
+            model = str(hf_directory(model, Path(tmp) / "model"))
+        for dtype, sampler in [(d, s) for d in args.dtypes for s in args.samplers]:
             started = time.time()
-            extra = ["--dtype", dtype, "--max-tokens-per-rank", str(context)]
+            extra = ["--dtype", dtype, "--max-tokens-per-rank", str(context), "--model-name", args.model]
+            if sampler == "vllm":
+                extra += ["--sampler", "vllm", f"--vllm-args={args.vllm_args}"]
+                extra += ["--vllm-python", args.vllm_python] if args.vllm_python else []
+            name = dtype if args.samplers == ["builtin"] else f"{dtype} {sampler}"
             server = ServeProcess(
-                args.model,
-                checkpoint_root=Path(tmp) / dtype,
-                log_path=Path(tmp) / f"serve-{dtype}.log",
+                model,
+                checkpoint_root=Path(tmp) / name.replace(" ", "-"),
+                log_path=Path(tmp) / f"serve-{name.replace(' ', '-')}.log",
                 api_key=API_KEY,
                 extra_args=extra,
             )
-            report[dtype] = {}
+            report[name] = {}
 
-            def record(depth: int, stats: dict, dtype: str = dtype, started: float = started) -> None:
-                report[dtype][depth] = stats
-                print(f"# {dtype} depth {depth}: {json.dumps(stats)} ({time.time() - started:.0f} s)", flush=True)
+            def record(depth: int, stats: dict, name: str = name, started: float = started) -> None:
+                report[name][depth] = stats
+                print(f"# {name} depth {depth}: {json.dumps(stats)} ({time.time() - started:.0f} s)", flush=True)
                 save()
 
             with server:
                 measure(
-                    server.url, args.model, args.depths, args.samples, args.tokens, args.seed, record, args.lora_rank
+                    server.url,
+                    args.model,
+                    args.depths,
+                    args.samples,
+                    args.tokens,
+                    args.seed,
+                    record,
+                    args.lora_rank,
+                    args.random_tokens,
                 )
-            print(f"# {dtype}: {time.time() - started:.0f} s", flush=True)
+            print(f"# {name}: {time.time() - started:.0f} s", flush=True)
     print(
         f"\n{args.label} model {args.model}, {args.samples} samples x {args.tokens} tokens per depth, "
         f"seed {args.seed}, " + (f"LoRA rank {args.lora_rank} after one step" if args.lora_rank else "full fine-tuning")

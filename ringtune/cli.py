@@ -99,9 +99,30 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
 
     d = GatewayConfig(checkpoint_root="")
     p = sub.add_parser("serve", help="the Tinker API (HTTP gateway) over DPxCP worker ranks")
-    p.add_argument("--model", default=EMBEDDED_DEFAULT, help="HF checkpoint dir, .gguf file, or smollm2-135m")
-    p.add_argument("--model-name", default=None, help="base_model name clients pass (default: --model)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer dir (default: the model dir if it has one)")
+    p.add_argument(
+        "--model",
+        action="append",
+        default=None,
+        help=f"HF checkpoint dir, .gguf file, or {EMBEDDED_DEFAULT} (the default), or NAME=SOURCE; give it once per "
+        "base model to serve several on the same ranks (docs/operations.md)",
+    )
+    p.add_argument("--model-name", default=None, help="base_model name clients pass (one --model; default: --model)")
+    p.add_argument(
+        "--tokenizer", default=None, help="tokenizer dir of the first model (default: the model dir if it has one)"
+    )
+    p.add_argument(
+        "--model-live-runs",
+        action="append",
+        default=None,
+        metavar="NAME=N",
+        help="model NAME's memory budget in its full fine-tuning runs instead of --max-live-runs (0: only sampled)",
+    )
+    p.add_argument(
+        "--memory-per-rank",
+        default=None,
+        help="memory a rank may use (e.g. 80GiB): start-up refuses a model set that does not fit (default: the "
+        "device's; with one model checked only when given)",
+    )
     p.add_argument(
         "--tokenizer-id",
         default=None,
@@ -144,6 +165,11 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         choices=GATED_DELTA_MODES,
         help="CP GatedDeltaNet mode (default: the first that fits the model's heads)",
+    )
+    p.add_argument(
+        "--freeze-vision",
+        action="store_true",
+        help="full fine-tuning of a VL model leaves its vision tower as loaded (LoRA never adapts it; docs/vision.md)",
     )
     from ringtune.models.recompute import RECOMPUTE_MODES
 
@@ -207,6 +233,9 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--max-body-mb", type=int, default=d.max_body_bytes // 2**20)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    from ringtune.worker.vllm_options import add_sampler_options
+
+    add_sampler_options(p)  # --sampler builtin|vllm and the engine's --vllm-* options
     # Parity negative controls only (ringtune.debug_faults): hidden from --help, never for real training.
     p.add_argument("--debug-fault", default=None, choices=DEBUG_FAULTS, help=argparse.SUPPRESS)
 

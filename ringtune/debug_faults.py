@@ -35,6 +35,21 @@ matrix --faults`` serves each and ``ringtune parity compare`` must fail it):
 ``ring_shift_reversed``            ring attention takes the K/V held at step i as rank ``r + i``'s instead of
                                    ``r - i``'s (the blocks and causal masks of the wrong source): identical at
                                    CP=2 (a ring of two has one neighbour), wrong from CP=4
+``allgather_kv_rank_reversed``     all-gather attention: the gathered K/V rank blocks are taken in reverse
+                                   rank order before the relayout to the global stream (attention scheme)
+``mixed_cast_detached_last_cp``    bf16-mixed: on the last CP rank the layers' bfloat16 casts of the float32
+                                   masters are detached, so that rank's share of the layer gradients never
+                                   reaches the masters (the forward is unchanged; mixed precision only)
+``sharded_step_count_cp1``         FSDP (``--shard-params dp`` / ``dp_cp``): CP rank 1 counts every AdamW step
+                                   twice (its ``step`` state, hence its bias correction, runs ahead); only the
+                                   replica check of the unsharded step counts sees it under ``dp_cp``
+``lora_grads_doubled_last_cp``     a LoRA run: the last CP rank adds its adapter gradients twice per
+                                   microbatch (full fine-tuning is untouched)
+``recompute_rerun_shifted``        ``--recompute selective``: the attention projections rerun in the backward
+                                   read positions + 1 (the forward's log-probs are right, the gradients not)
+``long_row_positions_carried``     a packed row of more than :data:`LONG_ROW_SEQUENCES` datums: rotary reads
+                                   positions + 1 on each rank's second zigzag chunk of every datum after that
+                                   many (rows of few datums are right)
 =================================  ===========================================================================
 
 Failure injection (the all-or-nothing tests): :attr:`FaultHooks.before_microbatch`, a callable the trainer
@@ -72,6 +87,12 @@ DEBUG_FAULTS = (
     "gdn_decay_relayout_bf16",
     "ring_dkv_exchange_bf16",
     "ring_shift_reversed",
+    "allgather_kv_rank_reversed",
+    "mixed_cast_detached_last_cp",
+    "sharded_step_count_cp1",
+    "lora_grads_doubled_last_cp",
+    "recompute_rerun_shifted",
+    "long_row_positions_carried",
 )
 """Every fault name ``--debug-fault`` accepts (the parity negative controls)."""
 
@@ -85,6 +106,9 @@ TEST_FAULTS = (
 """Faults only the unit tests inject (each op test's negative control)."""
 
 ALL_FAULTS = DEBUG_FAULTS + TEST_FAULTS
+LONG_ROW_SEQUENCES = 32
+"""``long_row_positions_carried`` acts on rows of more datums than this (the parity client's default requests pack
+at most ~22 per row; its long-row profile packs rows of 48)."""
 
 
 class RowLayout(Protocol):
@@ -143,15 +167,55 @@ class FaultHooks:
         """Before rotary: positions + 1 on the local tokens of zigzag chunk ``C`` (``position_off_by_one``).
 
         ``positions`` int64 [local_len] of this rank's shard; returned unchanged (the same tensor) otherwise."""
-        if not self._on_last_cp_rank("position_off_by_one"):
-            return positions
         if positions.shape[0] < sum(2 * c for c in self.chunk_lens):
             return positions  # not the packed row's stream
+        if self.active("long_row_positions_carried") and len(self.chunk_lens) > LONG_ROW_SEQUENCES:
+            shifted = positions.clone()
+            for start, c in list(zip(self.local_starts, self.chunk_lens, strict=True))[LONG_ROW_SEQUENCES:]:
+                # this rank's second chunk of every datum after the 32nd; a shift of a whole datum would be
+                # invisible (rotary depends on position differences only)
+                shifted[start + c : start + 2 * c] += 1
+            return shifted
+        if not self._on_last_cp_rank("position_off_by_one"):
+            return positions
         shifted = positions.clone()
         for start, c in zip(self.local_starts, self.chunk_lens, strict=True):
             # Rank C-1 holds chunks C-1 and C of every sequence, back to back: its second c tokens are chunk C.
             shifted[start + c : start + 2 * c] += 1
         return shifted
+
+    def rerun_positions(self, positions: torch.Tensor, *, rerun: bool) -> torch.Tensor:
+        """Selective recomputation's projections: positions + 1 when they are rerun in the backward
+        (``recompute_rerun_shifted``), else ``positions``."""
+        return positions + 1 if rerun and self.active("recompute_rerun_shifted") else positions
+
+    def gathered_kv(self, kv: torch.Tensor, size: int) -> torch.Tensor:
+        """All-gather attention's rank-major K/V [C·T_local, ...]: its C rank blocks in reverse order
+        (``allgather_kv_rank_reversed``), else ``kv``."""
+        if not self.active("allgather_kv_rank_reversed") or size < 2:
+            return kv
+        return kv.reshape(size, kv.shape[0] // size, *kv.shape[1:]).flip(0).reshape(kv.shape)
+
+    def detach_mixed_casts(self) -> bool:
+        """Whether the layers' compute-dtype casts of the masters are detached on this rank
+        (``mixed_cast_detached_last_cp``: the last CP rank)."""
+        return self._on_last_cp_rank("mixed_cast_detached_last_cp") and self.cp_size > 1
+
+    def adapter_grads(self, params: list[torch.Tensor], *, lora: bool) -> list[torch.Tensor | None] | None:
+        """Before a LoRA microbatch's backward on the last CP rank (``lora_grads_doubled_last_cp``): a copy of
+        every gradient so far; None otherwise (and for full fine-tuning)."""
+        if not (lora and self._on_last_cp_rank("lora_grads_doubled_last_cp") and self.cp_size > 1):
+            return None
+        return [None if p.grad is None else p.grad.detach().clone() for p in params]
+
+    @staticmethod
+    def double_adapter_grads(params: list[torch.Tensor], saved: list[torch.Tensor | None] | None) -> None:
+        """After that backward: this microbatch's gradient added once more (see :meth:`adapter_grads`)."""
+        if saved is None:
+            return
+        for p, g in zip(params, saved, strict=True):
+            if p.grad is not None:
+                p.grad.add_(p.grad - (0 if g is None else g))
 
     def ring_source(self, cp_rank: int, step: int, size: int) -> int:
         """Ring attention on CP rank ``cp_rank`` of ``size``: the rank whose K/V it holds at ``step``:
@@ -192,11 +256,17 @@ class FaultHooks:
             for g in grads:
                 g.div_(group_size)
 
-    def skip_weight_decay(self, optimizer: torch.optim.Optimizer) -> None:
-        """Before AdamW's step: weight decay 0 on CP rank 1 (``weight_decay_skipped_cp1``), else nothing."""
+    def skip_weight_decay(self, optimizer: torch.optim.Optimizer, sharding: str = "none") -> None:
+        """Before AdamW's step: weight decay 0 on CP rank 1 (``weight_decay_skipped_cp1``); under FSDP
+        (``sharding`` dp / dp_cp) CP rank 1's step counts advanced once more (``sharded_step_count_cp1``: the
+        step then advances them again); else nothing."""
         if self.active("weight_decay_skipped_cp1") and self.cp_rank == 1:
             for group in optimizer.param_groups:
                 group["weight_decay"] = 0.0
+        if self.active("sharded_step_count_cp1") and self.cp_rank == 1 and sharding != "none":
+            for state in optimizer.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"].add_(1)
 
     def unscored_grads(
         self, params: list[torch.Tensor], targets: torch.Tensor, inputs: dict[str, torch.Tensor]

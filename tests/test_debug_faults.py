@@ -96,3 +96,64 @@ def test_unscored_backward_skipped_puts_back_the_gradients_of_an_unscored_share(
     p.grad = torch.full((2,), 5.0)  # this share's backward
     FaultHooks.skip_unscored_backward([p], saved)
     assert torch.equal(p.grad, torch.ones(2))
+
+
+# ------------------------------------------------------------------ the faults of the serve options (issue 34)
+
+
+def test_allgather_kv_rank_reversed_flips_the_rank_blocks():
+    kv = torch.arange(12.0).reshape(6, 2)  # C=3 ranks of 2 tokens, rank-major
+    got = FaultHooks(name="allgather_kv_rank_reversed").gathered_kv(kv, 3)
+    assert torch.equal(got, torch.cat([kv[4:6], kv[2:4], kv[0:2]]))
+    assert NO_FAULTS.gathered_kv(kv, 3) is kv
+    assert FaultHooks(name="ring_shift_reversed").gathered_kv(kv, 3) is kv
+
+
+def test_recompute_rerun_shifted_moves_only_the_rerun():
+    hooks = FaultHooks(name="recompute_rerun_shifted")
+    positions = torch.arange(5)
+    assert hooks.rerun_positions(positions, rerun=False) is positions  # the forward: right
+    assert torch.equal(hooks.rerun_positions(positions, rerun=True), positions + 1)  # the backward's rerun
+    assert NO_FAULTS.rerun_positions(positions, rerun=True) is positions
+
+
+def test_mixed_cast_detached_on_the_last_cp_rank_only():
+    assert FaultHooks(name="mixed_cast_detached_last_cp", cp_size=2, cp_rank=1).detach_mixed_casts()
+    assert not FaultHooks(name="mixed_cast_detached_last_cp", cp_size=2, cp_rank=0).detach_mixed_casts()
+    assert not FaultHooks(name="mixed_cast_detached_last_cp", cp_size=1, cp_rank=0).detach_mixed_casts()
+    assert not NO_FAULTS.detach_mixed_casts()
+
+
+def test_sharded_step_count_cp1_advances_cp_rank_1_under_fsdp_only():
+    for cp_rank, sharding, want in ((1, "dp_cp", 2.0), (1, "dp", 2.0), (0, "dp_cp", 1.0), (1, "none", 1.0)):
+        p = torch.nn.Parameter(torch.zeros(2))
+        optimizer = torch.optim.AdamW([p])
+        p.grad = torch.ones(2)
+        optimizer.step()  # step 1: the state exists now
+        FaultHooks(name="sharded_step_count_cp1", cp_size=2, cp_rank=cp_rank).skip_weight_decay(optimizer, sharding)
+        assert float(optimizer.state[p]["step"]) == want, (cp_rank, sharding)
+
+
+def test_lora_grads_doubled_on_the_last_cp_rank_of_a_lora_run_only():
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.ones(2)
+    hooks = FaultHooks(name="lora_grads_doubled_last_cp", cp_size=2, cp_rank=1)
+    assert hooks.adapter_grads([p], lora=False) is None  # full fine-tuning: untouched
+    assert FaultHooks(name="lora_grads_doubled_last_cp", cp_size=2, cp_rank=0).adapter_grads([p], lora=True) is None
+    saved = hooks.adapter_grads([p], lora=True)
+    p.grad = torch.full((2,), 4.0)  # this microbatch added 3
+    FaultHooks.double_adapter_grads([p], saved)
+    assert torch.equal(p.grad, torch.full((2,), 7.0))
+
+
+def test_long_row_positions_carried_acts_past_32_datums_only():
+    few = zigzag_plan((5,) * 32, cp_size=2, cp_rank=0, pad_multiplier=8)
+    few_hooks = fault_hooks("long_row_positions_carried", cp_size=2, cp_rank=0, plan=few)
+    assert few_hooks.shift_positions(few.positions) is few.positions
+    many = zigzag_plan((5,) * 40, cp_size=2, cp_rank=1, pad_multiplier=8)
+    many_hooks = fault_hooks("long_row_positions_carried", cp_size=2, cp_rank=1, plan=many)
+    got = many_hooks.shift_positions(many.positions)
+    moved = got != many.positions
+    assert not moved[: many.local_starts[32]].any() and moved.sum() == sum(many.chunk_lens[32:])
+    for start, c in zip(many.local_starts[32:], many.chunk_lens[32:], strict=True):
+        assert moved[start + c : start + 2 * c].all()  # the rank's second chunk of the datum: relative positions move

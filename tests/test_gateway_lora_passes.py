@@ -132,7 +132,7 @@ def test_three_lora_runs_share_a_pass_and_each_gets_its_own_result(gateway):
 
 def test_lora_samplers_decode_in_one_batch_each_with_its_adapters(gateway):
     service = gateway.service
-    stats = gateway.backend.executor.samplers.decodes.stats
+    stats = gateway.backend.executor.executors[MODEL_NAME].samplers.decodes.stats
     with tinker.ServiceClient(base_url=gateway.url, api_key=API_KEY) as sc:
         runs = [sc.create_lora_training_client(MODEL_NAME, rank=2 + 2 * i, seed=20 + i).result() for i in range(3)]
         for tc, d in zip(runs, DATA, strict=True):  # adapters of their own (a fresh run's B = 0 is the base)

@@ -88,7 +88,7 @@ def test_sampling_sessions_from_paths_and_both_fields(gateway):
 
 def test_inflight_samplers_share_the_newest_published_weights(gateway):
     sc, _ = clients(gateway)
-    pool = gateway["server"].backend.executor.samplers
+    pool = gateway["server"].backend.executor.executors[MODEL_NAME].samplers
     with sc:
         tc = sc.create_lora_training_client(MODEL_NAME, rank=0).result()
         first = tc.save_weights_and_get_sampling_client(kind="inflight").result()

@@ -36,6 +36,9 @@ class Recorder:
     def info(self) -> BackendInfo:
         return INFO
 
+    def models(self) -> tuple[BackendInfo, ...]:
+        return (INFO,)
+
     def health(self) -> BackendHealth:
         return BackendHealth(ok=True)
 
@@ -51,7 +54,7 @@ def test_the_table_is_the_protocol_in_declaration_order():
     protocol_methods = [n for n, m in vars(Backend).items() if inspect.isfunction(m) and not n.startswith("_")]
     assert list(VERBS) == protocol_methods
     assert VERBS["export_for_sampler"].command == "export_hf"
-    assert {n for n, v in VERBS.items() if v.command is None} == {"info", "health", "close"}
+    assert {n for n, v in VERBS.items() if v.command is None} == {"info", "models", "health", "close"}
     assert VERBS["sample"].addressee == "sampler_id" and VERBS["forward_backward_many"].addressee == "run_ids"
     assert VERBS["free_run"].lifecycle == "free" and VERBS["create_sampler"].lifecycle == "create"
     # every command of the table is one the ranks execute, and nothing else but ping/shutdown

@@ -24,10 +24,11 @@ import torch
 from ringtune.cli import main
 from ringtune.layout.contiguous import contiguous_part
 from ringtune.layout.zigzag import chunk_len, zigzag_plan, zigzag_slice
-from ringtune.parity.compare import ComparisonRefusedError, compare_dumps
+from ringtune.parity.compare import CPU_ONLY, ComparisonRefusedError, compare_dumps
 from ringtune.parity.datums import build_datum_set, text_token_stream
 from ringtune.parity.limits import LIMITS
 from ringtune.parity.matrix import FAULT_LAYOUTS, MatrixConfig, run_matrix
+from ringtune.parity.noise import noise_floors
 from ringtune.parity.sampler_kl import PROMPT_CAP, SAMPLE_TOKENS, kl_estimates, sampler_prompts
 from ringtune.parity.servers import ServeSpec
 from ringtune.parity.windows import Layout, request_positions
@@ -278,3 +279,46 @@ def test_a_reference_at_another_row_budget_is_refused(matrix, tmp_path, capsys):
     other["data_digest"] = "0" * 64
     with pytest.raises(ComparisonRefusedError, match="different data"):
         compare_dumps(other, b)
+
+
+def test_image_records_are_compared_when_both_servers_take_images(matrix):
+    """Dumps of servers that take images carry ``forward.images`` (ringtune.parity.image_datums): its deltas give
+    ``lp.images.*``; a text dump has no such figure. The image records here are the lone datum's, relabelled."""
+    config, _ = matrix
+    a = json.loads(_dump(config, "cp1-dp1-float32").read_text())
+    b = json.loads(_dump(config, "cp2-headwise-dp1-float32").read_text())
+    assert not [f for f in compare_dumps(a, b).figures if f.name.startswith("lp.images")]
+    for dump in (a, b):
+        dump["records"]["forward.images"] = copy.deepcopy(dump["records"]["forward.lone"])
+    result = compare_dumps(a, b)
+    assert not result.failures and result.figure("lp.images.mean").value <= LIMITS["float32"].lp_mean
+    b["records"]["forward.images"]["logprobs"][0][3] += 0.01  # an image datum's text position moved
+    assert {f.name for f in compare_dumps(a, b).failures} >= {"lp.images.mean", "lp.images.p99"}
+
+
+def test_the_chunk0_detector_is_cpu_only(matrix):
+    """``lp.chunk[0].moved`` rests on bit-deterministic CPU kernels: a candidate whose every starting-weight
+    log-prob moved by 1e-7 (far below every magnitude limit) fails it on CPU only; a dump from a CUDA server
+    reports it with no limit and says why."""
+    config, _ = matrix
+    a = json.loads(_dump(config, "cp1-dp1-float32").read_text())
+    moved = copy.deepcopy(a)
+    for name in ("forward.main", "forward.lone", "forward.long"):
+        moved["records"][name]["logprobs"] = [[x + 1e-7 for x in lp] for lp in a["records"][name]["logprobs"]]
+    assert [f.name for f in compare_dumps(a, moved).failures] == ["lp.chunk[0].moved"]
+    on_gpu = copy.deepcopy(moved)
+    on_gpu["layout"]["device_type"] = "cuda"
+    figure = compare_dumps(a, on_gpu).figure("lp.chunk[0].moved")
+    assert figure.ok and figure.value == 1.0 and figure.limit == float("inf") and CPU_ONLY in figure.note
+
+
+def test_noise_floors_are_the_compare_figures_of_permuted_runs(matrix):
+    """:func:`noise_floors` takes, per limit field, the largest matching compare figure over the runs given."""
+    config, _ = matrix
+    a = json.loads(_dump(config, "cp1-dp1-float32").read_text())
+    b = json.loads(_dump(config, "cp2-headwise-dp1-float32").read_text())
+    figures = {f.name: f.value for f in compare_dumps(a, b).figures}
+    floors = noise_floors(a, [b])
+    assert floors["lp_mean"] == figures["lp.mean"] and floors["grad_norm"] == figures["grad_norm.cross_entropy"]
+    assert floors["short_max"] == max(v for k, v in figures.items() if k.startswith("lp.short["))
+    assert noise_floors(a, [a])["lp_p99"] == 0.0  # a run against itself: no spread

@@ -3,8 +3,9 @@
 Without ranks: the bitwise checksum sees a one-element change in every dtype (+0 / -0 too) and the mismatch
 message names the tensors and ranks. On four real gloo ranks (the tiny Qwen3.5 at DP2×CP2): replicas stay
 bit-identical over two steps with weight decay and clipping in float32, bfloat16 and bf16-mixed, replicated and
-sharded over DP (the CP ranks of a DP coordinate compared); ``weight_decay_skipped_cp1`` makes the first step
-raise ReplicaDivergedError on every rank naming tensors and ranks, and every later request of that trainer fails.
+sharded over DP (the CP ranks of a DP coordinate compared) and over DP×CP (only the unsharded state compared);
+``weight_decay_skipped_cp1`` makes the first step raise ReplicaDivergedError on every rank naming tensors and
+ranks, and every later request of that trainer fails; ``sharded_step_count_cp1`` does the same under dp_cp.
 """
 
 from __future__ import annotations
@@ -45,15 +46,24 @@ def test_checksum_sees_one_element_in_every_dtype():
 
 
 def test_mismatch_names_tensors_and_ranks():
-    same = [((), 1, [1, 2, 3])] * 3
     names = ["a.weight", "a.weight.exp_avg", "a.weight.exp_avg_sq"]
-    assert ReplicaCheck._mismatches(same, names) == ""
-    drift = [((), 1, [1, 2, 3]), ((), 1, [1, 2, 3]), ((), 1, [1, 9, 3]), ((), 1, [1, 2, 3])]
-    message = ReplicaCheck._mismatches(drift, names)
+    every = [(), (), ()]
+    same = [(1, every, [1, 2, 3])] * 3
+    assert ReplicaCheck._mismatches(same, names) == ("", 3)
+    drift = [(1, every, [1, 2, 3]), (1, every, [1, 2, 3]), (1, every, [1, 9, 3]), (1, every, [1, 2, 3])]
+    message, compared = ReplicaCheck._mismatches(drift, names)
     assert "control ranks 0 and 2" in message and "a.weight.exp_avg" in message and "exp_avg_sq" not in message
-    # Under --shard-params dp only ranks of one key are compared: (0,) and (1,) hold different shards.
-    sharded = [((0,), 1, [1]), ((0,), 1, [1]), ((1,), 1, [5]), ((1,), 1, [5])]
-    assert ReplicaCheck._mismatches(sharded, ["w"]) == ""
+    assert compared == 3
+    # Keyed per tensor: "w" is sharded over two DP coordinates (the ranks of one key hold one shard), "w.step"
+    # is held whole by every rank.
+    keys = [[(("dp", 0),), ()], [(("dp", 0),), ()], [(("dp", 1),), ()], [(("dp", 1),), ()]]
+    sharded = [(1, keys[r], [1 if r < 2 else 5, 7]) for r in range(4)]
+    assert ReplicaCheck._mismatches(sharded, ["w", "w.step"]) == ("", 2)
+    # dp_cp: no two ranks share a shard of "w" (nothing compared), but the step count still is.
+    alone = [(1, [(("dp_cp", r),), ()], [r, 7 if r != 1 else 8]) for r in range(4)]
+    message, compared = ReplicaCheck._mismatches(alone, ["w", "w.step"])
+    assert compared == 1 and "1 tensor(s) differ between control ranks 0 and 1: w.step" in message
+    assert ReplicaCheck._mismatches(alone[:1], ["w", "w.step"]) == ("", 0)
 
 
 def replica_case(ctx, *, root: str, dtype: str, shard: str, fault: str | None):
@@ -95,13 +105,15 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    ("dtype", "shard"), [("float32", "none"), ("bfloat16", "none"), ("bf16-mixed", "none"), ("float32", "dp")]
+    ("dtype", "shard"),
+    [("float32", "none"), ("bfloat16", "none"), ("bf16-mixed", "none"), ("float32", "dp"), ("bf16-mixed", "dp_cp")],
 )
 def test_honest_replicas_stay_bit_identical(pool4, checkpoint, dtype, shard):
     for metrics, error, _ in pool4.run(replica_case, root=checkpoint, dtype=dtype, shard=shard, fault=None):
         assert error is None, error
         assert len(metrics) == 2
-        assert all(m["replica_tensors:max"] > 0 for m in metrics)  # parameters and both moments compared
+        # parameters and both moments compared; under dp_cp (no shared shards) the step counts and rotary tables
+        assert all(m["replica_tensors:max"] > 0 for m in metrics)
         assert metrics[1]["grad_norm:mean"] > CLIPPED.grad_clip_norm  # clipping acted on step 2
 
 
@@ -115,3 +127,14 @@ def test_weight_decay_skipped_on_one_cp_rank_is_a_server_error(pool4, checkpoint
         )
         assert ".weight" in error and "untrusted" in error
         assert later is not None and "untrusted since an earlier optim_step" in later
+
+
+def test_step_count_drift_under_dp_cp_is_a_server_error(pool4, checkpoint):
+    """dp_cp: every rank holds its own shard of every parameter and moment, yet the AdamW step counts are whole on
+    every rank; ``sharded_step_count_cp1`` (CP rank 1 counts each step twice) is seen at the first step that has
+    AdamW state to count (step 2)."""
+    results = pool4.run(replica_case, root=checkpoint, dtype="float32", shard="dp_cp", fault="sharded_step_count_cp1")
+    for metrics, error, later in results:
+        assert len(metrics) == 1 and error is not None
+        assert "replicas diverged after optim_step 2" in error and ".step" in error and "control ranks 0 and 1" in error
+        assert later is not None

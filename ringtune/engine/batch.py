@@ -18,6 +18,9 @@ the field, the bad value and the limit. Rules (the loss-specific ones live in :m
 - ``routing`` (MoE routing replay, optional, set by the gateway, never by a client): int [N, L, k], for each
   token and each of the model's L MoE layers the k experts to use, or a row of −1 (the router chooses). Checked
   against the model's ``moe_shape`` (L, k, number of experts).
+- ``images`` (vision-language models; set by the gateway from the SDK's image chunks): checked against the
+  tokens and the model's vision tower (:func:`~ringtune.models.vision.checks.check_images`); a model without a
+  tower refuses them. Their pad tokens are part of ``tokens``, so they count in the datum's length and budget.
 
 Values are copied (detached, contiguous, on the CPU): floats as float64 (exact for the SDK's float32), ids as
 int64. The trainer moves a microbatch to its device when it runs it.
@@ -44,6 +47,8 @@ from ringtune.losses import (
     used_inputs,
 )
 from ringtune.models.image_input import ImageInput
+from ringtune.models.vision.checks import check_images
+from ringtune.models.vision.config import VisionConfig
 
 MAX_TARGET_K = 128
 """Default cap on K of ``[N, K]`` targets (top-k distillation uses tens); one logits pass serves all K."""
@@ -70,11 +75,13 @@ class TrainDatum:
 class BatchDatum:
     """A validated datum: ``tokens`` int64 [N]; ``inputs`` has exactly the batch's keys (int64 targets,
     float64 values), each [N] or, for per-target keys with ``[N, K]`` targets, [N, K]; ``routing`` int64
-    [N, L, k] expert ids to replay (−1 rows: the router chooses) or None."""
+    [N, L, k] expert ids to replay (−1 rows: the router chooses) or None; ``images`` its images in token order
+    (checked against ``tokens`` and the model's tower)."""
 
     tokens: torch.Tensor
     inputs: dict[str, torch.Tensor]
     routing: torch.Tensor | None = None
+    images: tuple[ImageInput, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -253,8 +260,11 @@ def build_batch(
     pad_multiplier: int = 8,
     max_target_k: int = MAX_TARGET_K,
     moe_shape: tuple[int, int, int] | None = None,
+    vision: VisionConfig | None = None,
 ) -> Batch:
     """Validate a request and plan it (see the module docstring); raises UserInputError, changes nothing.
+
+    ``vision``: the model's vision tower (None: text only, datums with images are refused).
 
     Pure: the same request gives the same Batch on every rank.
     """
@@ -285,6 +295,7 @@ def build_batch(
             tokens=tokens,
             inputs=_complete(inputs, keys, loss, i, tokens.numel()),
             routing=check_routing(data[i], i, tokens.numel(), moe_shape),
+            images=check_images(getattr(data[i], "images", ()) or (), tokens, f"data[{i}]", vision),
         )
         for i, (tokens, inputs) in enumerate(sent)
     )

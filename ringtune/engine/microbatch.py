@@ -76,6 +76,7 @@ class MicrobatchRun:
             # A loss whose gradient in lp is known now (cross_entropy): the head makes its gradients in its forward.
             upstream = None
             saved = faults.unscored_grads(self.params, local_targets, local_inputs)  # DEBUG-FAULT HOOK (no-op)
+            adapter_saved = faults.adapter_grads(self.params, lora=hasattr(self.model, "adapters"))  # DEBUG-FAULT HOOK
             if backward:
                 upstream = fixed_logprob_gradient(batch.loss, local_inputs, datum_index=local_datum, like=local_targets)
             lp = self.model(local_ids, shard, local_targets, upstream)
@@ -91,6 +92,7 @@ class MicrobatchRun:
                     )
                 self.invariant.scale_loss(loss, batch.plan.microbatches_per_rank).backward()
                 faults.skip_unscored_backward(self.params, saved)  # DEBUG-FAULT HOOK (parity negative control; no-op)
+                faults.double_adapter_grads(self.params, adapter_saved)  # DEBUG-FAULT HOOK (no-op)
                 if not flagged and not bool(self.grad_sync.grads_finite(self.params)):
                     bad_grad.update(row)
         both = torch.stack([lp.detach(), elementwise.detach()], dim=-1).to(torch.float64)

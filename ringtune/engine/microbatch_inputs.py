@@ -1,5 +1,6 @@
 """One packed row's inputs on this CP rank: the row's columns concatenated (full layout) and zigzag-sliced
-(this rank's shard), with the routing replay and the LoRA run index of each token riding on the shard.
+(this rank's shard), with the routing replay, the LoRA run index of each token and the row's images (the ones
+this rank encodes, and the MRoPE positions built per whole sequence then sliced) riding on the shard.
 
 Pure index work on the host plus one copy of each sliced column to the model's device; no collective (the
 shard's plan is computed locally, the same on every CP rank). :class:`~ringtune.engine.trainer.Trainer` runs
@@ -19,7 +20,7 @@ from ringtune.layout.zigzag import zigzag_slice
 from ringtune.losses import PER_TARGET_KEYS
 from ringtune.models.decoder import CausalLM
 from ringtune.models.logprob_head import IGNORE_INDEX
-from ringtune.models.shard import PackedShard, shard_of
+from ringtune.models.shard import PackedShard, shard_of, with_images
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,8 @@ class MicrobatchInputs:
         row: the request's datum indices packed in this row, in order.
         lens: their token counts (the full row is their concatenation).
         shard: the model's view of the row (plan, positions; ``replay_experts`` under routing replay,
-            ``adapter_index`` for several LoRA runs in one pass).
+            ``adapter_index`` for several LoRA runs in one pass, ``images`` and ``mrope_positions`` for a row
+            with images).
         ids: token ids, int64.
         targets: ``[local_len]`` or ``[local_len, K]`` int64, pads IGNORE_INDEX.
         inputs: the loss's other per-token columns, float64 (pads 0).
@@ -81,6 +83,10 @@ def microbatch_inputs(
     plan = shard.plan
     # the embedding's device, the head's too (a LoRA run's output_weight would merge a vocab x hidden tensor)
     device = model.model.embed_tokens.weight.device
+    if any(d.images for d in members):  # a VL row: this rank's images and the sequences' MRoPE positions
+        vision = model.config.vision
+        assert vision is not None, "build_batch refuses images for a model without a vision tower"
+        shard = with_images(shard, [d.images for d in members], vision.spatial_merge_size, device)
     if any(d.routing is not None for d in members):  # routing replay: zigzag-sliced like the tokens
         shard = replace(shard, replay_experts=replay_shards(model, members, plan, device))
     if batch.adapter_of_datum is not None:  # several LoRA runs in one pass: each token's run, zigzag-sliced

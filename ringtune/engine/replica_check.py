@@ -1,13 +1,23 @@
-"""Replicas checked to stay identical: after every ``optim_step`` the parameters and AdamW moments that several
-ranks must hold alike are compared across those ranks by a bitwise checksum exchanged over the control group.
+"""Replicas checked to stay identical: after every ``optim_step`` every tensor that several ranks must hold alike
+(parameters, AdamW moments and step counts, buffers and fixed tables) is compared across those ranks by a
+bitwise checksum exchanged over the control group.
 
-Which ranks hold the same tensors (:func:`replica_key`), by the trainer's sharding
-(:data:`ringtune.engine.sharding.SHARDINGS`):
+Which ranks hold the same copy is decided **per tensor** (:func:`tensor_key`): ranks whose keys for a tensor are
+equal must hold it bit-identically.
 
-- ``none``: every rank of the DP×CP group holds the whole model and its AdamW state (with expert parallelism,
-  the ranks of one expert replica group: same ``ep_rank``);
-- ``dp``: the ranks of one CP group (same DP coordinate) hold the same shards (``Replicate()`` over CP);
-- ``dp_cp``: every rank holds its own shard: there is nothing to compare (the check exchanges nothing).
+- a plain (unsharded) tensor: every rank of the DP×CP group (key ``()``), except a routed expert's tensor under
+  expert parallelism: the ranks with the same ``ep_rank`` (its expert replica group);
+- a DTensor (FSDP2, :mod:`ringtune.engine.sharding`): the ranks with the same coordinates on the mesh dims it is
+  ``Shard``-ed over; ``Replicate`` dims do not split it. So under ``--shard-params dp`` (placements
+  ``(Replicate(), Shard(0))`` on ``("cp", "dp")``) the ranks of one CP group compare their DP shard, and under
+  ``dp_cp`` (``(Shard(0),)`` on ``("dp_cp",)``) no two ranks share a shard of a parameter or moment, but every
+  rank still holds the AdamW step counts and the unsharded state whole, and those are compared across all ranks;
+- AdamW's per-parameter ``step`` counts: every rank (a rank that counted one step more or less would use another
+  bias correction on its shard);
+- registered buffers and the rotary ``inv_freq`` tables (plain attributes, never cast): every rank.
+
+(The MoE router's *weights* are parameters, compared above; its recorded load statistics count each rank's own
+tokens, so they differ between ranks by design and are not compared.)
 
 Replicas run identical math on identical reduced gradients (the SUM over DP×CP is one all-reduce whose result
 every rank receives), so they are expected to be *bit-identical*, in float32, float64, bfloat16 and bf16-mixed
@@ -28,16 +38,20 @@ import time
 from dataclasses import dataclass
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
+from ringtune.models.layers.moe import is_expert_parameter
 from ringtune.parallel.control import all_gather_objects
 from ringtune.parallel.mesh import ParallelMesh
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 MOMENTS = ("exp_avg", "exp_avg_sq")
-"""The AdamW state tensors compared (the step counters are compared as numbers)."""
+"""The AdamW state tensors compared beside each parameter (plus its ``step`` count, on every rank)."""
 SHOWN = 8
 """Tensors named in a mismatch message (the rest are counted)."""
+Key = tuple[tuple[str, int], ...]
+"""Who must agree on one tensor: (mesh dim, coordinate) pairs; ranks with equal keys hold equal copies."""
 
 
 class ReplicaDivergedError(RuntimeError):
@@ -63,13 +77,32 @@ def checksums(tensors: list[torch.Tensor]) -> list[int]:
     return [int(s) for s in torch.stack(sums).tolist()] if sums else []
 
 
-def replica_key(mesh: ParallelMesh | None, sharding: str) -> tuple[int, ...] | None:
-    """Ranks with equal keys must hold identical tensors; None: this rank has no replica (``dp_cp``, one rank)."""
-    if mesh is None or sharding == "dp_cp":
-        return None
-    if sharding == "dp":
-        return (mesh.dp_rank,)
-    return (mesh.ep_rank,) if mesh.ep_size > 1 else ()  # EP: the ranks holding the same experts
+def tensor_key(t: torch.Tensor, name: str, mesh: ParallelMesh | None) -> Key:
+    """The ranks that must hold ``t`` (called ``name``; a moment is named after its parameter) identically: those
+    whose key is equal (module docstring). A DTensor: its coordinates on the mesh dims it is sharded over; a
+    routed expert's tensor under EP adds ``("ep", ep_rank)``; anything else ``()`` (every rank)."""
+    key: list[tuple[str, int]] = []
+    if isinstance(t, DTensor):
+        mesh_d = t.device_mesh
+        coords = mesh_d.get_coordinate() or []
+        dims = mesh_d.mesh_dim_names or tuple(str(i) for i in range(mesh_d.ndim))
+        key += [(str(dims[i]), int(coords[i])) for i, p in enumerate(t.placements) if isinstance(p, Shard)]
+    if mesh is not None and mesh.ep_size > 1 and is_expert_parameter(name):
+        key.append(("ep", mesh.ep_rank))
+    return tuple(key)
+
+
+def replicated_state(model: nn.Module | None) -> list[tuple[str, torch.Tensor]]:
+    """The model's unsharded non-parameter state every rank holds whole: registered buffers and the rotary
+    ``inv_freq`` tables (plain tensor attributes), by name."""
+    if model is None:
+        return []
+    out = [(f"buffer:{n}", b) for n, b in model.named_buffers() if b.is_floating_point() or b.dtype == torch.int64]
+    for n, m in model.named_modules():
+        freq = getattr(m, "inv_freq", None)
+        if isinstance(freq, torch.Tensor) and not isinstance(freq, nn.Parameter):
+            out.append((f"table:{n}.inv_freq", freq))
+    return out
 
 
 @dataclass
@@ -78,11 +111,14 @@ class ReplicaCheck:
 
     Args:
         mesh: the trainer's mesh (None: one process, nothing to compare).
-        sharding: the trainer's sharding name.
+        sharding: the trainer's sharding name (recorded; the keys come from each tensor's placements).
+        model: the trainer's model, whose buffers and rotary tables are compared too (None: parameters and
+            AdamW state only).
     """
 
     mesh: ParallelMesh | None
     sharding: str
+    model: nn.Module | None = None
     untrusted: str | None = None
     compared: int = 0
 
@@ -96,14 +132,19 @@ class ReplicaCheck:
 
     def named_tensors(
         self, params: list[torch.nn.Parameter], names: dict[int, str], optimizer: torch.optim.Optimizer
-    ) -> list[tuple[str, torch.Tensor]]:
-        """Every parameter and its AdamW moments, in parameter order, by name (``<param>.exp_avg`` ...)."""
+    ) -> list[tuple[str, torch.Tensor, Key]]:
+        """Every parameter with its AdamW moments and step count (``<param>.exp_avg``, ``<param>.step``), then the
+        model's :func:`replicated_state`, each with its :func:`tensor_key`."""
         out = []
         for p in params:
             name = names[id(p)]
-            out.append((name, p))
+            key = tensor_key(p, name, self.mesh)
+            out.append((name, p, key))
             state = optimizer.state.get(p, {})
-            out += [(f"{name}.{m}", state[m]) for m in MOMENTS if m in state]
+            out += [(f"{name}.{m}", state[m], key) for m in MOMENTS if m in state]
+            if isinstance(state.get("step"), torch.Tensor):
+                out.append((f"{name}.step", state["step"], tensor_key(state["step"], "", self.mesh)))
+        out += [(n, t, tensor_key(t, n, self.mesh)) for n, t in replicated_state(self.model)]
         return out
 
     def verify(
@@ -117,15 +158,13 @@ class ReplicaCheck:
         """Compare this step's checksums with the other ranks' (collective over ``group``, the control group);
         returns the seconds it took. Raises ReplicaDivergedError on every rank alike when replicas differ."""
         start = time.perf_counter()
-        key = replica_key(self.mesh, self.sharding)
-        if key is None or group is None:
+        if self.mesh is None or group is None:
             return time.perf_counter() - start
         named = self.named_tensors(params, names, optimizer)
-        mine = (key, step, checksums([t for _, t in named]))
+        mine = (step, [k for _, _, k in named], checksums([t for _, t, _ in named]))
         everyone = all_gather_objects(mine, group)
-        problems = self._mismatches(everyone, [n for n, _ in named])
+        problems, self.compared = self._mismatches(everyone, [n for n, _, _ in named])
         seconds = time.perf_counter() - start
-        self.compared = len(named)
         if problems:
             self.untrusted = f"replicas diverged after optim_step {step}: {problems}"
             raise ReplicaDivergedError(
@@ -135,23 +174,31 @@ class ReplicaCheck:
         return seconds
 
     @staticmethod
-    def _mismatches(everyone: list[tuple[tuple[int, ...], int, list[int]]], names: list[str]) -> str:
-        """'' when every replica group agrees; else which tensors differ between which control ranks."""
-        groups: dict[tuple[int, ...], list[int]] = {}
-        for rank, (key, _, _) in enumerate(everyone):
-            groups.setdefault(tuple(key), []).append(rank)
+    def _mismatches(everyone: list[tuple[int, list[Key], list[int]]], names: list[str]) -> tuple[str, int]:
+        """('' when every replica group agrees, else which tensors differ between which control ranks; the
+        number of tensors this rank shares with at least one other rank, i.e. compared)."""
+        first_step, first_keys = everyone[0][0], everyone[0][1]
+        for rank, (step, _, sums) in enumerate(everyone):
+            if step != first_step or len(sums) != len(first_keys):
+                return (
+                    f"ranks 0 and {rank} are at steps {first_step} / {step} with {len(first_keys)} / {len(sums)} "
+                    "tensors",
+                    0,
+                )
+        bad: dict[tuple[int, int], list[str]] = {}
+        compared = 0
+        for i, name in enumerate(names):
+            holders: dict[tuple, list[int]] = {}
+            for rank, (_, keys, _) in enumerate(everyone):
+                holders.setdefault(tuple(keys[i]), []).append(rank)
+            compared += any(len(r) > 1 for r in holders.values())
+            for ranks in holders.values():
+                first = ranks[0]
+                for other in ranks[1:]:
+                    if everyone[first][2][i] != everyone[other][2][i]:
+                        bad.setdefault((first, other), []).append(name)
         parts = []
-        for ranks in groups.values():
-            first = ranks[0]
-            for other in ranks[1:]:
-                a, b = everyone[first], everyone[other]
-                if a[1] != b[1] or len(a[2]) != len(b[2]):
-                    parts.append(
-                        f"ranks {first} and {other} are at steps {a[1]} / {b[1]} with {len(a[2])} / {len(b[2])} tensors"
-                    )
-                    continue
-                bad = [n for n, x, y in zip(names, a[2], b[2], strict=True) if x != y]
-                if bad:
-                    shown = ", ".join(bad[:SHOWN]) + (f" and {len(bad) - SHOWN} more" if len(bad) > SHOWN else "")
-                    parts.append(f"{len(bad)} tensor(s) differ between control ranks {first} and {other}: {shown}")
-        return "; ".join(parts)
+        for (first, other), tensors in bad.items():
+            shown = ", ".join(tensors[:SHOWN]) + (f" and {len(tensors) - SHOWN} more" if len(tensors) > SHOWN else "")
+            parts.append(f"{len(tensors)} tensor(s) differ between control ranks {first} and {other}: {shown}")
+        return "; ".join(parts), compared

@@ -113,6 +113,8 @@ class Trainer:
             (``bf16-exact``: batch-, layout- and CP-invariant bits, :mod:`ringtune.models.precision`).
         adamw_kernel: a name of :data:`ringtune.engine.optimizer.ADAMW_KERNELS`; None (default): ``fused`` on
             CUDA, torch's default on CPU.
+        freeze_vision: full fine-tuning of a VL model leaves its vision tower as loaded (no gradients, no
+            AdamW state); False (default) trains it. LoRA runs never adapt the tower (their base is frozen).
 
     Attributes:
         faults: this rank's debug-fault hooks (:class:`~ringtune.debug_faults.FaultHooks`; ``NO_FAULTS`` in normal
@@ -137,7 +139,10 @@ class Trainer:
         exact_arithmetic: bool = False,
         router_aux_loss_coef: float = 0.0,
         adamw_kernel: str | None = None,
+        freeze_vision: bool = False,
     ) -> None:
+        if freeze_vision and getattr(model.model, "visual", None) is not None:  # before the trainable set is taken
+            model.model.visual.requires_grad_(False)
         set_recompute(model, check_recompute_mode(recompute))
         self.compute_dtype = check_compute_dtype(model, compute_dtype)
         self.exact_arithmetic = exact_arithmetic and self.compute_dtype is not None
@@ -188,7 +193,7 @@ class Trainer:
             invariant=self.invariant, mesh=mesh, shard_params=self.shard_params, fsdp_units=self.fsdp_units,
             names=self.names,
         )  # fmt: skip
-        self.replicas = ReplicaCheck(mesh, self.shard_params)  # replicas compared after every optim_step
+        self.replicas = ReplicaCheck(mesh, self.shard_params, model)  # replicas compared after every optim_step
         self.step = 0
         self.weights_version = 0  # bumped whenever the weights change (a sampler snapshot of them is then stale)
         self.broken: str | None = None
@@ -232,6 +237,7 @@ class Trainer:
             pad_multiplier=self.pad_multiplier,
             max_target_k=self.max_target_k,
             moe_shape=moe_shape(self.model),
+            vision=self.model.config.vision,
         )
 
     def forward_backward(
@@ -381,7 +387,7 @@ class Trainer:
             error, (math.isfinite(norm), bad_weights, bad_update), norm,
             params=self.params, invariant=self.invariant, group=self.control_group,
         )  # fmt: skip
-        self.faults.skip_weight_decay(self.optimizer)  # DEBUG-FAULT HOOK (no-op without)
+        self.faults.skip_weight_decay(self.optimizer, self.shard_params)  # DEBUG-FAULT HOOK (no-op without)
         apply_step(self.optimizer)
         self.step += 1
         self.weights_version += 1

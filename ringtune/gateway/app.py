@@ -254,7 +254,7 @@ def create_app(service: GatewayService) -> Guard:
 
     @app.post(f"{PREFIX}/asample")
     async def asample(body: SampleBody) -> dict[str, Any]:
-        return service.sampling.asample(body)
+        return await service.sampling.asample_decoding_images(body)
 
     @app.post(f"{PREFIX}/retrieve_future")
     async def retrieve_future(body: RetrieveFutureBody) -> Response:

@@ -26,6 +26,7 @@ import torch
 
 from ringtune.engine.optimizer import AdamParams
 from ringtune.engine.trainer import TrainDatum
+from ringtune.errors import UserInputError
 from ringtune.gateway.verbs import Verb, verb, verbs_of
 from ringtune.sample.pool import SampleRequest, SamplerSource
 from ringtune.sample.sampler import PromptSamples
@@ -50,6 +51,9 @@ class BackendInfo:
         param_count: parameters of the served model (0: unknown; ``max_live_runs`` then counts runs).
         lora_params_per_rank: LoRA parameters per unit of rank by target group (``attn``, ``mlp``, ``unembed``;
             a group absent: not adaptable), for memory admission (:mod:`ringtune.gateway.run_memory`).
+        image_dir: the checkpoint directory whose ``config.json`` and ``preprocessor_config.json`` decode image
+            chunks (:mod:`ringtune.gateway.images`), for a served model that takes images; None: image chunks are
+            refused (a text model, or a vision-language checkpoint loaded without its vision tower).
     """
 
     model_name: str
@@ -65,6 +69,7 @@ class BackendInfo:
     modes: Mapping[str, object] = field(default_factory=dict)
     param_count: int = 0
     lora_params_per_rank: Mapping[str, int] = field(default_factory=dict)
+    image_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,13 @@ class Backend(Protocol):
 
     @verb()
     def info(self) -> BackendInfo:
-        """The served model's description (cheap; may be called from the event loop)."""
+        """The first served model's description (cheap; may be called from the event loop)."""
+        ...
+
+    @verb()
+    def models(self) -> tuple[BackendInfo, ...]:
+        """Every served model's description (``ringtune serve --model`` given more than once), the first one
+        first: each has its own name and aliases, runs, LoRA base, samplers and memory budget (cheap)."""
         ...
 
     @verb()
@@ -92,7 +103,7 @@ class Backend(Protocol):
 
     @verb("create_run", addressee="run_id", lifecycle="create")
     def create_run(self, run_id: str, base_model: str, lora: Mapping[str, Any] | None = None) -> None:
-        """A fresh trainable copy of ``base_model`` (one of ``info().model_name`` / ``aliases``) under ``run_id``;
+        """A fresh trainable copy of ``base_model`` (a served model's ``model_name`` or alias) under ``run_id``;
         with ``lora`` (a :class:`~ringtune.models.lora.LoraSpec` as a dict) a LoRA run on the shared frozen base."""
         ...
 
@@ -195,6 +206,16 @@ class Backend(Protocol):
     def close(self) -> None:
         """Release everything (end of the server)."""
         ...
+
+
+def served_info(models: Sequence[BackendInfo], base_model: str) -> BackendInfo:
+    """The served model (of ``models``) named ``base_model`` by its name or an alias; UserInputError naming the
+    served models otherwise."""
+    for info in models:
+        if base_model in (info.model_name, *info.aliases):
+            return info
+    names = [i.model_name for i in models]
+    raise UserInputError(f"base_model={base_model!r} is not served here; this server serves {names}")
 
 
 VERBS: dict[str, Verb] = verbs_of(Backend)

@@ -16,9 +16,11 @@ class GatewayConfig:
         api_key: when set, every request but ``/api/v1/healthz`` must carry it as ``X-API-Key``.
         max_body_bytes: larger request bodies get 413 (before they are read in full).
         poll_timeout_s: how long ``retrieve_future`` holds a pending future (well under the SDK's 45 s).
-        max_live_runs: the memory training runs may hold, in full fine-tuning runs of the served model: a create
-            that would exceed it is refused (user error); a LoRA run costs its adapters' state
+        max_live_runs: the memory training runs of each served model may hold, in full fine-tuning runs of that
+            model: a create that would exceed it is refused (user error); a LoRA run costs its adapters' state
             (:mod:`ringtune.gateway.run_memory`).
+        model_live_runs: ``(model name, N)`` pairs: that model's budget instead of ``max_live_runs`` (N >= 0; 0:
+            the model is only sampled), ``--model-live-runs`` (:mod:`ringtune.worker.model_set`).
         session_timeout_s: a session without heartbeat this long is finished (its live runs freed); 0 = never.
         gap_timeout_s: how long later ops wait for a missing ``seq_id`` before it is skipped.
         max_done_futures, future_max_age_s, retrieved_keep_s: bounds of finished futures (count, age unretrieved,
@@ -49,6 +51,7 @@ class GatewayConfig:
     max_body_bytes: int = 256 * 2**20
     poll_timeout_s: float = 25.0
     max_live_runs: int = 4
+    model_live_runs: tuple[tuple[str, int], ...] = ()
     session_timeout_s: float = 900.0
     gap_timeout_s: float = 30.0
     max_done_futures: int = 10_000
@@ -66,6 +69,11 @@ class GatewayConfig:
     lora_pass_runs: int = 1
     tokenizer_id: str | None = None
     reap_every_s: float = 30.0
+
+    def live_runs_of(self, model_name: str) -> int:
+        """The budget of served model ``model_name`` in its full fine-tuning runs (``model_live_runs``, else
+        ``max_live_runs``)."""
+        return dict(self.model_live_runs).get(model_name, self.max_live_runs)
 
     def validate(self) -> None:
         """UserInputError naming the setting, its value and the limit."""

@@ -33,6 +33,7 @@ from ringtune.errors import RankFailedError, UserInputError
 from ringtune.gateway import proto, translate
 from ringtune.gateway.backend import Backend
 from ringtune.gateway.futures import Outcome
+from ringtune.gateway.images import image_decoder
 from ringtune.gateway.provenance import LOSS_WITH_PROVENANCE, resolve_provenance
 from ringtune.gateway.routing_records import RoutingRecords, attach_routing
 from ringtune.gateway.stability_records import StabilityRecords
@@ -71,11 +72,12 @@ def run_pass(
     outcomes: list[Outcome | None] = [None] * len(parts)
     ready: list[tuple[int, list, int]] = []  # (part index, engine datums, tokens given replayed routing)
     loss_fn, forward_only, config = parts[0].msg.loss_fn, bool(parts[0].msg.forward_only), None
+    images = image_decoder(backend.info())  # the first served model's (single-model servers take images)
     data_of: dict[int, list] = {}
     for i, part in enumerate(parts):
         try:
-            call = proto.decode_request(part.msg)
-            data = translate.train_data(call)
+            call = proto.decode_request(part.msg, accept_images=images is not None)
+            data = translate.train_data(call, images)
             config = translate.loss_config(call.loss_config)
             replayed = 0
             if call.loss_fn == LOSS_WITH_PROVENANCE:

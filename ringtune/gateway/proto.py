@@ -4,7 +4,10 @@ Uses the schema the SDK ships (``tinker.proto.tinker_public_pb2``), so the bytes
 ``tinker/proto/request_conv.py`` writes and ``response_conv.py`` reads. Pure functions, no torch.
 
 Request (``ForwardBackwardRequest``): every datum's input tokens are the concatenation of its
-``encoded_text`` chunks (int32 little-endian); each ``loss_fn_inputs`` tensor is dense bytes or CSR
+``encoded_text`` chunks (int32 little-endian); its ``image`` chunks (raw bytes, ``format``, optional
+``expected_tokens``) are kept as :class:`WireImage` at their text offsets when the
+caller accepts images (a vision-language model; expanded by :mod:`ringtune.gateway.image_chunks`), else refused;
+each ``loss_fn_inputs`` tensor is dense bytes or CSR
 (``values`` in the declared dtype, ``crow_indices``/``col_indices`` int64, missing entries 0), dtype
 FLOAT32 or INT64, row-major with ``shape``. ``loss_fn_config_v2`` wins over the legacy map when set. A datum's
 ``model_input_spans`` / ``loss_fn_input_spans`` (``Datum.with_provenance``: runs of ``prompt_tokens`` or
@@ -36,6 +39,31 @@ OUTPUT_TYPE = "ArrayRecord"
 
 
 @dataclass(frozen=True)
+class WireImage:
+    """One image chunk as a request gives it.
+
+    - ``data``: the encoded bytes; ``format``: ``png`` / ``jpeg``; ``expected_tokens``: the client's count or None.
+    - ``offset``: how many text tokens of the model input come before it.
+    - ``where``: its field path for error messages (``data[0].model_input.chunks[2]``, ``prompt.chunks[1]``).
+    """
+
+    data: bytes
+    format: str
+    expected_tokens: int | None
+    offset: int
+    where: str
+
+
+def refuse_images(images: Sequence[WireImage]) -> None:
+    """A text-only model's answer to image chunks: UserInputError naming the first one (none: nothing)."""
+    if images:
+        raise UserInputError(
+            f"{images[0].where}: image chunks are not supported; this server trains text models "
+            "(send encoded_text chunks only)"
+        )
+
+
+@dataclass(frozen=True)
 class ProvenanceSpan:
     """One run of a datum's provenance: positions ``[offset, offset + length)`` of the named sequence's prompt
     (``sampled`` False: a ``PromptProvenanceSpan``) or of its sampled tokens (``sampled`` True)."""
@@ -48,13 +76,15 @@ class ProvenanceSpan:
 
 @dataclass(frozen=True)
 class WireDatum:
-    """One decoded datum: ``tokens`` int64 [N]; ``inputs`` name -> dense float32 / int64 array; its provenance
-    (runs tiling the input tokens, runs tiling the loss rows) or None for each when it sent none."""
+    """One decoded datum: ``tokens`` int64 [N] (its text tokens); ``inputs`` name -> dense float32 / int64 array;
+    ``images`` its image chunks in order (offsets into ``tokens``), not yet decoded; its provenance (runs tiling
+    the input tokens, runs tiling the loss rows) or None for each when it sent none."""
 
     tokens: np.ndarray
     inputs: dict[str, np.ndarray]
     model_input_spans: tuple[ProvenanceSpan, ...] | None = None
     loss_fn_input_spans: tuple[ProvenanceSpan, ...] | None = None
+    images: tuple[WireImage, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -155,17 +185,28 @@ def csr_to_dense(
     return dense
 
 
-def _tokens(datum: pb.Datum, i: int) -> np.ndarray:
-    parts = []
+def _chunks(datum: pb.Datum, i: int, accept_images: bool) -> tuple[np.ndarray, tuple[WireImage, ...]]:
+    """The datum's text tokens (int64) and image chunks; images refused (UserInputError) unless accepted."""
+    parts, images, length = [], [], 0
     for j, chunk in enumerate(datum.model_input):
-        kind = chunk.WhichOneof("chunk")
+        kind, where = chunk.WhichOneof("chunk"), f"data[{i}].model_input.chunks[{j}]"
+        if kind == "image":
+            image = chunk.image
+            expected = int(image.expected_tokens) if image.HasField("expected_tokens") else None
+            images.append(WireImage(bytes(image.data), image.format, expected, length, where))
+            if not accept_images:
+                refuse_images(images)
+            if image.HasField("override_dimensions"):
+                raise UserInputError(f"{where}.override_dimensions: not supported; send the image at its size")
+            continue
         if kind != "encoded_text":
             raise UserInputError(
-                f"data[{i}].model_input.chunks[{j}]: {kind or 'empty'} chunks are not supported; this server "
-                "trains text models (send encoded_text chunks only)"
+                f"{where}: {kind or 'empty'} chunks are not supported; this server trains text models "
+                "(send encoded_text chunks only)"
             )
-        parts.append(_flat_values(chunk.encoded_text.tokens, np.dtype("<i4"), f"data[{i}].model_input.chunks[{j}]"))
-    return np.concatenate([np.zeros(0, np.int64), *parts]).astype(np.int64)
+        parts.append(_flat_values(chunk.encoded_text.tokens, np.dtype("<i4"), where))
+        length += parts[-1].size
+    return np.concatenate([np.zeros(0, np.int64), *parts]).astype(np.int64), tuple(images)
 
 
 def _spans(spans, where: str) -> tuple[ProvenanceSpan, ...] | None:
@@ -195,8 +236,9 @@ def decode_loss_config(msg: pb.ForwardBackwardRequest) -> dict[str, float | str]
     return {key: float(value) for key, value in msg.loss_fn_config.items()}
 
 
-def decode_request(msg: pb.ForwardBackwardRequest) -> ForwardBackwardCall:
-    """The parsed message as plain numpy data; UserInputError naming the datum and field on a bad tensor/chunk."""
+def decode_request(msg: pb.ForwardBackwardRequest, *, accept_images: bool = False) -> ForwardBackwardCall:
+    """The parsed message as plain numpy data; UserInputError naming the datum and field on a bad tensor/chunk.
+    ``accept_images``: keep image chunks (still encoded) for a vision-language model; False refuses them."""
     data = []
     for i, datum in enumerate(msg.data):
         inputs = {
@@ -210,7 +252,8 @@ def decode_request(msg: pb.ForwardBackwardRequest) -> ForwardBackwardCall:
                 f"data[{i}]: provenance comes as a pair (Datum.with_provenance): model_input_spans has "
                 f"{len(model_spans or ())} runs, loss_fn_input_spans {len(loss_spans or ())}"
             )
-        data.append(WireDatum(_tokens(datum, i), inputs, model_spans, loss_spans))
+        tokens, images = _chunks(datum, i, accept_images)
+        data.append(WireDatum(tokens, inputs, model_spans, loss_spans, images))
     return ForwardBackwardCall(
         model_id=msg.model_id,
         seq_id=int(msg.seq_id),

@@ -107,12 +107,16 @@ def weights_info(service: GatewayService, tinker_path: str) -> dict[str, Any]:
 
 
 def server_capabilities(service: GatewayService) -> dict[str, Any]:
-    """``GetServerCapabilitiesResponse``: the one served model (trainable and sampleable).
+    """``GetServerCapabilitiesResponse``: every served model under its name and each alias (trainable and
+    sampleable), the first ``--model`` first.
 
     The extra ``ringtune`` key (ignored by the SDK, which drops unknown fields) describes the layout for
-    ``ringtune parity run``: DP, CP, dtype, per-rank token budget, context length, vocabulary and CP modes.
+    ``ringtune parity run``: DP, CP, dtype, per-rank token budget, context length, vocabulary, CP modes and the
+    ``image_dir`` images are decoded with (None: a text model) of the first model, and under ``models`` each served
+    model's name, aliases, architecture and vocabulary.
     """
-    info = service.backend.info()
+    models = service.backend.models()
+    info = models[0]
     layout = {
         "arch": info.arch,
         "dp_size": info.dp_size,
@@ -121,12 +125,18 @@ def server_capabilities(service: GatewayService) -> dict[str, Any]:
         "max_tokens_per_rank": info.max_tokens_per_rank,
         "context_length": info.context_length,
         "vocab_size": info.vocab_size,
+        "image_dir": info.image_dir,
         **dict(info.modes),
+        "models": [
+            {"model_name": m.model_name, "aliases": list(m.aliases), "arch": m.arch, "vocab_size": m.vocab_size}
+            for m in models
+        ],
     }
     return {
         "supported_models": [
-            {"model_name": name, "max_context_length": info.context_length, "trainable": True, "sampleable": True}
-            for name in (info.model_name, *info.aliases)
+            {"model_name": name, "max_context_length": m.context_length, "trainable": True, "sampleable": True}
+            for m in models
+            for name in (m.model_name, *m.aliases)
         ],
         "ringtune": layout,
     }

@@ -85,10 +85,12 @@ class RoutingRecords:
 
 def attach_routing(data: list[TrainDatum], records: RoutingRecords) -> tuple[list[TrainDatum], int]:
     """``data`` with each matching datum's ``routing`` set (:meth:`RoutingRecords.lookup`), and how many tokens
-    got a recorded routing. A datum that already has one (resolved from its provenance) keeps it."""
+    got a recorded routing. A datum that already has one (resolved from its provenance) keeps it. A datum with
+    images gets none: its image-pad tokens do not say which image they were (two images of one size give the same
+    tokens), so a token match is no evidence of the same sequence."""
     out, replayed = [], 0
     for datum in data:
-        if datum.routing is not None:
+        if datum.routing is not None or datum.images:
             out.append(datum)
             continue
         routing = records.lookup(datum.tokens.tolist())

@@ -11,7 +11,8 @@ import logging
 import shutil
 from typing import Any
 
-from ringtune.gateway.backend import Backend
+from ringtune.errors import UserInputError
+from ringtune.gateway.backend import Backend, BackendInfo, served_info
 from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.dispatch import Commit, Dispatcher
 from ringtune.gateway.futures import Outcome
@@ -30,7 +31,7 @@ class RunBook:
 
     Args:
         config: the gateway's settings (``max_live_runs``, ``gap_timeout_s``, ``session_timeout_s``).
-        backend: the backend whose model is served (its ``info``; runs are freed on it).
+        backend: the backend whose models are served (its ``models``; runs are freed on it).
         registry: sessions and run records (saved under the checkpoint root).
         paths: the checkpoint root (a freed run's ephemeral exports are deleted).
         dispatcher: runs the jobs that free runs; resolves the futures of ops a free cancels.
@@ -75,13 +76,20 @@ class RunBook:
             raise RefusedError(410, f"session_id={session_id!r} is finished ({session.finished})")
         return session
 
-    def check_base_model(self, base_model: str) -> None:
-        """RefusedError 400 unless ``base_model`` is the served model's name or one of its aliases."""
-        info = self.backend.info()
-        if base_model not in (info.model_name, *info.aliases):
-            raise RefusedError(
-                400, f"base_model={base_model!r} is not served here; this server trains {info.model_name!r}"
-            )
+    def check_base_model(self, base_model: str) -> BackendInfo:
+        """The served model ``base_model`` names (its name or an alias; :meth:`Backend.models`); RefusedError 400
+        naming the served models otherwise."""
+        try:
+            return served_info(self.backend.models(), base_model)
+        except UserInputError as exc:
+            raise RefusedError(400, str(exc)) from None
+
+    def model_of(self, record: RunRecord) -> BackendInfo:
+        """The served model of run ``record`` (a run of a model no longer served reports the first one's)."""
+        try:
+            return served_info(self.backend.models(), record.base_model)
+        except UserInputError:
+            return self.backend.info()
 
     # ------------------------------------------------------------------ runs
 
@@ -93,20 +101,30 @@ class RunBook:
         metadata: dict[str, str],
         lora: dict[str, Any] | None = None,
     ) -> RunRecord:
-        """Record run ``<session>:train:<model_seq_id>`` as live in ``session`` if memory admits it (a LoRA run
-        costs its adapters' state, :mod:`ringtune.gateway.run_memory`); nothing on the backend yet. RefusedError 400
-        for a bad ``model_seq_id`` or a run memory does not admit."""
+        """Record run ``<session>:train:<model_seq_id>`` of served model ``base_model`` as live in ``session`` if
+        that model's memory budget admits it (its live runs against ``config.live_runs_of`` it; a LoRA run costs its
+        adapters' state, :mod:`ringtune.gateway.run_memory`); nothing on the backend yet. RefusedError 400 for a bad
+        ``model_seq_id``, a base model not served, or a run memory does not admit."""
         if isinstance(model_seq_id, bool) or model_seq_id < 0:
             raise RefusedError(400, f"model_seq_id={model_seq_id!r} must be an integer >= 0")
-        live = [r.lora for r in self.registry.live_runs()]
-        with refusing_bad_input():
-            check_admission(self.backend.info(), live, lora, self.config.max_live_runs)
+        self.admit(base_model, lora)
         run_id = f"{session.session_id}:train:{model_seq_id}"
         now = now_utc()
         record = RunRecord(run_id, base_model, session.session_id, metadata, now, now, live=True, lora=lora)
         self.registry.runs[run_id] = record
         session.runs.append(run_id)
         return record
+
+    def admit(self, base_model: str, lora: dict[str, Any] | None) -> BackendInfo:
+        """The served model ``base_model`` names, if its memory budget admits one more run (``lora``: its LoRA spec,
+        None: full fine-tuning) beside that model's live runs (``config.live_runs_of`` it; a LoRA run costs its
+        adapters' state, :mod:`ringtune.gateway.run_memory`). RefusedError 400 for a base model not served or a
+        run memory does not admit."""
+        info = self.check_base_model(base_model)
+        live = [r.lora for r in self.registry.live_runs() if self.model_of(r).model_name == info.model_name]
+        with refusing_bad_input():
+            check_admission(info, live, lora, self.config.live_runs_of(info.model_name))
+        return info
 
     def forget_failed_create(self, record: RunRecord) -> None:
         """A create (or create-via-load) failed: the run never existed (its request_id still answers resubmits)."""
@@ -136,9 +154,10 @@ class RunBook:
         """``get_info`` of run ``model_id`` (live or not): the served model's data, LoRA rank, optimizer.
         ``model_data.tokenizer_id`` is one a remote client can load (:mod:`ringtune.gateway.tokenizer_id`)."""
         record = self.run(model_id, live=False)
-        info = self.backend.info()
+        info = self.model_of(record)
         model_data = {"arch": info.arch, "model_name": record.base_model}
-        tokenizer_id = remote_tokenizer_id(self.config.tokenizer_id, info.tokenizer_dir)
+        first = info.model_name == self.backend.info().model_name  # --tokenizer-id is the first model's, as --tokenizer
+        tokenizer_id = remote_tokenizer_id(self.config.tokenizer_id if first else None, info.tokenizer_dir)
         if tokenizer_id:
             model_data["tokenizer_id"] = tokenizer_id
         return {

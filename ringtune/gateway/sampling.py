@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import struct
@@ -36,10 +37,14 @@ from pydantic import BaseModel, ConfigDict
 from tinker.proto import tinker_public_pb2 as pb
 
 from ringtune.errors import UserInputError
+from ringtune.gateway.backend import served_info
 from ringtune.gateway.futures import FutureStore, Outcome
+from ringtune.gateway.images import ImageDecoder, image_decoder
 from ringtune.gateway.routing_records import RoutingRecords
+from ringtune.gateway.sample_prompt import prompt_input
 from ringtune.gateway.sample_targets import TargetLayout, encode_targets, parse_targets
 from ringtune.gateway.stability_records import StabilityRecords
+from ringtune.models.image_input import ImageInput
 from ringtune.sample.alt_tokens import MAX_PROMPT_ALT_TOKENS_K
 from ringtune.sample.params import DEFAULT_MAX_TOKENS, SamplingParams
 from ringtune.sample.pool import SampleRequest, SamplerSource
@@ -88,30 +93,6 @@ def _int(value: Any, field: str, low: int, high: int) -> int:
     return value
 
 
-def prompt_tokens(prompt: dict[str, Any], vocab_size: int) -> list[int]:
-    """The token ids of a JSON ``ModelInput`` (encoded_text chunks only); UserInputError naming the chunk."""
-    chunks = prompt.get("chunks")
-    if not isinstance(chunks, list) or not chunks:
-        raise UserInputError("prompt.chunks: expected a non-empty list of chunks")
-    tokens: list[int] = []
-    for i, chunk in enumerate(chunks):
-        kind = chunk.get("type") if isinstance(chunk, dict) else None
-        if kind != "encoded_text":
-            raise UserInputError(f"prompt.chunks[{i}].type={kind!r}: only encoded_text chunks are supported")
-        ids = chunk.get("tokens")
-        if not isinstance(ids, list):
-            raise UserInputError(f"prompt.chunks[{i}].tokens: expected a list of token ids")
-        for j, t in enumerate(ids):
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-                raise UserInputError(
-                    f"prompt.chunks[{i}].tokens[{j}]={t!r} is outside the vocabulary [0, {vocab_size})"
-                )
-        tokens.extend(ids)
-    if not tokens:
-        raise UserInputError("prompt: 0 tokens; a prompt needs at least 1")
-    return tokens
-
-
 def _bounded_params(params: dict[str, Any], prompt_len: int, context_length: int) -> dict[str, Any]:
     """The keyword arguments of :class:`SamplingParams`, with ``max_tokens`` bounded by the served context:
     prompt + max_tokens <= ``context_length`` (UserInputError naming both otherwise). A request that leaves
@@ -131,13 +112,19 @@ def _bounded_params(params: dict[str, Any], prompt_len: int, context_length: int
 
 
 def sample_request(
-    body: SampleBody, vocab_size: int, max_prompt_tokens: int
+    body: SampleBody,
+    vocab_size: int,
+    max_prompt_tokens: int,
+    images: ImageDecoder | None = None,
+    prompt: tuple[list[int], tuple[ImageInput, ...]] | None = None,
 ) -> tuple[SampleRequest, TargetLayout | None]:
     """A validated :class:`SampleRequest` and the layout of its ``target_prompt_logprobs`` (None without);
-    UserInputError naming the field, the value and the limit."""
+    UserInputError naming the field, the value and the limit. ``images``: the served checkpoint's image decoder
+    (None: image chunks refused); a prompt's images count in its length (:mod:`ringtune.gateway.sample_prompt`).
+    ``prompt``: ``prompt_input``'s answer for ``body.prompt`` when the caller already decoded it, else None."""
     if not isinstance(body.prompt_logprobs, bool):
         raise UserInputError(f"prompt_logprobs={body.prompt_logprobs!r} must be true or false")
-    prompt = prompt_tokens(body.prompt, vocab_size)
+    prompt, prompt_images = prompt if prompt is not None else prompt_input(body.prompt, vocab_size, images)
     if len(prompt) > max_prompt_tokens:
         raise UserInputError(f"prompt: {len(prompt)} tokens, over the limit of {max_prompt_tokens}")
     last_n = body.prompt_logprobs_last_n
@@ -157,6 +144,7 @@ def sample_request(
         raise UserInputError(f"sampling_params: unknown field(s) {unknown}; known: {sorted(known)}")
     request = SampleRequest(
         prompt=prompt,
+        images=prompt_images,
         params=SamplingParams(**_bounded_params(params, len(prompt), max_prompt_tokens)),
         num_samples=_int(body.num_samples, "num_samples", 1, MAX_NUM_SAMPLES),
         prompt_logprobs=body.prompt_logprobs,
@@ -247,6 +235,9 @@ class SamplingService:
         max_prompt_tokens: the served context length (prompt + max_tokens).
         slice_s: decode time per turn of a job (0: each job runs to its end in one turn).
         routing: where the sampled sequences' MoE routing is recorded for replay (``--routing-replay``), or None.
+        sampler: what answers the sampling verbs (``create_sampler``, ``free_sampler``, ``sample``,
+            ``sample_more``): the backend itself (the built-in sampler), or an external engine's
+            (:class:`~ringtune.gateway.vllm_sampling.VllmSampler`, ``serve --sampler vllm``).
         stability: where ``record_stability_info`` requests' sequences are recorded, or None (such a request is
             then refused).
     """
@@ -261,9 +252,11 @@ class SamplingService:
         max_prompt_tokens: int,
         slice_s: float = 0.0,
         routing: RoutingRecords | None = None,
+        sampler: Any = None,
         stability: StabilityRecords | None = None,
     ) -> None:
         self.backend, self.futures, self.submit, self.call_on_loop = backend, futures, submit, call_on_loop
+        self.sampler = backend if sampler is None else sampler
         self.max_prompt_tokens, self.slice_s, self.routing = max_prompt_tokens, slice_s, routing
         self.stability = stability
         self._recorded: dict[str, list[str]] = {}  # request_id -> its sequence ids, while it records
@@ -275,7 +268,7 @@ class SamplingService:
 
     def register(self, sampler_id: str, base_model: str, model_path: str | None, source: SamplerSource) -> None:
         """Backend thread: create the session's snapshot, then (on the loop) make the session known."""
-        self.backend.create_sampler(sampler_id, source)
+        self.sampler.create_sampler(sampler_id, source)
         session = SamplerSession(sampler_id, base_model, model_path)
         self.call_on_loop(lambda: self.sessions.__setitem__(sampler_id, session))
 
@@ -289,11 +282,27 @@ class SamplingService:
             del self.sessions[sid]
         self._seen = {key: value for key, value in self._seen.items() if key[0] not in freed}
         if freed:
-            self.submit(DRAIN_KEY, lambda: [self.backend.free_sampler(sid) for sid in freed])
+            self.submit(DRAIN_KEY, lambda: [self.sampler.free_sampler(sid) for sid in freed])
         return freed
 
-    def asample(self, body: SampleBody) -> dict[str, Any]:
-        """Validate and queue one request; ``{"request_id", "sample_sequence_ids"}`` at once."""
+    async def asample_decoding_images(self, body: SampleBody) -> dict[str, Any]:
+        """Loop thread: :meth:`asample`, the prompt's images (if any) decoded first on a worker thread, since
+        decoding and preprocessing a large image takes long enough to stall every other client on the loop."""
+        chunks = body.prompt.get("chunks")
+        if not isinstance(chunks, list) or not any(isinstance(c, dict) and c.get("type") == "image" for c in chunks):
+            return self.asample(body)
+        session = self.sessions.get(body.sampling_session_id or "")
+        if session is None:  # refused by asample, naming the session
+            return self.asample(body)
+        info = served_info(self.backend.models(), session.base_model)
+        prompt = await asyncio.to_thread(prompt_input, body.prompt, info.vocab_size, image_decoder(info))
+        return self.asample(body, prompt)
+
+    def asample(
+        self, body: SampleBody, prompt: tuple[list[int], tuple[ImageInput, ...]] | None = None
+    ) -> dict[str, Any]:
+        """Validate and queue one request; ``{"request_id", "sample_sequence_ids"}`` at once. ``prompt``: the
+        prompt already decoded (:meth:`asample_decoding_images`), or None to decode it here."""
         sampler_id = body.sampling_session_id
         if sampler_id is None or sampler_id not in self.sessions:
             raise UserInputError(
@@ -302,7 +311,8 @@ class SamplingService:
         key = (sampler_id, body.seq_id) if isinstance(body.seq_id, int) else None
         if key is not None and key in self._seen:
             return self._seen[key]
-        request, layout = sample_request(body, self.backend.info().vocab_size, self.max_prompt_tokens)
+        info = served_info(self.backend.models(), self.sessions[sampler_id].base_model)
+        request, layout = sample_request(body, info.vocab_size, self.max_prompt_tokens, image_decoder(info), prompt)
         record = body.record_stability_info
         if record is not None and not isinstance(record, bool):
             raise UserInputError(f"record_stability_info={record!r} must be true or false")
@@ -365,9 +375,9 @@ class SamplingService:
         slice_s = self.slice_s or None
         try:
             if first:
-                results = self.backend.sample(sampler_id, [r for r, _, _ in items], job_id=job_id, slice_s=slice_s)
+                results = self.sampler.sample(sampler_id, [r for r, _, _ in items], job_id=job_id, slice_s=slice_s)
             else:
-                results = self.backend.sample_more(job_id, slice_s)
+                results = self.sampler.sample_more(job_id, slice_s)
             if results is None:
                 more = lambda: self._turn(job_id, sampler_id, items, first=False)  # noqa: E731
                 self._queue(f"{DRAIN_KEY}:{job_id}", more, lambda: [request_id for _, request_id, _ in items])
@@ -378,8 +388,8 @@ class SamplingService:
             ]
             if self.routing is not None:
                 for res, (request, _, _) in zip(results, items, strict=True):
-                    for seq in res.sequences:
-                        if seq.routing is not None:
+                    for seq in res.sequences:  # image prompts: pad tokens do not identify the images
+                        if seq.routing is not None and not request.images:
                             self.routing.add(request.prompt + seq.tokens[:-1], seq.routing)
             self._record(sampler_id, results, items)
         except UserInputError as exc:

@@ -26,7 +26,6 @@ from ringtune.gateway import translate
 from ringtune.gateway.dispatch import Dispatcher
 from ringtune.gateway.paths import CheckpointPaths
 from ringtune.gateway.refusal import RefusedError, refusing_bad_input
-from ringtune.gateway.run_memory import check_admission
 from ringtune.gateway.runs import RunBook
 from ringtune.gateway.sampling import CreateSamplingSessionBody, SamplingService, new_sampler_id
 from ringtune.gateway.state import RunRecord
@@ -41,10 +40,10 @@ def check_agreement(runs: RunBook, base_model: str, model_path: str, origin: Run
     ``model_path``) was trained from: the same name, or two names of one served model."""
     if base_model == origin.base_model:
         return
-    info = runs.backend.info()
-    names = (info.model_name, *info.aliases)
-    if base_model in names and origin.base_model in names:
-        return
+    for model in runs.backend.models():
+        names = (model.model_name, *model.aliases)
+        if base_model in names and origin.base_model in names:
+            return
     raise RefusedError(
         400,
         f"base_model={base_model!r} does not match model_path={model_path!r}, a checkpoint of base model "
@@ -68,8 +67,8 @@ async def create_sampling_session(
         raise RefusedError(400, "create_sampling_session needs base_model, model_path or both")
     if body.model_path is None:
         assert body.base_model is not None
-        runs.check_base_model(body.base_model)
-        base_model, where = body.base_model, SamplerSource()
+        model = runs.check_base_model(body.base_model).model_name
+        base_model, where = body.base_model, SamplerSource(model=model)
     else:
         with refusing_bad_input():
             source = translate.parse_tinker_path("model_path", body.model_path, kinds=SAMPLED_KINDS)
@@ -85,7 +84,8 @@ async def create_sampling_session(
             path = paths.checkpoint(source.run_id, "sampler_weights", source.name)
             if not (path / "config.json").is_file():
                 raise RefusedError(404, f"model_path={body.model_path!r}: no such sampler checkpoint")
-        base_model, where = origin.base_model, SamplerSource(path=str(path))
+        model = runs.model_of(origin).model_name
+        base_model, where = origin.base_model, SamplerSource(path=str(path), model=model)
     sampler_id = new_sampler_id(session.session_id, body.sampling_session_seq_id)
     await dispatcher.on_backend(lambda: sampling.register(sampler_id, base_model, body.model_path, where))
     return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
@@ -101,10 +101,7 @@ async def weights_export(
     export = paths.weights_export(origin.run_id, name)
     if (export / "config.json").is_file():
         return export
-    with refusing_bad_input():
-        check_admission(
-            runs.backend.info(), [r.lora for r in runs.registry.live_runs()], origin.lora, runs.config.max_live_runs
-        )
+    runs.admit(origin.base_model, origin.lora)
     transient = f"{origin.run_id}:export:{uuid.uuid4().hex[:8]}"
 
     def job() -> None:

@@ -21,6 +21,7 @@ from ringtune.gateway.app import create_app
 from ringtune.gateway.backend import Backend
 from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.service import GatewayService
+from ringtune.gateway.vllm_sampling import SamplingEngine
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +85,17 @@ class DrainingServer(uvicorn.Server):
 
 
 def serve(
-    backend: Backend, config: GatewayConfig, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"
+    backend: Backend,
+    config: GatewayConfig,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    sampling_engine: SamplingEngine | None = None,
 ) -> None:
-    """Serve until a signal (blocks): SIGTERM / SIGINT drain first (:class:`DrainingServer`); the backend is
-    closed at shutdown."""
-    service = GatewayService(backend, config)
+    """Serve until a signal (blocks): SIGTERM / SIGINT drain first (:class:`DrainingServer`); the backend (and
+    ``sampling_engine``, which answers sampling when given: ``serve --sampler vllm``) is closed at shutdown."""
+    service = GatewayService(backend, config, sampling_engine=sampling_engine)
     DrainingServer(service, service_uvicorn_config(service, host, port, log_level)).run()
 
 
@@ -103,9 +110,10 @@ class ServerThread:
         host: str = "127.0.0.1",
         port: int | None = None,
         log_level: str = "warning",
+        sampling_engine: SamplingEngine | None = None,
     ) -> None:
         self.host, self.port, self.backend = host, port or free_port(host), backend
-        self.service = GatewayService(backend, config)
+        self.service = GatewayService(backend, config, sampling_engine=sampling_engine)
         """The service behind the routes (tools may run work on its backend thread: ``service.executor``)."""
         self.server = uvicorn.Server(service_uvicorn_config(self.service, self.host, self.port, log_level))
         self.thread = threading.Thread(target=self.server.run, name="ringtune-gateway", daemon=True)

@@ -34,6 +34,7 @@ from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.dispatch import Dispatcher
 from ringtune.gateway.downloads import DownloadSigner
 from ringtune.gateway.futures import FutureStore, Outcome
+from ringtune.gateway.images import image_decoder
 from ringtune.gateway.observe import ObservedBackend
 from ringtune.gateway.paths import CheckpointPaths
 from ringtune.gateway.refusal import RefusedError
@@ -48,6 +49,7 @@ from ringtune.gateway.stability_records import DIRECTORY_NAME as STABILITY_DIREC
 from ringtune.gateway.stability_records import StabilityRecords
 from ringtune.gateway.state import Registry
 from ringtune.gateway.training_ops import TrainingOps
+from ringtune.gateway.vllm_sampling import SamplingEngine, VllmSampler
 from ringtune.probes.ring_accumulation import SERVED_PROBES
 
 
@@ -59,12 +61,17 @@ class GatewayService:
     and what they share: ``backend`` (observed), ``config``, ``paths``, ``registry``,
     ``futures``, ``executor`` (the backend thread; tools may run work on it), ``autosave``, ``downloads``
     (signed URLs of external weights, a new secret per server start), ``routing`` (sampled sequences' MoE routing,
+    replayed for matching training datums: ``--routing-replay``; else None), ``restored`` (the runs brought back
+    at start-up by ``--restore-live-runs``), ``engine_sampler`` (``sampling_engine`` given, ``serve --sampler vllm``:
+    the :class:`~ringtune.gateway.vllm_sampling.VllmSampler` that answers sampling; closed with the service).
     replayed for matching training datums: ``--routing-replay``; else None), ``stability`` (what the sampler
     recorded for ``record_stability_info`` samples, persisted under the checkpoint root), ``restored`` (the runs
     brought back at start-up by ``--restore-live-runs``).
     """
 
-    def __init__(self, backend: Backend, config: GatewayConfig) -> None:
+    def __init__(
+        self, backend: Backend, config: GatewayConfig, *, sampling_engine: SamplingEngine | None = None
+    ) -> None:
         config.validate()
         self.backend, self.config = ObservedBackend(backend, config.checkpoint_root), config
         self.paths = CheckpointPaths(config.checkpoint_root)
@@ -78,7 +85,12 @@ class GatewayService:
         self.executor = FairExecutor("ringtune-backend", max_join=config.lora_pass_runs)
         self.dispatcher = Dispatcher(self.futures, self.executor)
         self.downloads = DownloadSigner()
+        image_decoder(backend.info())  # loaded now (seconds), not by the first image request on the event loop
         self.routing = RoutingRecords() if config.routing_replay else None
+        self.engine_sampler = None  # ``serve --sampler vllm``: sampling sessions on the external engine
+        if sampling_engine is not None:
+            scratch = Path(config.checkpoint_root) / ".vllm" / "snapshots"
+            self.engine_sampler = VllmSampler(sampling_engine, self.backend, scratch)
         self.stability = StabilityRecords(Path(config.checkpoint_root) / STABILITY_DIRECTORY)
         self.sampling = SamplingService(
             self.backend,
@@ -88,6 +100,7 @@ class GatewayService:
             max_prompt_tokens=backend.info().context_length,
             slice_s=config.sample_slice_s,
             routing=self.routing,
+            sampler=self.engine_sampler,
             stability=self.stability,
         )
         self.runs = RunBook(config, self.backend, self.registry, self.paths, self.dispatcher, self.sampling)
@@ -153,4 +166,6 @@ class GatewayService:
     def close(self) -> None:
         """Stop the backend thread (after the queued jobs) and the backend (any thread)."""
         self.dispatcher.shutdown()
+        if self.engine_sampler is not None:
+            self.engine_sampler.close()
         self.backend.close()

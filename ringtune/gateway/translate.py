@@ -13,6 +13,8 @@ import torch
 from ringtune.engine.optimizer import AdamParams
 from ringtune.engine.trainer import TrainDatum
 from ringtune.errors import UserInputError
+from ringtune.gateway.image_chunks import expand_images
+from ringtune.gateway.images import ImageDecoder, PatchBudget
 from ringtune.gateway.paths import KINDS, check_name, check_run_id
 from ringtune.gateway.proto import ForwardBackwardCall
 from ringtune.losses import SERVER_INPUT_KEYS
@@ -22,12 +24,15 @@ TINKER_SCHEME = "tinker://"
 ADAM_FIELDS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 
 
-def train_data(call: ForwardBackwardCall) -> list[TrainDatum]:
+def train_data(call: ForwardBackwardCall, images: ImageDecoder | None = None) -> list[TrainDatum]:
     """The call's datums as engine ``TrainDatum``s (tokens int64 [N]; inputs as decoded, float32 / int64).
 
-    Only structure is checked here (at least one datum, no key only the server sets: ``sampled_mask``); shapes,
-    ids and finiteness are the engine's to check (:func:`ringtune.losses.check_datum_inputs`), before it
-    computes anything. Provenance spans are not read here (:mod:`ringtune.gateway.provenance`).
+    ``images``: the served checkpoint's image decoder (None: a text-only model, image chunks refused); each
+    datum's image chunks are decoded and expanded into image-pad tokens (:mod:`ringtune.gateway.image_chunks`),
+    so ``tokens`` and ``images`` are what the model takes. Only structure is checked here (at least one datum, no
+    key only the server sets: ``sampled_mask``, the images); shapes, ids and finiteness are the engine's to check
+    (:func:`ringtune.losses.check_datum_inputs`), before it computes anything. Provenance spans are not read here
+    (:mod:`ringtune.gateway.provenance`).
     """
     if not call.data:
         raise UserInputError("forward_backward_input.data: the request holds no datums; send at least 1")
@@ -38,10 +43,18 @@ def train_data(call: ForwardBackwardCall) -> list[TrainDatum]:
                     f"data[{i}].loss_fn_inputs[{key!r}]: set by the server from the datum's provenance spans, "
                     f"never sent by a client"
                 )
-    return [
-        TrainDatum(tokens=torch.from_numpy(d.tokens), inputs={k: torch.from_numpy(v) for k, v in d.inputs.items()})
-        for d in call.data
-    ]
+    budget = PatchBudget(images.limits.max_request_patches) if images is not None else None
+    data = []
+    for i, d in enumerate(call.data):
+        tokens, inputs = expand_images(d.tokens, d.images, images, budget, f"data[{i}].model_input")
+        data.append(
+            TrainDatum(
+                tokens=torch.from_numpy(tokens),
+                inputs={k: torch.from_numpy(v) for k, v in d.inputs.items()},
+                images=inputs,
+            )
+        )
+    return data
 
 
 def loss_config(config: Mapping[str, float | str]) -> dict[str, float] | None:

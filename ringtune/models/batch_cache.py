@@ -90,13 +90,18 @@ class DecodeBatch:
     """The caches of the sequences being decoded together (rows), in row order.
 
     Attributes:
-        lengths: int64 [B], tokens already in each row's cache (the next token's position).
+        lengths: int64 [B], tokens already in each row's cache (the next token's slot).
         layers: one :class:`KVRows` or :class:`GatedDeltaRows` per decoder layer.
+        rope_offsets: int64 [B], each row's :attr:`SequenceCache.rope_offset`: the next token is rotated at
+            ``lengths + rope_offsets`` (0 for text-only rows).
     """
 
-    def __init__(self, lengths: torch.Tensor, layers: list[LayerRows]) -> None:
+    def __init__(
+        self, lengths: torch.Tensor, layers: list[LayerRows], rope_offsets: torch.Tensor | None = None
+    ) -> None:
         self.lengths = lengths
         self.layers = layers
+        self.rope_offsets = torch.zeros_like(lengths) if rope_offsets is None else rope_offsets
 
     @classmethod
     def of(cls, caches: list[SequenceCache], *, reserve: int = 0) -> DecodeBatch:
@@ -112,7 +117,8 @@ class DecodeBatch:
                 layers.append(KVRows.of(states, capacity))  # type: ignore[arg-type]
             else:
                 layers.append(GatedDeltaRows.of(states))  # type: ignore[arg-type]
-        return cls(lengths, layers)
+        offsets = torch.tensor([c.rope_offset for c in caches], dtype=torch.int64, device="cpu")
+        return cls(lengths, layers, offsets)
 
     def __len__(self) -> int:
         return self.lengths.shape[0]
@@ -132,6 +138,7 @@ class DecodeBatch:
         """Keep only ``rows`` (in that order); the others leave the batch."""
         index = torch.tensor(rows, dtype=torch.int64, device="cpu")
         self.lengths = self.lengths[index]
+        self.rope_offsets = self.rope_offsets[index]
         for i, layer in enumerate(self.layers):
             if isinstance(layer, KVRows):
                 self.layers[i] = KVRows(layer.k[index.to(layer.k.device)], layer.v[index.to(layer.k.device)])
@@ -145,9 +152,10 @@ class DecodeBatch:
             return
         new = DecodeBatch.of(caches)
         if not len(self):
-            self.lengths, self.layers = new.lengths, new.layers
+            self.lengths, self.layers, self.rope_offsets = new.lengths, new.layers, new.rope_offsets
             return
         self.lengths = torch.cat([self.lengths, new.lengths])
+        self.rope_offsets = torch.cat([self.rope_offsets, new.rope_offsets])
         for i, (old, add) in enumerate(zip(self.layers, new.layers, strict=True)):
             if isinstance(old, KVRows) and isinstance(add, KVRows):
                 capacity = max(old.capacity, add.capacity)
@@ -165,4 +173,4 @@ class DecodeBatch:
             layer.state(b, n) if isinstance(layer, KVRows) else layer.state_of(b)  # type: ignore[union-attr]
             for layer in self.layers
         ]
-        return SequenceCache(length=n, layers=layers)  # type: ignore[arg-type]
+        return SequenceCache(length=n, layers=layers, rope_offset=int(self.rope_offsets[b]))  # type: ignore[arg-type]

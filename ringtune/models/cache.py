@@ -60,10 +60,15 @@ LayerState = AttentionState | GatedDeltaState
 
 @dataclass
 class SequenceCache:
-    """Everything needed to decode the token after the ``length`` tokens of one sequence (one entry per layer)."""
+    """Everything needed to decode the token after the ``length`` tokens of one sequence (one entry per layer).
+
+    ``rope_offset`` (<= 0): the next token's rotary position minus ``length``; nonzero after images, whose tokens
+    advance the MRoPE count by less than their number (:func:`ringtune.layout.mrope.rope_offsets`).
+    """
 
     length: int
     layers: list[LayerState]
+    rope_offset: int = 0
 
 
 class LayerCapture:
@@ -150,6 +155,7 @@ class PrefillCapture:
         self.plan, self.group = plan, group
         self.keep = set(range(len(plan.seq_lens))) if keep is None else set(keep)
         self.layers = [LayerCapture(self) for _ in range(num_layers)]
+        self.rope_offsets = [0] * len(plan.seq_lens)  # set by the forward for a row with images
 
     @cached_property
     def spans(self) -> list[tuple[int, int]]:
@@ -176,7 +182,11 @@ class PrefillCapture:
         if missing:
             raise RuntimeError(f"layers {missing} recorded nothing: run hidden_states(..., capture=this) first")
         return [
-            SequenceCache(length=n, layers=[layer.states[i] for layer in self.layers])  # type: ignore[index,misc]
+            SequenceCache(
+                length=n,
+                layers=[layer.states[i] for layer in self.layers],  # type: ignore[index,misc]
+                rope_offset=self.rope_offsets[i],
+            )
             if i in self.keep
             else None
             for i, n in enumerate(self.plan.seq_lens)

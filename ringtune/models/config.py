@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ringtune.errors import ParallelConfigError, UserInputError
+from ringtune.models.vision.config import VisionConfig
 from ringtune.ops.cp_modes import check_attention_mode, check_gated_delta_mode
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe", "llama", "qwen3", "qwen3_moe")
@@ -69,6 +70,9 @@ class DecoderConfig:
     ``mlp_types[i]`` is layer i's MLP ("dense" or "moe"); the ``num_experts`` … ``norm_topk_prob`` fields
     describe the MoE layers (0 / unused when there are none); ``shared_expert_intermediate_size`` > 0 adds
     Qwen3.5-MoE's sigmoid-gated shared expert. ``intermediate_size`` is the dense MLP's (0 when none).
+    ``mrope_section``: how Qwen3.5's rotary frequencies split over the (t, h, w) positions of image tokens;
+    ``vision``: the vision tower of a VL config (None: text only; :func:`~ringtune.models.checkpoints.hf.load_hf`
+    also drops it for a checkpoint that holds no ``model.visual.*`` tensors).
     """
 
     family: str
@@ -100,6 +104,8 @@ class DecoderConfig:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
     router_aux_loss_coef: float = 0.0
+    mrope_section: tuple[int, int, int] = (11, 11, 10)
+    vision: VisionConfig | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -155,9 +161,14 @@ class DecoderConfig:
             bad = [t for t in layer_types if t not in LAYER_TYPES]
             if len(layer_types) != n or bad:
                 raise UserInputError(f"config.layer_types must be {n} of {LAYER_TYPES}; got {layer_types}")
+            section = tuple(int(v) for v in rope.get("mrope_section", (11, 11, 10)))
+            if len(section) != 3:
+                raise UserInputError(f"config rope mrope_section={list(section)} must list 3 sizes (t, h, w)")
             return cls(
                 family="qwen3_5",
                 partial_rotary_factor=rotary_factor,
+                mrope_section=section,  # type: ignore[arg-type]
+                vision=VisionConfig.from_hf(hf, text_hidden_size=common["hidden_size"]),
                 qk_norm="zero_centered",
                 layer_types=tuple(layer_types),
                 linear_num_key_heads=int(text.get("linear_num_key_heads", 16)),

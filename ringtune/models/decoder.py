@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ringtune.layout.mrope import rope_offsets
 from ringtune.models.batch_cache import DecodeBatch, GatedDeltaRows, KVRows, LayerRows
 from ringtune.models.cache import LayerCapture, PrefillCapture
 from ringtune.models.config import DecoderConfig
@@ -24,6 +25,7 @@ from ringtune.models.logprob_head import label_logprobs
 from ringtune.models.precision import layer_input, layer_output, layer_params, layer_round
 from ringtune.models.recompute import DEFAULT_RECOMPUTE, run_decoder_layer
 from ringtune.models.shard import PackedShard
+from ringtune.models.vision.tower import VisionTower
 
 
 class DecoderLayer(nn.Module):
@@ -92,7 +94,7 @@ class DecoderLayer(nn.Module):
         read in ``compute_dtype`` (differentiable casts of the masters) when it is set.
         """
         mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
-        with layer_params(self):
+        with layer_params(self, detached=shard.faults.detach_mixed_casts()):  # DEBUG-FAULT HOOK (False)
             x = layer_round(self, x + mixer(self.input_layernorm(x), shard, cache))
             return layer_round(self, x + self.mlp_out(self.post_attention_layernorm(x), shard))
 
@@ -103,8 +105,11 @@ class DecoderLayer(nn.Module):
             return self.mlp(h, replay, shard.plan.is_real.to(h.device))
         return self.mlp(h)
 
-    def decode(self, x: torch.Tensor, positions: torch.Tensor, rows: LayerRows) -> torch.Tensor:
-        """One new token per sequence: x [B, hidden] at ``positions`` [B] -> [B, hidden]; updates ``rows``.
+    def decode(
+        self, x: torch.Tensor, positions: torch.Tensor, rows: LayerRows, rotary: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """One new token per sequence: x [B, hidden] at slots ``positions`` [B] -> [B, hidden]; updates ``rows``.
+        ``rotary`` [B]: the rotary positions when they are not the slots (after images), else None.
 
         With ``compute_dtype`` set it computes as :meth:`forward` does: x cast first, parameters read in it.
         """
@@ -116,12 +121,13 @@ class DecoderLayer(nn.Module):
                 x = layer_round(self, x + self.linear_attn.decode(h, rows))
             else:
                 assert isinstance(rows, KVRows)
-                x = layer_round(self, x + self.self_attn.decode(h, positions, rows))
+                x = layer_round(self, x + self.self_attn.decode(h, positions, rows, rotary))
             return layer_output(self, layer_round(self, x + self.mlp(self.post_attention_layernorm(x))))
 
 
 class _Body(nn.Module):
-    """``model.*`` of the HF layout: embeddings, layers, final norm."""
+    """``model.*`` of the HF layout: embeddings, layers, final norm, and ``visual`` (the vision tower of a VL
+    model; None for text only)."""
 
     def __init__(self, config: DecoderConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -129,6 +135,7 @@ class _Body(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=config.pad_token_id)
         self.layers = nn.ModuleList(DecoderLayer(config, i, rotary) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, zero_centered=config.family == "qwen3_5")
+        self.visual = None if config.vision is None else VisionTower(config.vision)
 
 
 class CausalLM(nn.Module):
@@ -138,7 +145,10 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.rotary = RotaryEmbedding(
-            config.head_dim, theta=config.rope_theta, partial_rotary_factor=config.partial_rotary_factor
+            config.head_dim,
+            theta=config.rope_theta,
+            partial_rotary_factor=config.partial_rotary_factor,
+            mrope_section=config.mrope_section,
         )
         self.model = _Body(config, self.rotary)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, False)
@@ -173,24 +183,46 @@ class CausalLM(nn.Module):
             )
         if capture is not None and (capture.plan is not shard.plan or len(capture.layers) != len(self.model.layers)):
             raise ValueError("capture must be PrefillCapture(shard.plan, num_layers) of this model and shard")
-        x = self.model.embed_tokens(input_ids)
+        if capture is not None and shard.images is not None:  # decoding continues each sequence's MRoPE count
+            capture.rope_offsets = rope_offsets(
+                shard.plan.seq_lens, shard.images.spans, shard.images.spatial_merge_size
+            )
+        x = self.input_embeddings(input_ids, shard)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, shard) if capture is None else layer(x, shard, capture.layers[i])
         return self.model.norm(x)
 
+    def input_embeddings(self, input_ids: torch.Tensor, shard: PackedShard) -> torch.Tensor:
+        """The decoder's input [T_local, hidden]: token embeddings, with the vision tower's embeddings in place of
+        this rank's image tokens when ``shard.images`` is set (:mod:`ringtune.models.vision.placement`: the
+        rank encodes the images it holds tokens of; no communication). Raises ValueError for images on a model
+        without a vision tower."""
+        x = self.model.embed_tokens(input_ids)
+        images = shard.images
+        if images is None:
+            return x
+        if self.model.visual is None:
+            raise ValueError("this row has images but the model has no vision tower (a text-only checkpoint)")
+        if images.local_index.numel() == 0:
+            return x
+        embeds = self.model.visual(images.pixel_values, images.grids)
+        return x.index_copy(0, images.local_index, embeds.index_select(0, images.embed_index).to(x.dtype))
+
     def decode_hidden(self, input_ids: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
         """One decode step: input_ids int64 [B] (row b's next token) -> final-normed hidden [B, hidden].
 
-        The token of row b sits at position ``batch.lengths[b]``; every layer appends to / updates row b's
-        cache, and ``batch.lengths`` advances by one. Single process, no autograd needed.
+        The token of row b sits at slot ``batch.lengths[b]`` and is rotated at ``lengths[b] + rope_offsets[b]``
+        (its sequence's MRoPE count after images; text tokens take three equal positions); every layer appends
+        to / updates row b's cache, and ``batch.lengths`` advances by one. Single process, no autograd needed.
         """
         if input_ids.shape != (len(batch),):
             raise ValueError(f"input_ids must be [B={len(batch)}] (one token per row); got {tuple(input_ids.shape)}")
         batch.reserve(1)
         positions = batch.lengths.to(input_ids.device)
+        rotary = None if not bool(batch.rope_offsets.any()) else positions + batch.rope_offsets.to(positions.device)
         x = self.model.embed_tokens(input_ids)
         for layer, rows in zip(self.model.layers, batch.layers, strict=True):
-            x = layer.decode(x, positions, rows)
+            x = layer.decode(x, positions, rows, rotary)
         batch.advance()
         return self.model.norm(x)
 

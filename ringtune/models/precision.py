@@ -178,12 +178,13 @@ def layer_output(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x.to(layer.compute_dtype) if layer.exact_arithmetic else x
 
 
-def layer_params(layer: nn.Module):
+def layer_params(layer: nn.Module, *, detached: bool = False):
     """The context a decoder layer computes in: its parameters read as its compute dtype (mixed), or as float64
-    holding their ``compute_dtype`` rounding (exact); nothing when unmixed (:func:`compute_params`)."""
+    holding their ``compute_dtype`` rounding (exact); nothing when unmixed (:func:`compute_params`).
+    ``detached``: the mixed casts are cut from autograd (the ``mixed_cast_detached_last_cp`` debug fault only)."""
     if layer.exact_arithmetic:
         return compute_params(layer, ARITHMETIC_DTYPE, via=layer.compute_dtype)
-    return compute_params(layer, layer.compute_dtype)
+    return compute_params(layer, layer.compute_dtype, detached=detached)
 
 
 def export_dtype(model: nn.Module, compute_dtype: torch.dtype | None) -> torch.dtype | None:
@@ -200,7 +201,9 @@ def export_dtype(model: nn.Module, compute_dtype: torch.dtype | None) -> torch.d
 
 
 @contextmanager
-def compute_params(module: nn.Module, dtype: torch.dtype | None, via: torch.dtype | None = None) -> Iterator[None]:
+def compute_params(
+    module: nn.Module, dtype: torch.dtype | None, via: torch.dtype | None = None, *, detached: bool = False
+) -> Iterator[None]:
     """Within: every floating parameter of ``module`` (and its submodules) not already in ``dtype`` reads as a
     differentiable cast of itself to ``dtype``; the parameters are put back on exit (also on an exception).
     ``via`` (exact arithmetic): the values are rounded to ``via`` first, but the gradient passes the rounding
@@ -210,6 +213,7 @@ def compute_params(module: nn.Module, dtype: torch.dtype | None, via: torch.dtyp
     The casts are ordinary autograd ops: gradients reach the original parameters in their own dtype (float32
     masters get the float32 upcast of the bfloat16 gradient). Nothing changes when ``dtype`` is None or the
     parameters are in it already (e.g. FSDP2's bfloat16 unsharded parameters). Not thread-safe for one module.
+    ``detached`` (a debug fault only): the plain casts are detached, so no gradient reaches the parameters.
     """
     if dtype is None:
         yield
@@ -222,7 +226,7 @@ def compute_params(module: nn.Module, dtype: torch.dtype | None, via: torch.dtyp
                     swapped.append((sub._parameters, name, p))
         for table, name, p in swapped:
             if via is None:
-                table[name] = p.to(dtype)
+                table[name] = p.to(dtype).detach() if detached else p.to(dtype)
             elif p.requires_grad:
                 table[name] = _rounded_straight_through(p, via, dtype)
             else:

@@ -93,10 +93,13 @@ def _selective_attention_layer(layer: nn.Module, x: torch.Tensor, shard: PackedS
     ``o_proj``, residual, norm, MLP) are recomputed and talk over no group.
     """
     attn = layer.self_attn
+    runs: list[bool] = []  # one entry per call of project: the second is the backward's rerun
 
     def project(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         with layer_params(layer):
             positions = shard.faults.shift_positions(shard.positions)  # DEBUG-FAULT HOOK (as Attention.forward)
+            positions = shard.faults.rerun_positions(positions, rerun=bool(runs))  # DEBUG-FAULT HOOK (no-op)
+            runs.append(True)
             q, k, v, gate = attn._project(layer.input_layernorm(x), positions)
         return q.contiguous(), k.contiguous(), v, gate
 

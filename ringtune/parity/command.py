@@ -1,10 +1,11 @@
-"""``ringtune parity run | compare | matrix``: the command line of the parity client (docs/parity.md)."""
+"""``ringtune parity run | compare | matrix | noise``: the command line of the parity client (docs/parity.md)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 from ringtune.debug_faults import DEBUG_FAULTS
@@ -22,6 +23,14 @@ def add_parity_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--long-context", type=int, default=None, help="cap the long datums below the context length")
     r.add_argument("--label", default=None, help="name of this run in reports (default: the URL)")
+    r.add_argument("--lora-rank", type=int, default=0, help="run on a LoRA run of this rank (0: full fine-tuning)")
+    r.add_argument(
+        "--companion", action="store_true", help="a second LoRA run submits beside it (--lora-pass-runs >= 2 joins)"
+    )
+    r.add_argument(
+        "--long-rows", action="store_true", help="add the long-row profile (rows of 48 datums, mesh prefill)"
+    )
+    r.add_argument("--permute", type=int, default=None, help="send each request's datums in this seed's order")
     c = verbs.add_parser("compare", help="compare dump B (candidate) with dump A (reference); exit 1 on a failure")
     c.add_argument("reference")
     c.add_argument("candidate")
@@ -34,8 +43,13 @@ def add_parity_parser(sub: argparse._SubParsersAction) -> None:
         "--full",
         action="store_true",
         help="CP 1/2/4 and DP 1/2 (DP·CP <= 4) x both GDN modes x float32/bfloat16/float64, SmolLM2-135M at "
-        "CP 1/2, a tiny Qwen3.5-MoE at four (DP, CP, EP) layouts, and every debug fault",
+        "CP 1/2, a tiny Qwen3.5-MoE at four (DP, CP, EP) layouts, the product of the serve options (attention x "
+        "precision x sharding, LoRA, recompute with long rows) and every debug fault",
     )
+    m.add_argument(
+        "--no-options", action="store_true", help="skip the option layouts (attention, sharding, LoRA, long rows)"
+    )
+    m.add_argument("--noise-json", default="docs/validation/noise.json", help="noise floors shown in the report")
     m.add_argument("--cp", type=int, nargs="+", default=None, help="CP sizes (default 1 2 4)")
     m.add_argument("--dp", type=int, nargs="+", default=None, help="DP sizes (default 1; DP·CP <= 4)")
     m.add_argument("--modes", nargs="+", default=None, choices=["headwise", "chunkwise"])
@@ -43,8 +57,8 @@ def add_parity_parser(sub: argparse._SubParsersAction) -> None:
         "--dtypes",
         nargs="+",
         default=None,
-        choices=["float32", "bfloat16", "float64"],
-        help="default float32 float64",
+        choices=["float32", "bfloat16", "float64", "bf16-mixed", "bf16-exact"],
+        help="default float32 (float64 at CP 2 chunkwise and CP 4 headwise is among the option layouts)",
     )
     m.add_argument(
         "--faults", nargs="*", default=None, choices=DEBUG_FAULTS, help="debug faults to serve, each at its layout"
@@ -59,6 +73,13 @@ def add_parity_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--doc", default="docs/validation.md")
     m.add_argument("--png-dir", default="docs/validation")
     m.add_argument("--reuse", action="store_true", help="re-compare dumps already in --workdir instead of serving")
+    n = verbs.add_parser("noise", help="measure each precision's noise floor: CP=1 with its requests permuted")
+    n.add_argument("--dtypes", nargs="+", default=["bf16-mixed", "bfloat16", "float32"])
+    n.add_argument("--row-tokens", type=int, default=1024, help="tokens per packed row (= context length)")
+    n.add_argument("--cp", type=int, nargs="+", default=[1, 2], help="CP sizes measured (chunkwise GDN at CP > 1)")
+    n.add_argument("--seeds", type=int, nargs="+", default=[1, 2], help="permutation seeds (one client run each)")
+    n.add_argument("--workdir", default="parity-work", help="dumps, server logs, the tiny model")
+    n.add_argument("--out", default="docs/validation/noise.json", help="the floors per precision (JSON)")
 
 
 def _moe_layouts(given: list[str] | None, full: bool) -> tuple[tuple[int, int, int], ...]:
@@ -85,7 +106,16 @@ def run_parity_command(args: argparse.Namespace) -> int:
 
         key = args.api_key or os.environ.get("TINKER_API_KEY")
         dump = run_parity(
-            args.url, args.out, api_key=key, seed=args.seed, long_context=args.long_context, label=args.label
+            args.url,
+            args.out,
+            api_key=key,
+            seed=args.seed,
+            long_context=args.long_context,
+            label=args.label,
+            lora_rank=args.lora_rank,
+            companion=args.companion,
+            long_rows=args.long_rows,
+            permute=args.permute,
         )
         layout = dump["layout"]
         print(
@@ -115,9 +145,12 @@ def run_parity_command(args: argparse.Namespace) -> int:
             ]
             Path(args.json).write_text(json.dumps(figures, indent=1))
         return 1 if result.failures else 0
-    from ringtune.parity.matrix import MatrixConfig, run_matrix
+    if args.parity_command == "noise":
+        return _run_noise(args)
+    from ringtune.parity.matrix import OPTIONS_DEFAULT, MatrixConfig, options_full, run_matrix
 
     full = args.full
+    options = () if args.no_options else (options_full() if full else OPTIONS_DEFAULT)
     config = MatrixConfig(
         workdir=Path(args.workdir).resolve(),
         doc=Path(args.doc).resolve(),
@@ -125,11 +158,13 @@ def run_parity_command(args: argparse.Namespace) -> int:
         cps=tuple(args.cp or (1, 2, 4)),
         dps=tuple(args.dp or ((1, 2) if full else (1,))),
         modes=tuple(args.modes or ("headwise", "chunkwise")),
-        dtypes=tuple(args.dtypes or (("float32", "bfloat16", "float64") if full else ("float32", "float64"))),
+        dtypes=tuple(args.dtypes or (("float32", "bfloat16", "float64") if full else ("float32",))),
         row_tokens=args.row_tokens,
         embedded_cps=tuple(args.embedded_cp if args.embedded_cp is not None else ((1, 2) if full else ())),
         faults=tuple(args.faults if args.faults is not None else (DEBUG_FAULTS if full else ())),
         moe_layouts=_moe_layouts(args.moe, full),
+        option_layouts=options,
+        noise_json=Path(args.noise_json).resolve(),
         long_context=args.long_context,
         reuse=args.reuse,
     )
@@ -140,3 +175,29 @@ def run_parity_command(args: argparse.Namespace) -> int:
         print(f"parity matrix: {r.model} {r.spec.name} {what}", file=sys.stderr)
     print(f"parity matrix: {len(report.rows) - len(bad)}/{len(report.rows)} as expected; report {config.doc}")
     return 0 if not bad else 1
+
+
+def _run_noise(args: argparse.Namespace) -> int:
+    """``ringtune parity noise``: measure and write the floors; print one line per precision."""
+    from ringtune.parity.noise import measure_noise, write_floors
+    from ringtune.parity.servers import ServeSpec
+    from ringtune.parity.tiny_checkpoint import tiny_qwen35_dir
+
+    workdir = Path(args.workdir).resolve()
+    tiny = str(tiny_qwen35_dir(workdir / "tiny-qwen3.5"))
+    floors: dict[str, dict[str, float]] = {}
+    for dtype in args.dtypes:
+        for cp in args.cp:
+            start = time.monotonic()
+            mode = "chunkwise" if cp > 1 else "headwise"
+            spec = ServeSpec(
+                model=tiny, dtype=dtype, cp=cp, linear_cp_mode=mode, max_tokens_per_rank=args.row_tokens // cp
+            )
+            _, measured = measure_noise(spec, workdir, seeds=args.seeds)
+            key = f"{dtype} CP{cp}"
+            floors[key] = {**measured, "seconds": round(time.monotonic() - start, 1)}
+            print(f"parity noise: {key}: " + ", ".join(f"{k} {v:.3g}" for k, v in floors[key].items()), flush=True)
+            write_floors(floors, Path(args.out))  # after each, so a cut run keeps what it measured
+    write_floors(floors, Path(args.out))
+    print(f"parity noise: floors -> {args.out}")
+    return 0

@@ -7,6 +7,8 @@ Log-prob deltas ``Δ = lp_B - lp_A`` per scored position. Figures (``value <= li
   starting weights (``forward.*``); ``lp.trimmed_kl``: the mean of ``k3 = e^Δ - 1 - Δ`` (≈ Δ²/2, a per-token
   KL estimate from label log-probs) over the long rows' positions below their 99th percentile (a few flipped
   tokens do not dominate; short rows stay out, they have their own gate);
+- ``lp.images.mean`` / ``lp.images.p99``: the same over the image datums' forward (``forward.images``), when the
+  servers take images; their ``long_step.images`` and ``after.images`` count among the requests after a step;
 - ``lp.short[<datum>].max``: each short row's (and the lone datum's) largest ``|Δ|`` at the starting weights;
 - windows, as the ratio of their mean ``|Δ|`` to the long rows' interior mean (positions near no chunk boundary
   and in no split window): ``lp.chunk[k]`` (zigzag chunk k), ``lp.boundary[k]`` (``[b-2, b+2)`` around the
@@ -51,9 +53,15 @@ POST_STEP = (
     "long_step.lone",
     "long_step.long",
     "long_step.tail",
+    "long_step.images",
+    "long_step.packed",
     "after.main",
     "after.long",
+    "after.images",
+    "after.packed",
+    "prefill.mesh",
 )
+"""Requests after the first step (``*.packed`` and ``prefill.mesh``: the long-row profile, when both ran it)."""
 LOSS_RECORDS = (
     "cross_entropy",
     "importance_sampling",
@@ -61,6 +69,8 @@ LOSS_RECORDS = (
     "long_step.lone",
     "long_step.long",
     "long_step.tail",
+    "long_step.images",
+    "long_step.packed",
 )
 REPLICA_DIVERGED = "replicas diverged"
 """What a server error says when the ranks' replicas came apart (ringtune.engine.replica_check)."""
@@ -170,6 +180,10 @@ def compute_figures(a: Mapping[str, Any], b: Mapping[str, Any], *, window_layout
     everything = np.abs(np.concatenate([d for name in PRE_STEP for d in pre[name]]))
     figures.append(Figure("lp.mean", _stat(everything, "mean"), limits.lp_mean))
     figures.append(Figure("lp.p99", _stat(everything, "p99"), limits.lp_p99))
+    if "forward.images" in ra:  # a server that takes images (ringtune.parity.image_datums)
+        images = np.abs(np.concatenate(_deltas(ra["forward.images"], rb["forward.images"])))
+        figures.append(Figure("lp.images.mean", _stat(images, "mean"), limits.lp_mean))
+        figures.append(Figure("lp.images.p99", _stat(images, "p99"), limits.lp_p99))
 
     # Long rows of the starting-weight forwards: per-position classes under the window layout.
     positions = {
@@ -188,7 +202,7 @@ def compute_figures(a: Mapping[str, Any], b: Mapping[str, Any], *, window_layout
     k3 = np.expm1(raw) - raw
     kept = k3[k3 <= np.percentile(k3, 99)]
     figures.append(Figure("lp.trimmed_kl", float(np.mean(kept)), limits.kl))
-    figures.append(_local_chunk_figure(pre, positions))
+    figures.append(_local_chunk_figure(pre, positions, cpu=_on_cpu(a) and _on_cpu(b)))
 
     for name in ("forward.main", "forward.lone"):
         record = ra[name]
@@ -225,9 +239,9 @@ def compute_figures(a: Mapping[str, Any], b: Mapping[str, Any], *, window_layout
         value = abs(gn_b / gn_a - 1.0) if gn_a else abs(gn_b)
         limit = limits.grad_norm if step == "cross_entropy" else limits.grad_norm_later
         figures.append(Figure(f"grad_norm.{step}", value, limit, note=f"{gn_b:.10g} / {gn_a:.10g}"))
-    for name in (n for n in ("cross_entropy", *POST_STEP) if n in ra):
+    for name in (n for n in ("cross_entropy", "forward.packed", *POST_STEP) if n in ra):
         d = np.abs(np.concatenate(_deltas(ra[name], rb[name])))
-        pre_step = name == "cross_entropy"
+        pre_step = name in ("cross_entropy", "forward.packed")
         figures.append(Figure(f"lp.{name}.mean", _stat(d, "mean"), limits.lp_mean if pre_step else limits.post_mean))
         figures.append(Figure(f"lp.{name}.p99", _stat(d, "p99"), limits.lp_p99 if pre_step else limits.post_p99))
 
@@ -247,9 +261,18 @@ def compute_figures(a: Mapping[str, Any], b: Mapping[str, Any], *, window_layout
 
 LOCAL_MOVED_LIMIT = 0.1
 """Largest fraction of zigzag-chunk-0 positions allowed to differ at all from the reference (see below)."""
+CPU_ONLY = "CPU-only detector: not enforced off CPU"
+"""The note of a detector that needs bit-deterministic kernels, reported but not enforced when a dump is not
+from a CPU server (its layout's ``device_type``; dumps without one are from CPU servers)."""
 
 
-def _local_chunk_figure(pre: Mapping[str, list[np.ndarray]], positions: Mapping[str, list[DatumPositions]]) -> Figure:
+def _on_cpu(dump: Mapping[str, Any]) -> bool:
+    return dump["layout"].get("device_type", "cpu") == "cpu"
+
+
+def _local_chunk_figure(
+    pre: Mapping[str, list[np.ndarray]], positions: Mapping[str, list[DatumPositions]], *, cpu: bool = True
+) -> Figure:
     """``lp.chunk[0].moved``: the fraction of the starting-weight positions in zigzag chunk 0 of their datum whose
     log-prob differs from the reference *at all*.
 
@@ -259,7 +282,12 @@ def _local_chunk_figure(pre: Mapping[str, list[np.ndarray]], positions: Mapping[
     reference's ops in the reference's order, so bit-identically, in every dtype (measured: exactly the chunk-0
     share of positions, 25% at CP=2 and 12.8% at CP=4, are unchanged in bfloat16). A perturbation applied to
     every token (a value rounded to another dtype on its way through a relayout) moves them: ~99% moved.
-    The limit 10% leaves room for a kernel that picks another blocking for another row length."""
+    The limit 10% leaves room for a kernel that picks another blocking for another row length.
+
+    **CPU-only**: it rests on bit-deterministic kernels whose rounding does not depend on the row around a block
+    (measured on the CPU kernels only). GPU attention and matmul kernels pick tilings, split-K and atomics by
+    shape, so off CPU (``cpu=False``) the figure is reported with an infinite limit and the note
+    :data:`CPU_ONLY`; the magnitude figures and the ring probe still apply there."""
     moved, total = 0, 0
     for name, placed in positions.items():  # forward.main and forward.long, placed by the window layout
         for delta, p in zip(pre[name], placed, strict=True):
@@ -267,7 +295,8 @@ def _local_chunk_figure(pre: Mapping[str, list[np.ndarray]], positions: Mapping[
             moved += int(np.count_nonzero(delta[local]))
             total += int(np.count_nonzero(local))
     value = moved / total if total else 0.0
-    return Figure("lp.chunk[0].moved", value, LOCAL_MOVED_LIMIT, note=f"{moved} of {total} chunk-0 positions")
+    note = f"{moved} of {total} chunk-0 positions" + ("" if cpu else f"; {CPU_ONLY}")
+    return Figure("lp.chunk[0].moved", value, LOCAL_MOVED_LIMIT if cpu else float("inf"), note=note)
 
 
 def server_error_figures(a: Mapping[str, Any], b: Mapping[str, Any]) -> list[Figure]:

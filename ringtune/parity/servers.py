@@ -9,13 +9,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ringtune.gateway.serve_process import ServeProcess
+from ringtune.parity.long_rows import MESH_PROMPT_TOKENS
 
 API_KEY = "tml-parity"
 
 
 @dataclass(frozen=True, kw_only=True)
 class ServeSpec:
-    """One server of the matrix: the ``ringtune serve`` flags that matter for parity."""
+    """One server of the matrix: the ``ringtune serve`` flags that matter for parity, and how the client runs
+    against it (``lora_rank``: 0 full fine-tuning; ``long_rows``: the long-row profile of
+    :mod:`ringtune.parity.long_rows`, served with ``--mesh-prompt-tokens`` so its long prompt takes the mesh
+    prefill). ``lora_pass_runs`` >= 2 adds a companion LoRA run whose requests can join the first run's passes."""
 
     model: str
     cp: int = 1
@@ -26,13 +30,54 @@ class ServeSpec:
     max_tokens_per_rank: int = 512
     debug_fault: str | None = None
     ep: int = 1
+    shard_params: str = "none"
+    recompute: str = "none"
+    lora_rank: int = 0
+    lora_pass_runs: int = 1
+    shared_decode: bool = True
+    long_rows: bool = False
 
     @property
     def name(self) -> str:
         fault = f"-fault-{self.debug_fault}" if self.debug_fault else ""
         mode = f"-{self.linear_cp_mode}" if self.cp > 1 else ""
+        mode += f"-{self.attention}" if self.cp > 1 and self.attention != "ring" else ""
         ep = f"-ep{self.ep}" if self.ep > 1 else ""
-        return f"cp{self.cp}{mode}-dp{self.dp}{ep}-{self.dtype}{fault}"
+        return f"cp{self.cp}{mode}-dp{self.dp}{ep}-{self.dtype}{self.options_tag}{fault}"
+
+    @property
+    def options_tag(self) -> str:
+        """The non-default options in the name: ``-shard_dp_cp``, ``-rc_full``, ``-lora32-runs2``, ``-long`` ..."""
+        tag = f"-shard_{self.shard_params}" if self.shard_params != "none" else ""
+        tag += f"-rc_{self.recompute}" if self.recompute != "none" else ""
+        tag += f"-lora{self.lora_rank}" if self.lora_rank else ""
+        tag += f"-runs{self.lora_pass_runs}" if self.lora_pass_runs > 1 else ""
+        tag += "-nodecode" if not self.shared_decode else ""
+        return tag + ("-long" if self.long_rows else "")
+
+    @property
+    def companion(self) -> bool:
+        """Whether the client runs a second LoRA run beside the first (to join passes)."""
+        return self.lora_rank > 0 and self.lora_pass_runs > 1
+
+    def reference(self) -> ServeSpec:
+        """The CP=1 server this one is compared with: the same precision, packed-row budget
+        (``max_tokens_per_rank · CP``), LoRA rank, LoRA pass joining and client profile (what legitimately changes
+        the numbers or the requests); DP 1, EP 1, ring attention, replicated parameters, no recomputation, the
+        shared decode on and no fault (what must change nothing but memory and speed)."""
+        return replace(
+            self,
+            cp=1,
+            dp=1,
+            ep=1,
+            linear_cp_mode="headwise",
+            attention="ring",
+            shard_params="none",
+            recompute="none",
+            shared_decode=True,
+            debug_fault=None,
+            max_tokens_per_rank=self.max_tokens_per_rank * self.cp,
+        )
 
     def arguments(self) -> list[str]:
         args = ["--model", self.model, "--cp", str(self.cp), "--dp", str(self.dp), "--dtype", self.dtype]
@@ -40,6 +85,16 @@ class ServeSpec:
         args += ["--max-tokens-per-rank", str(self.max_tokens_per_rank)]
         if self.ep > 1:
             args += ["--ep", str(self.ep)]
+        if self.shard_params != "none":
+            args += ["--shard-params", self.shard_params]
+        if self.recompute != "none":
+            args += ["--recompute", self.recompute]
+        if self.lora_pass_runs > 1:
+            args += ["--lora-pass-runs", str(self.lora_pass_runs)]
+        if not self.shared_decode:
+            args += ["--no-shared-decode"]
+        if self.long_rows:
+            args += ["--mesh-prompt-tokens", str(MESH_PROMPT_TOKENS)]
         if self.debug_fault:
             args += ["--debug-fault", self.debug_fault]
         return args

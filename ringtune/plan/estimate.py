@@ -9,6 +9,11 @@ at the step's worst moment. :func:`estimate` walks the step's phases and takes t
   layer i's recomputation rebuilds, its backward working set (:data:`BACKWARD_WORK`) and its CP buffers;
 - ``optimizer``: the AdamW step (foreach temporaries, one parameter-sized list).
 
+A vision-language config adds its vision tower (:mod:`ringtune.plan.vision`): its parameters (sharded, copied
+and updated like the decoder's; the tower counted as one FSDP unit) and, for ``image_tokens`` image tokens per
+row, the activations of the patches this rank encodes, kept through the whole backward, and a last phase
+``vision`` (the tower's backward).
+
 Beside the step, a rank holds its sampler snapshots (``sampler_snapshots``, :func:`snapshot_bytes` each: the
 sampler pool keeps whole inference copies of run weights, :mod:`ringtune.engine.snapshot`), counted in every
 phase. Every term is bytes on one rank; ``tokens`` is the rank's share of the packed row (its zigzag shard).
@@ -24,6 +29,7 @@ from ringtune.models.config import DecoderConfig
 from ringtune.models.logprob_tiles import tile_shape
 from ringtune.plan import activations as act
 from ringtune.plan import moe
+from ringtune.plan import vision as vis
 
 PRECISIONS: dict[str, tuple[int, int, int, int]] = {
     # name: (compute bytes e, parameter bytes, gradient bytes, AdamW moment bytes per parameter)
@@ -196,29 +202,40 @@ def snapshot_bytes(cfg: DecoderConfig, layout: Layout) -> float:
     e, pb, _, _ = PRECISIONS[layout.precision]
     types = cfg.layer_types
     layers = sum(layer_parameters(cfg, t, i) + moe.expert_parameters(cfg, i) for i, t in enumerate(types))
+    tower = vis.vision_shape(cfg)
+    layers += vis.vision_parameters(tower) if tower is not None else 0
     layer_bytes = e if layout.precision == "bf16-mixed" else pb
     return layers * layer_bytes + root_parameters(cfg) * pb
 
 
 def estimate(
-    cfg: DecoderConfig, layout: Layout, tokens: int, *, adamw: str = "fused", sampler_snapshots: int = 0
+    cfg: DecoderConfig,
+    layout: Layout,
+    tokens: int,
+    *,
+    adamw: str = "fused",
+    sampler_snapshots: int = 0,
+    image_tokens: int = 0,
 ) -> Estimate:
     """Predicted per-rank peak of one training step of ``tokens`` tokens per rank under ``layout``, the trainer's
     AdamW run by kernel ``adamw`` (:data:`ADAMW_TRANSIENT`), with ``sampler_snapshots`` whole sampler snapshots
-    held beside it (:func:`snapshot_bytes` each; 0: the step alone)."""
+    held beside it (:func:`snapshot_bytes` each; 0: the step alone); ``image_tokens``: image-pad tokens of the
+    packed row (the whole row, all CP ranks; a vision-language config only)."""
     if adamw not in ADAMW_TRANSIENT:
         raise UserInputError(f"adamw={adamw!r}: choose one of {', '.join(ADAMW_TRANSIENT)}")
     if isinstance(sampler_snapshots, bool) or not isinstance(sampler_snapshots, int) or sampler_snapshots < 0:
         raise UserInputError(f"--sampler-snapshots={sampler_snapshots!r}: must be an integer >= 0")
     check_precision_planned(layout.precision)
     act.check_mode(layout.recompute)
+    tower = vis.check_image_tokens(cfg, image_tokens)
     e, pb, gb, mb = PRECISIONS[layout.precision]
     a = 8 if e == 8 else 4
     w = act.Widths(e=e, a=a)
     types = cfg.layer_types
     per_layer = [layer_parameters(cfg, t, i) for i, t in enumerate(types)]
     root = root_parameters(cfg)
-    total = sum(per_layer) + root
+    tower_params = vis.vision_parameters(tower) if tower is not None else 0
+    total = sum(per_layer) + root + tower_params
     layer_experts = [moe.expert_parameters(cfg, i) / layout.ep for i in range(len(types))]  # this rank's, unsharded
     experts = sum(moe.expert_parameters(cfg, i) for i in range(len(types)))
     if layout.ep < 1 or (experts and cfg.num_experts % layout.ep) or (not experts and layout.ep > 1):
@@ -238,10 +255,14 @@ def estimate(
     local_experts = experts / ways if ways > 1 else experts / layout.ep
     mixed = layout.precision == "bf16-mixed"
     detail: dict[str, float] = {"parameter_count": float(total + experts), "expert_parameters_here": local_experts}
+    if tower is not None:
+        detail["vision_parameters"] = float(tower_params)
+        detail["vision_patches_here"] = float(vis.rank_patches(tower, image_tokens, layout.cp))
     if ways > 1:
         shard = total / ways + local_experts
         # the unsharded copy of one layer: its own parameters and this rank's E/EP experts
         biggest = max((n + x for n, x in zip(per_layer, layer_experts, strict=True)), default=0)
+        biggest = max(biggest, tower_params)  # the tower as one FSDP unit
         # FSDP2 (over DP or over DP·CP alike): own shards (fp32 masters under bf16-mixed) plus unsharded
         # compute-dtype copies of the root (kept after forward) and of two layers (the current one's all-gather
         # buffer and the prefetched next).
@@ -264,8 +285,10 @@ def estimate(
     # the final norm and the head compute in the parameters' dtype (float32 under bf16-mixed)
     head_w = act.Widths(e=pb, a=a) if mixed else w
     head = act.head_kept(cfg, head_w) * tokens
+    # the tower's kept activations live from the forward to the end of the backward (it runs first, backs up last)
+    tower_kept = vis.kept_per_patch(tower, e, a) * vis.rank_patches(tower, image_tokens, layout.cp) if tower else 0.0
     phases: dict[str, tuple[float, float, float]] = {}  # name -> (activations, constants, communication)
-    phases["head"] = (sum(kept) + head, head_transient(cfg, tokens, head_w.e, a, head_w.e), 0.0)
+    phases["head"] = (sum(kept) + head + tower_kept, head_transient(cfg, tokens, head_w.e, a, head_w.e), 0.0)
     bookkeeping = act.HEAD_BOOKKEEPING * tokens
     for i in reversed(range(len(types))):
         t = types[i]
@@ -276,7 +299,9 @@ def estimate(
         comm = comm_per_token(cfg, t, layout.cp, e, a) * tokens
         if moe.is_moe(cfg, i):
             comm += moe.dispatch_per_token(cfg, layout.ep, e) * tokens
-        phases[f"layer {i}"] = (sum(kept[: i + 1]) + rebuilt + bookkeeping, transient, comm)
+        phases[f"layer {i}"] = (sum(kept[: i + 1]) + rebuilt + bookkeeping + tower_kept, transient, comm)
+    if tower_kept:
+        phases["vision"] = (tower_kept, BACKWARD_WORK * tower_kept, 0.0)
     if adamw == "fused":  # ADAMW_TRANSIENT: max(trial copies, the norm's float64 .double() and .pow(2))
         optimizer_transient = largest_parameter(cfg, layout) * max(3 * pb, 2 * 8)
     else:

@@ -19,6 +19,7 @@ from ringtune.models.config import DecoderConfig
 from ringtune.models.recompute import RECOMPUTE_MODES
 from ringtune.plan.estimate import PRECISIONS, Estimate, Layout, check_precision_planned, estimate
 from ringtune.plan.moe import ep_sizes
+from ringtune.plan.vision import check_image_tokens
 
 MARGIN = 0.10
 """Fraction of the GPU memory a layout should leave free (allocator fragmentation, CUDA context, NCCL)."""
@@ -93,12 +94,16 @@ def plan_layouts(
     precisions: tuple[str, ...] = tuple(PRECISIONS),
     recompute: tuple[str, ...] = RECOMPUTE_MODES,
     sampler_snapshots: int = 0,
+    image_tokens: int = 0,
 ) -> list[Planned]:
     """Every layout for ``context`` tokens per row on ``gpus`` GPUs of ``memory`` bytes, best first, each rank also
-    holding ``sampler_snapshots`` whole sampler snapshots (:func:`~ringtune.plan.estimate.snapshot_bytes`)."""
+    holding ``sampler_snapshots`` whole sampler snapshots (:func:`~ringtune.plan.estimate.snapshot_bytes`);
+    ``image_tokens`` of each row's tokens are image-pad tokens (a vision-language model:
+    :mod:`ringtune.plan.vision`)."""
     check_positive("--context-length", context)
     check_positive("--gpus", gpus)
     check_positive("--gpu-memory", memory)
+    check_image_tokens(cfg, image_tokens, context)
     for p in precisions:
         check_precision_planned(p, "--precision")
     for r in recompute:
@@ -112,7 +117,7 @@ def plan_layouts(
             for rc in recompute:
                 for precision in precisions:
                     layout = Layout(cp=cp, dp=dp, shard=shard, recompute=rc, precision=precision, ep=ep)
-                    est = estimate(cfg, layout, tokens, sampler_snapshots=sampler_snapshots)
+                    est = estimate(cfg, layout, tokens, sampler_snapshots=sampler_snapshots, image_tokens=image_tokens)
                     out.append(
                         Planned(
                             estimate=est,

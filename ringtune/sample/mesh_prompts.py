@@ -43,8 +43,9 @@ from ringtune.engine.packing import pack_datums
 from ringtune.layout.zigzag import ZigzagPlan, zigzag_slice
 from ringtune.models.cache import PrefillCapture, SequenceCache
 from ringtune.models.decoder import CausalLM
+from ringtune.models.image_input import ImageInput
 from ringtune.models.logprob_head import label_logprobs
-from ringtune.models.shard import PackedShard, shard_of
+from ringtune.models.shard import PackedShard, shard_of, with_images
 from ringtune.parallel.collectives import all_reduce_
 from ringtune.parallel.mesh import ParallelMesh
 from ringtune.parallel.row_gather import gather_row
@@ -103,8 +104,11 @@ def prompts_forward(
     capture: bool = False,
     targets: Sequence[torch.Tensor] | None = None,
     alt: AltDraws | None = None,
+    images: Sequence[Sequence[ImageInput]] | None = None,
 ) -> dict[int, PromptForward]:
     """Run ``prompts`` (validated token lists, each ≥ 1 token) through the DP×CP forward; see the module doc.
+    ``images``: per prompt, its images (a VL model: each CP rank encodes those it holds tokens of, positions
+    are the sequences' MRoPE; docs/vision.md), or None.
 
     Every rank of ``mesh`` calls it with the same arguments and an identical ``model`` (collective over the
     CP groups). Returns ``{prompt index: PromptForward}`` of the prompts this rank decodes
@@ -136,6 +140,10 @@ def prompts_forward(
                 pad_multiplier=layout.pad_multiplier,
                 pad_to=local_len,
             )
+            if images is not None and any(images[i] for i in row):
+                merge = model.config.vision.spatial_merge_size if model.config.vision is not None else 2
+                device = model.output_weight.device
+                shard = with_images(shard, [images[i] for i in row], merge, device)
             keep = {g for g in range(len(row)) if decoding_rank(g, cp_size) == cp_rank}
             row_targets = [targets[i] for i in row] if targets is not None else None
             results = _row_forward(

@@ -28,6 +28,7 @@ import torch
 from ringtune.engine.snapshot import DEFAULT_MAX_SNAPSHOTS, snapshot_of
 from ringtune.errors import UserInputError
 from ringtune.models.decoder import CausalLM
+from ringtune.models.image_input import ImageInput
 from ringtune.models.lora_snapshot import LoraSnapshot
 from ringtune.models.precision import compute_like_trainer
 from ringtune.sample.mesh_prompts import PromptForward
@@ -43,11 +44,14 @@ DEFAULT_MAX_ADAPTER_SNAPSHOTS = 64
 class SamplerSource:
     """Where a sampling session's weights come from: ``path`` (an HF directory), ``run_id`` (a live run's
     current weights), or neither (the served base model). ``inflight`` (with ``run_id``): the run's shared
-    inflight target, republished with the run's current weights by this create (module docstring)."""
+    inflight target, republished with the run's current weights by this create (module docstring). ``model``: the
+    name of the served base model it belongs to (several served models: :mod:`ringtune.worker.served_models`;
+    None: the run's model, else the first)."""
 
     path: str | None = None
     run_id: str | None = None
     inflight: bool = False
+    model: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,6 +67,7 @@ class SampleRequest:
     prompt_logprobs_last_n: int | None = None  # only the last n prompt log-probs are reported (the gateway's mask)
     target_tokens: torch.Tensor | None = None  # int64 [len(prompt) − 1, K]: ids whose prompt log-probs to return
     prompt_alt_tokens_k: int = 0  # draws per prompt position from the model's distribution (0: off)
+    images: tuple[ImageInput, ...] = ()  # the prompt's images (VL models; their pad tokens are in ``prompt``)
 
     def with_fixed_seed(self) -> SampleRequest:
         """This request, its seed drawn now when it has none and it asks for prompt alt tokens.
@@ -225,6 +230,7 @@ class SamplerPool:
                 targets=[requests[i].target_tokens for i in members] if target_k else None,  # type: ignore[misc]
                 record_routing=self.record_routing,
                 decodes=self.decodes,
+                images=[requests[i].images for i in members] if any(requests[i].images for i in members) else None,
             )
             parts.append((members, generation))
         return PoolGeneration(len(requests), parts)

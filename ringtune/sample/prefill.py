@@ -18,13 +18,15 @@ memory behaviour) of a training forward. From the final hidden states:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 
 from ringtune.layout import zigzag_slice
 from ringtune.models.cache import PrefillCapture, SequenceCache
 from ringtune.models.decoder import CausalLM
+from ringtune.models.image_input import ImageInput
 from ringtune.models.logprob_head import IGNORE_INDEX, label_logprobs
 from ringtune.models.shard import shard_of
 from ringtune.sample.alt_tokens import AltDraws, AltTokens, draw_alt_tokens, row_uniforms, split_rows
@@ -87,15 +89,22 @@ def prefill(
     topk: int = 0,
     targets: list[torch.Tensor] | None = None,
     alt: AltDraws | None = None,
+    images: Sequence[Sequence[ImageInput]] | None = None,
 ) -> PrefillResult:
     """Run ``prompts`` (each at least one token) as one packed row; see the module docstring.
 
     ``targets``: one int64 [n−1, K] per prompt (the same K for all), or None. ``alt``: the prompt alt-token
-    draws to make (one seed per prompt), or None.
+    draws to make (one seed per prompt), or None. ``images``: per prompt, its images (a VL model; their pad
+    tokens are in the prompt): they go through the vision tower, the prompt through MRoPE positions, and each
+    cache's ``rope_offset`` makes decoding continue the prompt's position count.
     Must run under ``torch.inference_mode()`` (or ``no_grad``) for sampling; single process.
     """
     lens = [len(p) for p in prompts]
-    shard = shard_of(lens)
+    vision = model.config.vision
+    merge = vision.spatial_merge_size if vision is not None else 2
+    shard = shard_of(lens, images=images, spatial_merge_size=merge)
+    if shard.images is not None:
+        shard = replace(shard, images=shard.images.to(model.output_weight.device))
     plan = shard.plan
     device = model.output_weight.device
     flat = torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=device)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ringtune.models.decoder import CausalLM
+from ringtune.models.image_input import ImageInput
 from ringtune.models.layers.moe import capturing_routing, moe_shape
 from ringtune.models.shard import shard_of
 from ringtune.sample.alt_tokens import AltDraws, AltTokens
@@ -137,8 +138,10 @@ class Generation:
         targets: Sequence[torch.Tensor] | None = None,
         record_routing: bool = False,
         decodes: SharedDecodes | None = None,
+        images: Sequence[Sequence[ImageInput]] | None = None,
     ) -> None:
         self.model, self.prompts, self.params, self.stop = model, prompts, params, stop
+        self.images = images  # per prompt, its images (VL models), or None
         # Routing records (R3) of a MoE model: prompts prefilled here and every decode step; a prompt prefilled
         # on the mesh has none (its routing ran on other ranks).
         self.record_routing = record_routing and moe_shape(model) is not None and prefilled is None
@@ -271,7 +274,16 @@ class Generation:
             alt = None
             if self.alt_k:
                 alt = AltDraws(self.alt_k, self.params.temperature, tuple(self.seeds[i] for i in group))
-            return prefill(self.model, prompts, prompt_logprobs=self.want_lp, topk=self.topk, targets=targets, alt=alt)
+            images = [self.images[i] for i in group] if self.images is not None else None
+            return prefill(
+                self.model,
+                prompts,
+                prompt_logprobs=self.want_lp,
+                topk=self.topk,
+                targets=targets,
+                alt=alt,
+                images=images,
+            )
         done = [self.prefilled[i] for i in group]
         if self.max_tokens > 1 and any(f.cache is None for f in done):
             raise ValueError("prefilled prompts need their caches to decode more than one token")
@@ -336,10 +348,12 @@ def start_generation(
     targets: Sequence[torch.Tensor] | None = None,
     record_routing: bool = False,
     decodes: SharedDecodes | None = None,
+    images: Sequence[Sequence[ImageInput]] | None = None,
 ) -> Generation:
     """A :class:`Generation` of ``num_samples`` continuations of every prompt, checked and not yet run: the
     caller advances it (:meth:`Generation.advance`), in one go or in slices. Arguments: see :func:`generate`;
-    ``decodes``: the rank's shared decode batches its rows join (None: a batch of its own)."""
+    ``decodes``: the rank's shared decode batches its rows join (None: a batch of its own); ``images``: per prompt,
+    its images (a VL model: prefilled through the vision tower, decoded at its MRoPE positions), or None."""
     vocab = model.config.vocab_size
     checked = check_request(
         prompts, vocab, num_samples, topk_prompt_logprobs, max_batch, topk_sample_logprobs, prompt_alt_tokens_k
@@ -362,7 +376,10 @@ def start_generation(
         targets=check_targets(targets, checked, vocab),
         record_routing=record_routing,
         decodes=decodes,
+        images=images,
     )
+    if images is not None and len(images) != len(checked):
+        raise ValueError(f"images has {len(images)} entries for {len(checked)} prompts")
     if prefilled is not None and len(prefilled) != len(checked):
         raise ValueError(f"prefilled has {len(prefilled)} entries for {len(checked)} prompts")
     return generation
@@ -385,6 +402,7 @@ def generate(
     prefilled: Sequence[PromptForward] | None = None,
     targets: Sequence[torch.Tensor] | None = None,
     record_routing: bool = False,
+    images: Sequence[Sequence[ImageInput]] | None = None,
 ) -> list[PromptSamples]:
     """Sample ``num_samples`` continuations of every prompt (see the module docstring).
 
@@ -409,6 +427,7 @@ def generate(
             ``max_tokens > 1``) and prompt log-probs; decoding then continues exactly as after a prefill here.
         targets: per prompt an int64 [n−1, K] of token ids (Tinker's ``target_prompt_logprobs``, the same K
             for all; −1 = none): their log-probs come back as ``PromptSamples.target_prompt_logprobs``.
+        images: per prompt, its images (a VL model; docs/vision.md), or None.
         record_routing: on a MoE model, record per sequence the experts every MoE layer chose for each token
             fed (``SampledSequence.routing``, for routing replay); prompts prefilled elsewhere have none.
     Returns:
@@ -430,6 +449,7 @@ def generate(
         prefilled=prefilled,
         targets=targets,
         record_routing=record_routing,
+        images=images,
     )
     generation.advance()
     return generation.results()

@@ -1,5 +1,6 @@
 """DistributedBackend: the gateway's :class:`~ringtune.gateway.backend.Backend` on rank 0 of a DP×CP mesh (or of
-no mesh: :class:`~ringtune.worker.local.LocalBackend`).
+no mesh: :class:`~ringtune.worker.local.LocalBackend`), serving one or several base models on that mesh
+(:mod:`ringtune.worker.served_models`).
 
 Each verb becomes a :class:`~ringtune.worker.commands.Command` that rank 0 publishes through the job's store
 (:func:`ringtune.parallel.store_exchange.publish_object`) and then executes itself, together with every worker rank
@@ -17,13 +18,13 @@ from typing import Any
 import torch.distributed as dist
 
 from ringtune.errors import RankFailedError, UserInputError
-from ringtune.gateway.backend import VERBS, BackendHealth, BackendInfo
+from ringtune.gateway.backend import VERBS, BackendHealth, BackendInfo, served_info
 from ringtune.gateway.verbs import Verb, forward_verbs
 from ringtune.parallel import liveness
 from ringtune.parallel.store_exchange import publish_object
 from ringtune.worker.commands import Command
-from ringtune.worker.executor import RankExecutor
 from ringtune.worker.loop import CHANNEL
+from ringtune.worker.served_models import ServedModels
 
 
 @forward_verbs(VERBS)
@@ -31,19 +32,26 @@ class DistributedBackend:
     """Rank 0's side: publish each verb as a command, execute it here too, return rank 0's result.
 
     Args:
-        executor: rank 0's :class:`RankExecutor` over the mesh.
-        info: the served model's description (built on rank 0, as the local backend does).
+        executor: rank 0's :class:`ServedModels` over the mesh (one executor per served model).
+        infos: the served models' descriptions, in ``executor``'s order (built on rank 0 at start-up).
         workers: the worker processes started by this process (joined at :meth:`close`), or [] under torchrun.
     """
 
-    def __init__(self, executor: RankExecutor, info: BackendInfo, *, workers: Sequence[Any] = ()) -> None:
-        self.executor, self._info, self.workers = executor, info, list(workers)
+    def __init__(self, executor: ServedModels, infos: Sequence[BackendInfo], *, workers: Sequence[Any] = ()) -> None:
+        if [i.model_name for i in infos] != list(executor.executors):
+            names = [i.model_name for i in infos]
+            raise ValueError(f"infos {names} do not match the executors {list(executor.executors)}")
+        self.executor, self._infos, self.workers = executor, tuple(infos), list(workers)
         self._dead: str | None = None
         self._lock = threading.Lock()
 
     def info(self) -> BackendInfo:
-        """The served model's description (built at start-up)."""
-        return self._info
+        """The first served model's description (built at start-up)."""
+        return self._infos[0]
+
+    def models(self) -> tuple[BackendInfo, ...]:
+        """Every served model's description, the first one first (built at start-up)."""
+        return self._infos
 
     def health(self) -> BackendHealth:
         """ok only if the mesh can serve: no rank found dead (by a command, or now by
@@ -79,14 +87,12 @@ class DistributedBackend:
     def call_verb(self, one: Verb, arguments: dict[str, Any]) -> Any:
         """Verb ``one`` as its command on every rank (rank 0's result); its run id travels as the command's
         ``run_id``, every other argument in ``args`` under its own name. Checks and adapts the arguments of
-        ``create_run`` (a served base model) and ``sample`` (fixed seeds), and turns ``forward_backward_many``'s
-        per-run error messages back into UserInputErrors."""
+        ``create_run`` (a served base model, by name or alias: the workers get its name) and ``sample`` (fixed
+        seeds), and turns ``forward_backward_many``'s per-run error messages back into UserInputErrors."""
         if one.command is None:
             raise TypeError(f"{one.name} is answered by the backend itself, not a command")
-        if one.name == "create_run" and arguments["base_model"] not in (self._info.model_name, *self._info.aliases):
-            raise UserInputError(
-                f"base_model={arguments['base_model']!r} is not served here; use {self._info.model_name!r}"
-            )
+        if one.name == "create_run":  # the workers know each model by its name, not by its aliases
+            arguments["base_model"] = served_info(self._infos, arguments["base_model"]).model_name
         if one.name == "sample":  # every rank draws a long prompt's alt tokens alike
             arguments["requests"] = [r.with_fixed_seed() for r in arguments["requests"]]
         run_id = arguments.pop("run_id", None)
@@ -107,6 +113,5 @@ class DistributedBackend:
             if p.is_alive():
                 p.kill()
                 p.join()
-        self.executor.trainers.clear()
-        self.executor.samplers.snapshots.clear()
+        self.executor.clear()
         gc.collect()

@@ -12,6 +12,7 @@ from pathlib import Path
 from ringtune.engine.packing import max_datum_len
 from ringtune.errors import UserInputError
 from ringtune.gateway.backend import BackendInfo
+from ringtune.gateway.images import vl_config
 from ringtune.layout.zigzag import stream_pad_multiple
 from ringtune.models.checkpoints.load import EMBEDDED_DEFAULT
 from ringtune.models.decoder import CausalLM
@@ -40,6 +41,15 @@ def find_tokenizer_dir(source: str, explicit: str | None, cache_dir: str | Path 
     return None
 
 
+def image_dir(source: str, model: CausalLM) -> str | None:
+    """The directory image chunks are decoded with (:attr:`BackendInfo.image_dir`): ``source`` when it is a
+    vision-language checkpoint (:func:`ringtune.gateway.images.vl_config`) and the loaded model has its vision
+    tower (``model.model.visual``); else None (image chunks refused by name)."""
+    if getattr(model.model, "visual", None) is None or not Path(source).is_dir() or vl_config(source) is None:
+        return None
+    return str(Path(source).resolve())
+
+
 def describe(
     spec: ModelSpec,
     model: CausalLM,
@@ -62,6 +72,7 @@ def describe(
         raise UserInputError(f"max_tokens_per_rank={spec.max_tokens_per_rank} holds no datum; use >= 16")
     name = model_name or spec.source
     return BackendInfo(
+        image_dir=image_dir(spec.source, model),
         model_name=name,
         aliases=tuple(a for a in (spec.source,) if a != name),
         arch=model.config.model_type,

@@ -16,7 +16,7 @@ does, and the command channel relies on that to recycle its messages.
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +49,7 @@ class ModelSpec:
 
     Attributes:
         source: what :func:`load_model` reads (HF dir, ``.gguf`` file, or the embedded default name).
+        name: the name clients pass as ``base_model`` (``--model NAME=PATH`` or ``--model-name``); None: ``source``.
         dtype: the precision's name, a key of :data:`~ringtune.models.precision.PRECISIONS` (``float32``,
             ``bfloat16``, ``float64``, ``bf16-mixed``): parameter and compute dtypes.
         max_tokens_per_rank: the engine's per-rank token budget.
@@ -68,6 +69,7 @@ class ModelSpec:
     source: str
     dtype: str
     max_tokens_per_rank: int
+    name: str | None = None
     trainer_options: Mapping[str, Any] = field(default_factory=dict)
     tokenizer_dir: str | None = None
     mesh_prompt_tokens: int | None = None
@@ -82,6 +84,11 @@ class ModelSpec:
         return torch.device("cuda", 0) if self.device_type == "cuda" else torch.device("cpu")
 
     @property
+    def served_name(self) -> str:
+        """The model's name among the served models (``name``, else ``source``)."""
+        return self.name or self.source
+
+    @property
     def modes(self) -> dict[str, Any]:
         """The :class:`Trainer` options that shape the numbers, with their defaults (``BackendInfo.modes``)."""
         options = self.trainer_options
@@ -90,6 +97,9 @@ class ModelSpec:
             "gated_delta": options.get("gated_delta", DEFAULT_GATED_DELTA),
             "pad_multiplier": int(options.get("pad_multiplier", PAD_MULTIPLIER)),
             "debug_fault": options.get("debug_fault"),
+            "shard_params": check_sharding(options.get("shard_params", False)),
+            "recompute": options.get("recompute", "none"),
+            "device_type": self.device_type,
         }
 
     @property
@@ -114,7 +124,12 @@ def trainer_dtype_options(precision: Precision) -> dict[str, Any]:
 
 
 class RankExecutor:
-    """This rank's live runs and how it executes each :class:`Command` (collective over the mesh)."""
+    """This rank's live runs of one served model and how it executes each :class:`Command` (collective over the
+    mesh); several models on one mesh: :class:`~ringtune.worker.served_models.ServedModels` holds one per model.
+
+    ``spare``: a copy of the model rank 0 already loaded (the first run takes it). ``mesh_trainers``: every run
+    on the mesh (all served models'), whose FSDP-sharded ones a group repair marks broken; None: this executor's.
+    """
 
     def __init__(
         self,
@@ -122,6 +137,7 @@ class RankExecutor:
         mesh: ParallelMesh | None,
         *,
         spare: CausalLM | None = None,
+        mesh_trainers: Callable[[], Iterable[Trainer]] | None = None,
     ) -> None:
         self.precision = check_precision(spec.dtype)
         check_sharding(spec.trainer_options.get("shard_params", False), field="trainer_options.shard_params")
@@ -129,6 +145,7 @@ class RankExecutor:
         self.device = spec.device(mesh)
         self.trainers: dict[str, Trainer] = {}
         self._spare = spare
+        self._mesh_trainers = mesh_trainers or (lambda: self.trainers.values())
         self.lora_base = SharedBase(self._take_model)
         self.samplers = SamplerPool(
             lambda path: load_model(path or spec.source, dtype=self.precision.param_dtype, device=self.device),
@@ -229,7 +246,7 @@ class RankExecutor:
         )
         model = self.samplers.model(sampler_id)
         return prefill_on_mesh(
-            model, self.mesh, layout, requests, lambda: repair_groups(self.mesh, self.trainers.values())
+            model, self.mesh, layout, requests, lambda: repair_groups(self.mesh, self._mesh_trainers())
         )
 
     def _forward_backward_many(self, command: Command) -> list[Any]:

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -30,8 +31,9 @@ from ringtune.parallel.launch import free_port, init_from_env, init_process_grou
 from ringtune.parallel.mesh import DEFAULT_TIMEOUT_S, ParallelMesh, build_mesh
 from ringtune.worker.backend import DistributedBackend
 from ringtune.worker.describe import describe
-from ringtune.worker.executor import DTYPES, ModelSpec, RankExecutor
+from ringtune.worker.executor import DTYPES, ModelSpec
 from ringtune.worker.loop import worker_loop
+from ringtune.worker.served_models import ServedModels
 from ringtune.worker.supervisor import SupervisedBackend
 
 log = logging.getLogger(__name__)
@@ -81,7 +83,7 @@ def _mesh(layout: WorkerLayout) -> ParallelMesh:
     )
 
 
-def _worker_entry(rank: int, layout: WorkerLayout, spec: ModelSpec, init_method: str) -> None:
+def _worker_entry(rank: int, layout: WorkerLayout, specs: Sequence[ModelSpec], init_method: str) -> None:
     # Rank 0 owns the shutdown (a Ctrl-C or a SIGTERM sent to the whole process group must not kill a worker
     # under a request in flight): a worker exits when rank 0 sends ``shutdown`` or when rank 0 is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -97,63 +99,90 @@ def _worker_entry(rank: int, layout: WorkerLayout, spec: ModelSpec, init_method:
     )
     _use_device(layout, rank)
     mesh = _mesh(layout)
-    code = worker_loop(RankExecutor(spec, mesh))
+    code = worker_loop(ServedModels(specs, mesh))
     if code == 0:
         dist.destroy_process_group()
     sys.exit(code)
 
 
-def _load_and_describe(
-    spec: ModelSpec,
+@dataclass(frozen=True)
+class DescribedModels:
+    """Rank 0's served models after loading each once: ``specs`` (each with the tokenizer directory its
+    description found), ``spares`` (the loaded copy of each by name; its first run takes it) and ``infos`` (what
+    the gateway reports), all in ``--model`` order."""
+
+    specs: tuple[ModelSpec, ...]
+    spares: dict[str, CausalLM]
+    infos: tuple[BackendInfo, ...]
+
+
+def load_and_describe(
+    specs: Sequence[ModelSpec],
     layout: WorkerLayout,
-    model_name: str | None,
     tokenizer_dir: str | None,
     tokenizer_cache: str | Path | None,
-) -> tuple[CausalLM, BackendInfo]:
-    """Rank 0: the model (its first run takes this copy) and the description the gateway reports."""
-    model = load_model(spec.source, dtype=DTYPES[spec.dtype], device=spec.device(None))
-    names = {"model_name": model_name, "tokenizer_dir": tokenizer_dir, "tokenizer_cache": tokenizer_cache}
-    return model, describe(spec, model, dp=layout.dp, cp=layout.cp, **names)
+) -> DescribedModels:
+    """Rank 0: every served model loaded (a bad source fails before any process starts) and described;
+    ``tokenizer_dir`` (``--tokenizer``) is the first model's, the others find their own."""
+    spares, infos, described = {}, [], []
+    for index, spec in enumerate(specs):
+        model = load_model(spec.source, dtype=DTYPES[spec.dtype], device=spec.device(None))
+        info = describe(
+            spec,
+            model,
+            dp=layout.dp,
+            cp=layout.cp,
+            model_name=spec.name,
+            tokenizer_dir=tokenizer_dir if index == 0 else None,
+            tokenizer_cache=tokenizer_cache,
+        )
+        spares[spec.served_name] = model
+        infos.append(info)
+        described.append(replace(spec, tokenizer_dir=info.tokenizer_dir))
+    return DescribedModels(tuple(described), spares, tuple(infos))
 
 
 def start_supervised_workers(
-    spec: ModelSpec,
+    specs: Sequence[ModelSpec],
     layout: WorkerLayout,
     *,
     max_restarts: int,
-    model_name: str | None = None,
     tokenizer_dir: str | None = None,
     tokenizer_cache: str | Path | None = None,
 ) -> SupervisedBackend:
     """Make this process rank 0 of ``layout`` on 127.0.0.1, spawn the other ranks (:func:`spawn_world`), under a
     :class:`SupervisedBackend`: dead worker ranks are restarted (up to ``max_restarts`` times) and the live runs
-    restored (see :mod:`ringtune.worker.supervisor`).
+    of every served model restored (see :mod:`ringtune.worker.supervisor`).
 
-    The model is loaded here first (a bad source fails before any process starts).
+    Every model of ``specs`` is loaded here first (a bad source fails before any process starts).
     """
-    model, info = _load_and_describe(spec, layout, model_name, tokenizer_dir, tokenizer_cache)
-    spec = replace(spec, tokenizer_dir=info.tokenizer_dir)
-    spare = [model]  # the first world's first run takes the described copy; a restarted world loads its own
+    served = load_and_describe(specs, layout, tokenizer_dir, tokenizer_cache)
+    spares = [served.spares]  # the first world's first runs take the described copies; a restarted world loads
 
     def start() -> DistributedBackend:
-        return spawn_world(spec, layout, info, spare=spare.pop() if spare else None)
+        return spawn_world(served.specs, layout, served.infos, spares=spares.pop() if spares else None)
 
     return SupervisedBackend(start, max_restarts=max_restarts)
 
 
 def spawn_world(
-    spec: ModelSpec, layout: WorkerLayout, info: BackendInfo, *, spare: CausalLM | None = None
+    specs: Sequence[ModelSpec],
+    layout: WorkerLayout,
+    infos: Sequence[BackendInfo],
+    *,
+    spares: dict[str, CausalLM] | None = None,
 ) -> DistributedBackend:
     """A fresh world on 127.0.0.1 (a new port, so a new store): spawn ranks ``1..world-1``, make this process
-    rank 0, build the mesh; rank 0's backend with no live run. Called at start-up and by the supervisor
-    (:mod:`ringtune.worker.supervisor`) after the previous world was torn down (no default process group).
+    rank 0, build the mesh; rank 0's backend serving every model of ``specs`` (described by ``infos``) with no
+    live run. Called at start-up and by the supervisor (:mod:`ringtune.worker.supervisor`) after the previous
+    world was torn down (no default process group).
 
-    ``spare``: a model rank 0 already holds (the first run takes it instead of loading another copy).
+    ``spares``: models rank 0 already holds, by name (a model's first run takes its copy instead of loading one).
     """
     init_method = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
     workers = [
-        ctx.Process(target=_worker_entry, args=(rank, layout, spec, init_method), name=f"ringtune-rank{rank}")
+        ctx.Process(target=_worker_entry, args=(rank, layout, tuple(specs), init_method), name=f"ringtune-rank{rank}")
         for rank in range(1, layout.world_size)
     ]
     for p in workers:
@@ -169,7 +198,7 @@ def spawn_world(
     )
     _use_device(layout, 0)
     mesh = _mesh(layout)
-    return DistributedBackend(RankExecutor(spec, mesh, spare=spare), info, workers=workers)
+    return DistributedBackend(ServedModels(specs, mesh, spares=spares), infos, workers=workers)
 
 
 def torchrun_restarts() -> int:
@@ -178,26 +207,25 @@ def torchrun_restarts() -> int:
 
 
 def join_torchrun_world(
-    spec: ModelSpec,
+    specs: Sequence[ModelSpec],
     layout: WorkerLayout,
     *,
-    model_name: str | None = None,
     tokenizer_dir: str | None = None,
     tokenizer_cache: str | Path | None = None,
 ) -> DistributedBackend | None:
-    """Under torchrun: rank 0 gets the backend; the other ranks serve commands here until shutdown (None)."""
+    """Under torchrun: rank 0 gets the backend (every model of ``specs``); the other ranks serve commands here
+    until shutdown (None)."""
     liveness.configure(layout.liveness_timeout_s)
     rank = init_from_env(backend=layout.data_backend, timeout_s=layout.timeout_s)
     if dist.get_world_size() != layout.world_size:
         raise SystemExit(f"torchrun started {dist.get_world_size()} processes; --dp·--cp = {layout.world_size}")
     _use_device(layout, int(os.environ.get("LOCAL_RANK", "0")))
     mesh = _mesh(layout)
-    model = info = None
-    if rank == 0:
-        model, info = _load_and_describe(spec, layout, model_name, tokenizer_dir, tokenizer_cache)
-    spec = replace(spec, tokenizer_dir=broadcast_object(info.tokenizer_dir if info else None, mesh.control_group))
-    if rank != 0:
-        code = worker_loop(RankExecutor(spec, mesh))
+    served = load_and_describe(specs, layout, tokenizer_dir, tokenizer_cache) if rank == 0 else None
+    tokenizers = broadcast_object([s.tokenizer_dir for s in served.specs] if served else None, mesh.control_group)
+    specs = [replace(s, tokenizer_dir=t) for s, t in zip(specs, tokenizers, strict=True)]
+    if served is None:
+        code = worker_loop(ServedModels(specs, mesh))
         dist.destroy_process_group()
         raise SystemExit(code)
-    return DistributedBackend(RankExecutor(spec, mesh, spare=model), info)
+    return DistributedBackend(ServedModels(specs, mesh, spares=served.spares), served.infos)

@@ -2,22 +2,22 @@
 
 The same :class:`~ringtune.worker.backend.DistributedBackend` as a multi-rank server, over a
 :class:`~ringtune.worker.executor.RankExecutor` without a mesh: one Trainer per training run, sampler snapshots,
-every verb executed on the caller's thread (the gateway's one backend thread), no command channel. The base
-model is loaded once at start-up (:func:`ringtune.models.checkpoints.load.load_model`: an HF directory, a GGUF
-file or the embedded default) to describe it; the first run takes that copy, later runs load their own.
+every verb executed on the caller's thread (the gateway's one backend thread), no command channel. Each served
+base model is loaded once at start-up (:func:`ringtune.models.checkpoints.load.load_model`: an HF directory, a
+GGUF file or the embedded default) to describe it; its first run takes that copy, later runs load their own.
+Several models (``more_models``) each get their own executor (:mod:`ringtune.worker.served_models`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import replace
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ringtune.models.checkpoints.load import load_model
 from ringtune.models.precision import check_precision
 from ringtune.worker.backend import DistributedBackend
-from ringtune.worker.describe import describe
-from ringtune.worker.executor import ModelSpec, RankExecutor
+from ringtune.worker.executor import ModelSpec
+from ringtune.worker.launch import WorkerLayout, load_and_describe
+from ringtune.worker.served_models import ServedModels
 
 
 class LocalBackend(DistributedBackend):
@@ -36,6 +36,8 @@ class LocalBackend(DistributedBackend):
         record_routing: sampled sequences of a MoE model carry their routing (``--routing-replay``).
         shared_decode: sampling requests decode in one batch per base model (``--shared-decode``).
         device_type: ``cpu`` or ``cuda`` (the process's GPU 0): where the model and every tensor of it lives.
+        more_models: further served models as ``(name, source)`` pairs (name None: the source), on the same
+            settings; each finds its own tokenizer.
     """
 
     def __init__(
@@ -52,26 +54,45 @@ class LocalBackend(DistributedBackend):
         record_routing: bool = False,
         shared_decode: bool = True,
         device_type: str = "cpu",
+        more_models: Sequence[tuple[str | None, str]] = (),
     ) -> None:
-        precision = check_precision(dtype)
-        spec = ModelSpec(
-            source=str(source),
-            dtype=dtype,
-            max_tokens_per_rank=max_tokens_per_rank,
-            trainer_options=dict(trainer_options or {}),
-            mesh_prompt_tokens=mesh_prompt_tokens,
-            record_routing=record_routing,
-            shared_decode=shared_decode,
-            device_type=device_type,
-        )
-        model = load_model(spec.source, dtype=precision.param_dtype, device=spec.device(None))
-        info = describe(
-            spec, model, model_name=model_name, tokenizer_dir=tokenizer_dir, tokenizer_cache=tokenizer_cache
-        )
-        spec = replace(spec, tokenizer_dir=info.tokenizer_dir)
-        super().__init__(RankExecutor(spec, None, spare=model), info)
+        check_precision(dtype)
+        specs = [
+            ModelSpec(
+                source=str(path),
+                name=name,
+                dtype=dtype,
+                max_tokens_per_rank=max_tokens_per_rank,
+                trainer_options=dict(trainer_options or {}),
+                mesh_prompt_tokens=mesh_prompt_tokens,
+                record_routing=record_routing,
+                shared_decode=shared_decode,
+                device_type=device_type,
+            )
+            for name, path in [(model_name, source), *more_models]
+        ]
+        self._serve(specs, tokenizer_dir, tokenizer_cache)
+
+    def _serve(self, specs: Sequence[ModelSpec], tokenizer_dir: str | None, tokenizer_cache: str | Path | None) -> None:
+        layout = WorkerLayout(device_type=specs[0].device_type)
+        served = load_and_describe(specs, layout, tokenizer_dir, tokenizer_cache)
+        super().__init__(ServedModels(served.specs, None, spares=served.spares), served.infos)
+
+    @classmethod
+    def of_specs(
+        cls,
+        specs: Sequence[ModelSpec],
+        *,
+        tokenizer_dir: str | None = None,
+        tokenizer_cache: str | Path | None = None,
+    ) -> LocalBackend:
+        """The one-process backend of the served models ``specs`` (``ringtune serve`` with DP = CP = 1; each spec
+        carries its own trainer options); ``tokenizer_dir`` is the first model's."""
+        backend = cls.__new__(cls)
+        backend._serve(specs, tokenizer_dir, tokenizer_cache)
+        return backend
 
     @property
     def trainers(self) -> dict:
-        """The live runs' trainers (run id -> Trainer)."""
+        """The live runs' trainers of every served model (run id -> Trainer; a new dict)."""
         return self.executor.trainers

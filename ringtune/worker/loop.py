@@ -10,7 +10,7 @@ import logging
 
 from ringtune.errors import RankFailedError, UserInputError
 from ringtune.parallel.store_exchange import receive_object
-from ringtune.worker.executor import RankExecutor
+from ringtune.worker.served_models import ServedModels
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +18,7 @@ CHANNEL = "worker"
 """The command channel's name in the store."""
 
 
-def worker_loop(executor: RankExecutor, *, src: int = 0) -> int:
+def worker_loop(executor: ServedModels, *, src: int = 0) -> int:
     """Execute rank ``src``'s commands until ``shutdown`` (returns 0) or until rank ``src`` is gone (returns 1).
 
     A command that fails is agreed by every rank (the executor) and answered by rank ``src``; the loop goes on,

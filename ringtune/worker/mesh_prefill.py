@@ -73,6 +73,7 @@ def prefill_on_mesh(
                 capture=decodes,
                 targets=targets,  # type: ignore[arg-type]
                 alt=alt,
+                images=[requests[i].images for i in members],
             )
             forwards.update((members[j], forward) for j, forward in got.items())
 

@@ -128,8 +128,12 @@ class SupervisedBackend:
     # ------------------------------------------------------------------ health
 
     def info(self) -> BackendInfo:
-        """The current world's description of the served model."""
+        """The current world's description of the first served model."""
         return self.inner.info()
+
+    def models(self) -> tuple[BackendInfo, ...]:
+        """The current world's descriptions of every served model."""
+        return self.inner.models()
 
     def health(self) -> BackendHealth:
         """The inner backend's health while serving; else not ok with the phase and its cause."""
@@ -227,8 +231,7 @@ class SupervisedBackend:
         self._kill_workers()
         for p in self.inner.workers:
             p.join(timeout=30)
-        self.inner.executor.trainers.clear()
-        self.inner.executor.samplers.snapshots.clear()
+        self.inner.executor.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
         forget_world()

@@ -1,8 +1,10 @@
 """Hugging Face checkpoints in and out: ``config.json`` + safetensors (one file, or sharded with an index).
 
 Loading maps the few prefixes real Qwen3.5 checkpoints use (``model.language_model.*`` of the VL layout)
-onto the text decoder, skips the parts a text decoder has no use for (vision tower, MTP head), and
-refuses missing or unknown tensors by name. MoE experts: transformers 5 saves each expert apart
+onto the text decoder, loads a VL checkpoint's vision tower (``model.visual.*``, names unchanged) whole, skips
+the MTP head, and refuses missing or unknown tensors by name; a VL config whose checkpoint holds no
+``model.visual.*`` tensor loads as text only. Saving a model with a vision tower writes transformers' VL names
+(``model.language_model.*``, ``model.visual.*``, ``lm_head``). MoE experts: transformers 5 saves each expert apart
 (``mlp.experts.{e}.{gate,up,down}_proj.weight``, the original Qwen layout) and holds them fused in memory
 (``mlp.experts.gate_up_proj`` [E, 2·I, hidden] = gate rows then up rows, ``mlp.experts.down_proj``
 [E, hidden, I]); loading accepts either, saving writes the per-expert layout transformers writes. An
@@ -19,6 +21,7 @@ import os
 import re
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,12 +35,13 @@ from ringtune.models.layers.moe import moe_blocks
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-PREFIX_MAP = (("model.language_model.", "model."),)
-SKIPPED_PREFIXES = ("model.visual.", "visual.", "mtp.")
+PREFIX_MAP = (("model.language_model.", "model."), ("visual.", "model.visual."))
+SKIPPED_PREFIXES = ("mtp.",)
+VISUAL_PREFIX = "model.visual."
 
 
 def _hf_name(name: str) -> str | None:
-    """Our parameter name for a checkpoint tensor name, or None for tensors a text decoder skips."""
+    """Our parameter name for a checkpoint tensor name, or None for tensors the decoder skips (MTP head)."""
     if name.startswith(SKIPPED_PREFIXES):
         return None
     for old, new in PREFIX_MAP:
@@ -128,6 +132,27 @@ def read_state_dict(
     return tensors
 
 
+def _tensor_names(path: Path) -> list[str]:
+    """Our names of every tensor in the checkpoint directory (read from the index or the file headers)."""
+    index = path / INDEX_NAME
+    if index.exists():
+        names = list(json.loads(index.read_text())["weight_map"])
+    elif (path / SINGLE_NAME).exists():
+        with safe_open(path / SINGLE_NAME, framework="pt") as f:
+            names = list(f.keys())
+    else:
+        raise UserInputError(f"checkpoint {path}: neither {SINGLE_NAME} nor {INDEX_NAME} exists")
+    return [ours for n in names if (ours := _hf_name(n)) is not None]
+
+
+def hf_saved_name(name: str, *, vision_language: bool) -> str:
+    """The name transformers saves our parameter ``name`` under: a VL model's text decoder lives under
+    ``model.language_model.`` (its tower keeps ``model.visual.``); a text model's names are ours."""
+    if vision_language and name.startswith("model.") and not name.startswith(VISUAL_PREFIX):
+        return "model.language_model." + name[len("model.") :]
+    return name
+
+
 def load_hf(
     path: str | Path,
     *,
@@ -154,6 +179,8 @@ def load_hf(
     if not config_file.exists():
         raise UserInputError(f"checkpoint {path}: config.json not found")
     config = DecoderConfig.from_hf(json.loads(config_file.read_text()))
+    if config.vision is not None and not any(n.startswith(VISUAL_PREFIX) for n in _tensor_names(path)):
+        config = replace(config, vision=None)  # a VL config over text weights only: the text decoder
     experts = None
     if ep is not None and ep[1] > 1 and config.has_moe:
         rank, size = ep
@@ -203,7 +230,8 @@ def save_hf(
     ``state``: the tensors to write (whole, keyed like ``model.state_dict()``, e.g. an FSDP model's gathered by
     :func:`ringtune.engine.sharding.full_state_dict`); None: ``model.state_dict()``. MoE experts are written
     per expert, as transformers saves them; an expert-parallel model needs ``state`` with every expert
-    (:func:`ringtune.models.layers.moe.gather_expert_state`).
+    (:func:`ringtune.models.layers.moe.gather_expert_state`). A model with a vision tower is written under
+    transformers' VL names (:func:`hf_saved_name`: ``model.language_model.*``, ``model.visual.*``).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -217,6 +245,8 @@ def save_hf(
                 "shard); pass state=gather_expert_state(model)"
             )
     state = split_experts(state)
+    vision_language = model.config.vision is not None
+    state = {hf_saved_name(n, vision_language=vision_language): t for n, t in state.items()}
     if dtype is not None:
         state = {n: t.to(dtype) if t.is_floating_point() else t for n, t in state.items()}
     shards: list[dict[str, torch.Tensor]] = [{}]

@@ -76,7 +76,8 @@ class Attention(nn.Module):
     def _project(
         self, x: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """x [T, hidden], positions int64 [T] -> q [T, Hq, D], k, v [T, Hkv, D] (normed, rotated), gate or None."""
+        """x [T, hidden], positions int64 [T] (or MRoPE [3, T]) -> q [T, Hq, D], k, v [T, Hkv, D] (normed,
+        rotated), gate or None."""
         T = x.shape[0]
         q = self.q_proj(x).view(T, self.num_heads, -1)
         gate = None
@@ -106,7 +107,10 @@ class Attention(nn.Module):
         ``cache`` (a prefill for decoding) receives the keys and values decoding continues from (gathered
         over the CP group at CP > 1).
         """
-        positions = shard.faults.shift_positions(shard.positions)  # DEBUG-FAULT HOOK (parity negative control; no-op)
+        if shard.mrope_positions is not None:  # a row with images: (t, h, w) positions, built per whole sequence
+            positions = shard.mrope_positions
+        else:
+            positions = shard.faults.shift_positions(shard.positions)  # DEBUG-FAULT HOOK (parity negative control)
         q, k, v, gate = self._project(x, positions)
         mode = shard.attention if shard.cp_size > 1 else "ring"  # the ring at size 1 is the local kernel
         out, _ = cp_attention_fn(mode)(
@@ -116,13 +120,17 @@ class Attention(nn.Module):
             cache.record_attention(k, v)
         return self._output(out, gate)
 
-    def decode(self, x: torch.Tensor, positions: torch.Tensor, rows: KVRows) -> torch.Tensor:
+    def decode(
+        self, x: torch.Tensor, positions: torch.Tensor, rows: KVRows, rotary_positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """One new token per sequence: x [B, hidden] at ``positions`` int64 [B] -> [B, hidden].
 
         Writes the tokens' keys/values into slot ``positions[b]`` of ``rows`` (capacity must exceed it) and
-        attends over slots ``[0, positions[b]]`` of each row. No communication.
+        attends over slots ``[0, positions[b]]`` of each row. ``rotary_positions`` int64 [B]: the rotary
+        position of each token when it is not its slot (a sequence after images continues its MRoPE count,
+        :mod:`ringtune.layout.mrope`); None: the slot. No communication.
         """
-        q, k, v, gate = self._project(x, positions)
+        q, k, v, gate = self._project(x, positions if rotary_positions is None else rotary_positions)
         rows.write(k, v, positions)
         out = decode_attention(q, rows.k, rows.v, positions + 1, scale=self.scale)
         return self._output(out, gate)

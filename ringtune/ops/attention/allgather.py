@@ -32,9 +32,10 @@ def allgather_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal varlen attention of one zigzag-sharded row by all-gathering K/V over ``group``.
 
-    Same contract as :func:`ringtune.ops.attention.ring.ring_attention` (no fault acts in this mode: ``faults``
-    is the shared signature's).
+    Same contract as :func:`ringtune.ops.attention.ring.ring_attention` (``faults``: only
+    ``allgather_kv_rank_reversed`` acts in this mode).
     """
     kv = all_gather(torch.stack([k, v], dim=1), group)  # [C·T_local, 2, Hkv, D], rank-major
+    kv = faults.gathered_kv(kv, plan.cp_size)  # DEBUG-FAULT HOOK (parity negative control; no-op)
     kv = kv.index_select(0, rank_major_to_global(plan).to(kv.device))
     return varlen_block_attention(q, kv[:, 0], kv[:, 1], global_key_pairs(plan), scale=scale, kernel=kernel)

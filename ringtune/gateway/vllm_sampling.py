@@ -1,0 +1,326 @@
+"""Sampling sessions on a vLLM engine (``ringtune serve --sampler vllm``): the backend's sampling verbs
+(``create_sampler``, ``free_sampler``, ``sample``, ``sample_more``) answered by an external engine.
+
+:class:`~ringtune.gateway.sampling.SamplingService` calls these instead of the backend's when the server runs
+``--sampler vllm``; everything else (training, checkpoints) stays on the backend.
+
+**Which weights a session samples.** A session names its weights once, at creation:
+
+- the base model: the engine's own model name;
+- a sampler export with a PEFT adapter (a LoRA run's ``save_weights_for_sampler``) on an engine with LoRA:
+  a runtime adapter (``/v1/load_lora_adapter``) on the shared base, named after the adapter's path and
+  file time (many runs, one engine; a re-written export is a new adapter);
+- any other export (full fine-tuning; a LoRA export on an engine without LoRA: its merged weights): a
+  whole-weight reload of the engine from the directory (``reload_weights``, then the prefix cache reset);
+- an unnamed ``save_weights_for_sampler`` (a run's current weights): exported now by the backend
+  (``export_for_sampler``) to ``<scratch>/<sampler id>`` (deleted with the session), then as above;
+- an inflight one (``SamplerSource.inflight``): the same export, published as the run's *inflight target*,
+  which every inflight session of the run samples, earlier ones included (:mod:`ringtune.sample.pool`); a job
+  keeps the target it started with. The run's inflight exports are deleted with its last inflight session.
+
+The engine holds one set of base weights at a time: each job needs a **weight gate** (the base, or one
+full-weights directory and version). Jobs of the gate the engine holds run together; a job of another gate
+waits until no started job of the held gate has a completion in flight, then the engine reloads. So a
+session always samples the weights it names, even when two snapshots of one run are sampled alternately.
+
+**What the engine cannot answer** (:func:`~ringtune.sample.engines.vllm_api.split_request`) is answered by
+ringtune's own forward: a one-token request on a built-in sampling session of the same weights, made
+lazily (the backend's ``create_sampler``) and freed with the session.
+
+**Failures.** A completion that fails (engine down or restarting, a 5xx, a malformed answer) fails its job's
+requests with a ``category: server`` error (SamplingService); other jobs and later requests are unaffected
+once the engine's monitor restarted it; an engine restart (a new ``incarnation``) drops what was loaded, which
+the next job loads again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import threading
+import uuid
+from collections.abc import Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from ringtune.errors import UserInputError
+from ringtune.sample.engines.vllm_api import completion_body, merged_samples, prompt_samples, split_request
+from ringtune.sample.pool import SampleRequest, SamplerSource
+from ringtune.sample.sampler import PromptSamples
+
+log = logging.getLogger(__name__)
+
+BASE_GATE = "base"
+"""The weight gate of the engine's own model (base sessions and every LoRA adapter)."""
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+class SamplingEngine(Protocol):
+    """What the sampler needs of an engine (:class:`ringtune.worker.vllm_engine.VllmEngine`)."""
+
+    incarnation: int
+
+    @property
+    def config(self) -> Any: ...  # .model (base directory), .served_name, .enable_lora
+
+    def check_serving(self) -> int: ...
+
+    def post(self, path: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> Any: ...
+
+    def load_lora_adapter(self, name: str, path: str) -> None: ...
+
+    def unload_lora_adapter(self, name: str) -> None: ...
+
+    def reload_weights(self, path: str) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def _version(path: Path) -> str:
+    """A short digest of ``path`` and its files' sizes and times: a re-written directory gets a new one."""
+    stamp = [str(path.resolve())]
+    stamp += [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sorted(path.iterdir()) if f.is_file()]
+    return hashlib.sha256("|".join(stamp).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class EngineWeights:
+    """What a session samples on the engine: ``kind`` base / lora / full, the directory, and its version."""
+
+    kind: str
+    path: str | None = None
+    version: str = ""
+
+    @property
+    def gate(self) -> str:
+        """The base weights the engine must hold (:data:`BASE_GATE`, or a full-weights directory@version)."""
+        return f"{self.path}@{self.version}" if self.kind == "full" else BASE_GATE
+
+    @property
+    def adapter_name(self) -> str:
+        """The engine's model name of a LoRA session's adapter."""
+        return f"ringtune-lora-{self.version}"
+
+
+@dataclass
+class _Session:
+    weights: EngineWeights
+    source: SamplerSource
+    scratch: Path | None = None  # an unnamed export this session owns
+    forward_id: str | None = None  # its built-in session for what the engine cannot answer
+    inflight_run: str | None = None  # samples that run's inflight target (its weights at the newest publish)
+
+
+@dataclass
+class _InflightTarget:
+    weights: EngineWeights
+    exports: list[Path]  # every export published for the run; deleted with its last inflight session
+
+
+@dataclass
+class _Job:
+    sampler_id: str
+    requests: list[SampleRequest]
+    engine_parts: list[SampleRequest]
+    forward_results: list[PromptSamples | None]
+    weights: EngineWeights
+    futures: list[Future] = field(default_factory=list)
+
+    @property
+    def gate(self) -> str:
+        return self.weights.gate
+
+    @property
+    def in_flight(self) -> bool:
+        return any(not f.done() for f in self.futures)
+
+
+class VllmSampler:
+    """The sampling verbs over ``engine`` (module docstring).
+
+    Args:
+        engine: the started (or attached) engine; closed by :meth:`close`.
+        backend: the gateway's backend: exports of live runs and the built-in forward for what the engine cannot
+            answer. Called only from the backend thread, as every method here is.
+        scratch: where unnamed exports go (a filesystem the engine reads too).
+        max_concurrent: completion calls in flight at once (the engine batches them).
+    """
+
+    def __init__(self, engine: SamplingEngine, backend: Any, scratch: Path, *, max_concurrent: int = 64) -> None:
+        self.engine, self.backend, self.scratch = engine, backend, scratch
+        self.pool = ThreadPoolExecutor(max_concurrent, thread_name_prefix="vllm-completion")
+        self.sessions: dict[str, _Session] = {}
+        self.jobs: dict[str, _Job] = {}
+        self._incarnation = -1
+        self._held_gate = BASE_GATE
+        self._adapters: dict[str, int] = {}  # adapter name of a session -> 1 when loaded on this incarnation
+        self._lock = threading.Lock()
+        self.inflight: dict[str, _InflightTarget] = {}  # run id -> its inflight target
+
+    @property
+    def engine_prompt_logprobs(self) -> bool:
+        """Whether the engine answers prompt log-probs (vLLM 0.32 crashes on them with ``--enable-lora``)."""
+        return not self.engine.config.enable_lora
+
+    def weights_of(self, sampler_id: str, source: SamplerSource) -> tuple[EngineWeights, Path | None]:
+        """The engine weights of ``source`` and the scratch export it made (None unless a live run's)."""
+        scratch = None
+        path = source.path
+        if source.run_id is not None:
+            scratch = self.scratch / sampler_id.replace(":", "_")
+            self.backend.export_for_sampler(source.run_id, str(scratch))
+            path = str(scratch)
+        if path is None:
+            return EngineWeights("base"), None
+        directory = Path(path)
+        lora = self.engine.config.enable_lora and (directory / ADAPTER_CONFIG).is_file()
+        return EngineWeights("lora" if lora else "full", str(directory), _version(directory)), scratch
+
+    def create_sampler(self, sampler_id: str, source: SamplerSource) -> None:
+        """A session on ``source``'s weights (the base, an HF export, a live run exported now)."""
+        weights, scratch = self.weights_of(sampler_id, source)
+        if weights.kind == "lora":
+            self._adapters.setdefault(weights.adapter_name, 0)
+        session = _Session(weights, SamplerSource(path=weights.path), scratch)
+        if source.inflight and source.run_id is not None and scratch is not None:
+            target = self.inflight.setdefault(source.run_id, _InflightTarget(weights, []))
+            target.weights = weights
+            target.exports.append(scratch)
+            session.scratch, session.inflight_run = None, source.run_id
+        self.sessions[sampler_id] = session
+        log.info("vLLM sampling session %s on %s weights %s", sampler_id, weights.kind, weights.path or "(base)")
+
+    def free_sampler(self, sampler_id: str) -> None:
+        """Forget a session: its built-in forward session, its scratch export, its adapter when unused."""
+        session = self.sessions.pop(sampler_id, None)
+        if session is None:
+            return
+        if session.forward_id is not None:
+            self.backend.free_sampler(session.forward_id)
+        if session.scratch is not None:
+            shutil.rmtree(session.scratch, ignore_errors=True)
+        run = session.inflight_run
+        if run is not None and not any(s.inflight_run == run for s in self.sessions.values()):
+            for export in self.inflight.pop(run).exports:
+                shutil.rmtree(export, ignore_errors=True)
+        name = session.weights.adapter_name
+        if session.weights.kind == "lora" and not any(s.weights.adapter_name == name for s in self.sessions.values()):
+            if self._adapters.pop(name, 0) and self._incarnation == self.engine.incarnation:
+                try:
+                    self.engine.unload_lora_adapter(name)
+                except Exception:  # the engine may be down; a restart drops it anyway
+                    log.warning("could not unload adapter %s", name, exc_info=True)
+
+    def weights_now(self, session: _Session) -> EngineWeights:
+        """What a job of ``session`` samples: its weights, or its run's inflight target as published now."""
+        return session.weights if session.inflight_run is None else self.inflight[session.inflight_run].weights
+
+    def _forward(self, sampler_id: str, session: _Session, requests: list[SampleRequest]) -> list[PromptSamples]:
+        """ringtune's own forward of the prompt-side asks (one-token requests), on a lazily made built-in session."""
+        source = SamplerSource(path=self.weights_now(session).path)
+        if session.forward_id is not None and source != session.source:  # an inflight target was republished
+            self.backend.free_sampler(session.forward_id)
+            session.forward_id = None
+        if session.forward_id is None:
+            session.forward_id, session.source = f"{sampler_id}:forward:{uuid.uuid4().hex[:8]}", source
+            self.backend.create_sampler(session.forward_id, source)
+        results = self.backend.sample(session.forward_id, requests)
+        assert results is not None  # slice_s None: to the end
+        return results
+
+    def sample(
+        self,
+        sampler_id: str,
+        requests: Sequence[SampleRequest],
+        *,
+        job_id: str | None = None,
+        slice_s: float | None = None,
+    ) -> list[PromptSamples] | None:
+        """Start a job: the forward's part now, the engine's completions in flight; the results when they
+        finished within ``slice_s`` (None: wait for them), else None (:meth:`sample_more` continues)."""
+        session = self.sessions.get(sampler_id)
+        if session is None:
+            raise UserInputError(f"sampling_session_id={sampler_id!r}: no such sampling session")
+        parts = [split_request(r, engine_prompt_logprobs=self.engine_prompt_logprobs) for r in requests]
+        forward_asks = [(i, f) for i, (_, f) in enumerate(parts) if f is not None]
+        forward_results: list[PromptSamples | None] = [None] * len(requests)
+        if forward_asks:
+            answers = self._forward(sampler_id, session, [f for _, f in forward_asks])
+            for (i, _), answer in zip(forward_asks, answers, strict=True):
+                forward_results[i] = answer
+        weights = self.weights_now(session)
+        job = _Job(sampler_id, list(requests), [e for e, _ in parts], forward_results, weights)
+        key = job_id or f"vllm-{id(job)}"
+        self.jobs[key] = job
+        return self._advance(key, slice_s)
+
+    def sample_more(self, job_id: str, slice_s: float | None = None) -> list[PromptSamples] | None:
+        """The next turn of a job: its results once its completions finished, else None."""
+        if job_id not in self.jobs:
+            raise RuntimeError(f"sampling job {job_id!r} is unknown to the vLLM sampler")
+        return self._advance(job_id, slice_s)
+
+    def _advance(self, job_id: str, slice_s: float | None) -> list[PromptSamples] | None:
+        job = self.jobs[job_id]
+        try:
+            if not job.futures and not self._start(job, slice_s):
+                return None
+            _, pending = wait(job.futures, timeout=slice_s)
+            if pending:
+                return None
+            answers = [f.result() for f in job.futures]
+        except BaseException:
+            self.jobs.pop(job_id, None)
+            raise
+        self.jobs.pop(job_id, None)
+        return [
+            merged_samples(prompt_samples(answer, part), forward)
+            for answer, part, forward in zip(answers, job.engine_parts, job.forward_results, strict=True)
+        ]
+
+    def _start(self, job: _Job, slice_s: float | None) -> bool:
+        """Put the job's completions in flight once the engine holds its gate (reloading when no started job of
+        the held gate is in flight); False when it must wait (after waiting up to ``slice_s``)."""
+        while True:
+            busy = [f for other in self.jobs.values() if other.gate == self._held_gate for f in other.futures]
+            busy = [f for f in busy if not f.done()]
+            if job.gate == self._held_gate or not busy:
+                break
+            _, still = wait(busy, timeout=slice_s, return_when=FIRST_COMPLETED)
+            if slice_s is not None and still:
+                return False
+        if job.sampler_id not in self.sessions:
+            raise UserInputError(f"sampling_session_id={job.sampler_id!r}: the session ended before it was sampled")
+        model = self._prepare(job.weights)
+        job.futures = [
+            self.pool.submit(self.engine.post, "/v1/completions", completion_body(part, model))
+            for part in job.engine_parts
+        ]
+        return True
+
+    def _prepare(self, weights: EngineWeights) -> str:
+        """Make the engine serve ``weights`` (reload / adapter) on its current incarnation; its model name."""
+        incarnation = self.engine.check_serving()
+        if incarnation != self._incarnation:  # a (re)started engine holds its own model and no adapters
+            self._incarnation, self._held_gate = incarnation, BASE_GATE
+            self._adapters = dict.fromkeys(self._adapters, 0)
+        if weights.gate != self._held_gate:
+            self.engine.reload_weights(weights.path if weights.kind == "full" else self.engine.config.model)
+            self._held_gate = weights.gate
+            log.info("vLLM engine now holds %s", weights.gate)
+        if weights.kind != "lora":
+            return self.engine.config.served_name
+        name = weights.adapter_name
+        if not self._adapters.get(name):
+            self.engine.load_lora_adapter(name, str(weights.path))
+            self._adapters[name] = 1
+        return name
+
+    def close(self) -> None:
+        """Stop the completion threads and the engine (idempotent)."""
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.engine.stop()

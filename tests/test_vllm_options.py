@@ -1,0 +1,66 @@
+"""``serve --sampler`` and the ``--vllm-*`` options -> the engine's config and command line (no engine started)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ringtune.cli import build_parser
+from ringtune.errors import UserInputError
+from ringtune.worker.vllm_options import PYTHON_ENV, SERVED_NAME, engine_config
+
+
+def _serve_args(*argv: str):
+    return build_parser().parse_args(["serve", *argv])
+
+
+def test_builtin_is_the_default_and_starts_no_engine(tmp_path):
+    args = _serve_args()
+    assert args.sampler == "builtin"
+    assert engine_config(args, dtype="float32", root=tmp_path) is None
+
+
+def test_vllm_engine_config_and_command(tmp_path, monkeypatch):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    monkeypatch.setenv(PYTHON_ENV, "/opt/engine/bin/python")
+    args = _serve_args(
+        "--model", str(model), "--sampler", "vllm", "--vllm-args", "--enforce-eager --seed 3", "--vllm-devices", "4,5"
+    )
+    config = engine_config(args, dtype="bf16-mixed", root=tmp_path)
+    assert config is not None and config.python == "/opt/engine/bin/python" and config.url is None
+    assert config.dtype == "bfloat16" and config.enable_lora and config.env == {"CUDA_VISIBLE_DEVICES": "4,5"}
+    command = config.command(port=8123)
+    assert command[:3] == ["/opt/engine/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    joined = " ".join(command)
+    for part in (f"--model {model}", f"--served-model-name {SERVED_NAME}", "--port 8123", "--dtype bfloat16"):
+        assert part in joined
+    assert "--enable-lora" in command and command[-3:] == ["--enforce-eager", "--seed", "3"]
+    assert (tmp_path / ".vllm").is_dir() and config.log_path == str(tmp_path / ".vllm" / "engine.log")
+
+    no_lora = engine_config(
+        _serve_args("--model", str(model), "--sampler", "vllm", "--no-vllm-lora"), dtype="float64", root=tmp_path
+    )
+    assert no_lora is not None and not no_lora.enable_lora and no_lora.dtype == "float32"
+    assert "--enable-lora" not in no_lora.command(port=1)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--sampler", "vllm"], "must be an HF checkpoint directory"),  # the embedded GGUF model
+        (["--sampler", "vllm", "--model", "x.gguf"], "must be an HF checkpoint directory"),
+    ],
+)
+def test_vllm_refusals_name_the_option(tmp_path, argv, message):
+    with pytest.raises(UserInputError, match=message):
+        engine_config(_serve_args(*argv), dtype="float32", root=tmp_path)
+
+
+def test_bad_lora_rank_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    args = _serve_args("--model", str(tmp_path), "--sampler", "vllm", "--vllm-max-lora-rank", "0")
+    with pytest.raises(UserInputError, match="--vllm-max-lora-rank=0"):
+        engine_config(args, dtype="float32", root=tmp_path)

