@@ -10,6 +10,9 @@ Counted on every rank, per step (median over the steps after the first, which cr
   counted too, as it would sync on GPU), per optim_step (those inside torch's own AdamW step shown apart: on CPU its
   per-tensor loop reads each step count back; fused on CUDA reads none) and per microbatch (between two calls of the
   trainer's ``faults.before_microbatch``; the last microbatch also carries the request's tail);
+- gradient overlap: the replicated gradients' buckets all-reduced from backward hooks during the request's last
+  microbatch (:mod:`ringtune.engine.grad_overlap`), how many were launched before backward ended, and the wait
+  for them at the request's end (communication not hidden behind backward); optim_step then copies them in;
 - collectives: calls of ``torch.distributed`` collectives (outermost only: an ``all_gather_object`` counts once) and
   of the control plane's store exchanges (:data:`STORE_EXCHANGES`), per optim_step and per microbatch, with the
   seconds spent in them;
@@ -194,8 +197,11 @@ def measure(ctx, *, cp: int, tokens: int, steps: int) -> dict[str, float]:
         data = _data(model.config.vocab_size, lens, seed=step)
         marks.clear()
         with counts.counting():
+            start = time.perf_counter()
             trainer.forward_backward(data, "cross_entropy")
+            fb_s = time.perf_counter() - start
             end_fb = counts.total()
+            pending = getattr(trainer.grad_sync, "overlapped", None)  # the reduction made during backward, if any
             before = counts.total()
             sites = Counter(counts.syncs)
             inside.clear()
@@ -227,6 +233,11 @@ def measure(ctx, *, cp: int, tokens: int, steps: int) -> dict[str, float]:
                 "mb_syncs_first": per_mb[0],
                 "mb_syncs_last": per_mb[-1],
                 "mb_collectives_first": coll_mb[0],
+                "mb_collectives_last": coll_mb[-1],
+                "forward_backward_s": fb_s,
+                "buckets": float(len(pending.buckets)) if pending is not None else 0.0,
+                "buckets_in_backward": float(pending.launched_in_backward) if pending is not None else 0.0,
+                "overlap_wait_s": pending.wait_s if pending is not None else 0.0,
                 "microbatches": len(per_mb),
                 "optim_step_s": step_s,
                 "collective_s": after[2] - before[2],
@@ -261,12 +272,71 @@ def _timed(fn: Callable, name: str, into: dict[str, float], counts: Counts) -> C
     return wrapper
 
 
+def interleaved(rounds: int) -> None:
+    """The optimizer's own work beside one AdamW step, in one process (1 thread), before and after the CPU sweep of
+    :mod:`ringtune.engine.tensor_norms`, interleaved over ``rounds``: plain AdamW (the trainer's kernel), then
+    per variant the step's reads (grad norm, the guard's maxima, clipping, the replica checksums) and AdamW.
+    Before = ``_foreach_norm(dtype=float64)`` for the norm and a separate maxima pass over the gradients; after =
+    :func:`~ringtune.engine.tensor_norms.squares_and_max_abs`. Prints the ratios of the fastest rounds and of
+    the medians."""
+    from ringtune.engine.optimizer import new_adamw, prepare_step
+    from ringtune.engine.replica_check import checksums
+    from ringtune.engine.tensor_norms import max_abs, squares_and_max_abs
+
+    torch.set_num_threads(1)
+    model = load_model(EMBEDDED_DEFAULT, dtype=torch.float32)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = new_adamw(params)
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(p.shape, generator=gen) * 1e-2 for p in params]
+
+    def fresh_grads() -> None:
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+
+    def reads(variant: str) -> None:
+        local = [p.grad for p in params]
+        if variant == "before":
+            norm = torch.stack(torch._foreach_norm(local, 2, dtype=torch.float64)).square().sum().sqrt()
+            grad_max = max_abs(local)
+        else:
+            squares, grad_max = squares_and_max_abs(local)
+            norm = squares.sqrt()
+        moments = [[optimizer.state[p][k] for p in params] for k in ("exp_avg", "exp_avg_sq")]
+        figures = torch.cat([norm.reshape(1), max_abs(params), grad_max, max_abs(moments[0]), max_abs(moments[1])])
+        prepare_step(optimizer, params, ADAM, norm=figures.tolist()[0])  # clips (the norm is above 1)
+        optimizer.step()
+        checksums([*params, *moments[0], *moments[1]])
+
+    fresh_grads()
+    optimizer.step()  # the moments exist
+    times: dict[str, list[float]] = {"adamw": [], "before": [], "after": []}
+    for _ in range(rounds):
+        for name in times:
+            fresh_grads()
+            start = time.perf_counter()
+            optimizer.step() if name == "adamw" else reads(name)
+            times[name].append(time.perf_counter() - start)
+    print(f"SmolLM2-135M float32, one process x 1 thread, {rounds} interleaved rounds: (step reads + AdamW) / AdamW")
+    adamw = times["adamw"]
+    for name in ("before", "after"):
+        print(
+            f"  {name}: fastest {min(times[name]):.2f} s / AdamW's fastest {min(adamw):.2f} s = "
+            f"{min(times[name]) / min(adamw):.2f} x; "
+            f"medians {statistics.median(times[name]) / statistics.median(adamw):.2f} x"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="steps per configuration (the first is not counted)")
     parser.add_argument("--tokens", type=int, default=256, help="per-rank token budget of a microbatch")
     parser.add_argument("--cp", type=int, nargs="+", default=[1, 2], choices=[1, 2])
+    parser.add_argument("--interleaved", type=int, default=0, help="only the in-process before/after rounds")
     args = parser.parse_args()
+    if args.interleaved:
+        interleaved(args.interleaved)
+        return
     import lean_step as bench  # this file by its module name: the ranks look the case up by module and name
 
     print(f"SmolLM2-135M float32, 2 gloo ranks x 1 thread, {args.tokens} tokens per rank per microbatch")
@@ -282,7 +352,11 @@ def main() -> None:
             f"AdamW step itself, {r['step_syncs_outside_adamw']:.0f} outside), {r['step_collectives']:.0f} "
             f"collectives ({r['collective_s']:.2f} s; the gradient reduction with its check {r['reduce_s']:.2f} s)\n"
             f"    per microbatch: {r['mb_syncs_first']:.0f} host syncs (the last of {r['microbatches']:.0f}, with the "
-            f"request's tail: {r['mb_syncs_last']:.0f}), {r['mb_collectives_first']:.0f} collectives\n"
+            f"request's tail: {r['mb_syncs_last']:.0f}), {r['mb_collectives_first']:.0f} collectives (the last: "
+            f"{r['mb_collectives_last']:.0f})\n"
+            f"    gradient buckets reduced during the last backward: {r['buckets_in_backward']:.0f} of "
+            f"{r['buckets']:.0f} (the rest launched after it), waited for at the request's end "
+            f"{r['overlap_wait_s']:.2f} s; forward_backward {r['forward_backward_s']:.2f} s\n"
             f"    optim_step {r['optim_step_s']:.2f} s, less the reduction and collectives {r['optimizer_s']:.2f} s = "
             f"{r['optimizer_over_adamw_in_step']:.2f} x its AdamW step ({r['adamw_in_step_s']:.2f} s; "
             f"{r['without_replica_check']:.2f} x without the replica check's {r['replica_check_s']:.2f} s); "

@@ -7,8 +7,9 @@ import math
 
 import torch
 
+from ringtune.engine import tensor_norms
 from ringtune.engine.gradients import gradient_buckets
-from ringtune.engine.tensor_norms import count_non_finite, max_abs, sum_of_squares
+from ringtune.engine.tensor_norms import count_non_finite, max_abs, squares_and_max_abs, sum_of_squares
 
 
 def test_sum_of_squares_is_the_float64_sum() -> None:
@@ -20,6 +21,29 @@ def test_sum_of_squares_is_the_float64_sum() -> None:
     assert float(sum_of_squares([])) == 0.0
     assert math.isinf(float(sum_of_squares([torch.tensor([1.0, math.inf])])))
     assert math.isnan(float(sum_of_squares([torch.tensor([1.0, math.nan])])))
+
+
+def test_squares_and_max_abs_read_once_equal_the_two_reductions(monkeypatch) -> None:
+    """Across chunk boundaries (a 7-element chunk here) and mixed dtypes: the one-sweep pair equals
+    sum_of_squares and max_abs bit for bit, the sum the float64 sum of the widened squares, NaN / inf kept."""
+    monkeypatch.setattr(tensor_norms, "CHUNK_ELEMENTS", 7)
+    gen = torch.Generator().manual_seed(1)
+    tensors = [
+        torch.randn(5, 6, generator=gen),
+        torch.zeros(0),
+        torch.randn(9, generator=gen, dtype=torch.float64),
+        (torch.randn(15, generator=gen) * 3).to(torch.bfloat16),
+        torch.randn(7, generator=gen),
+    ]
+    squares, maxima = squares_and_max_abs(tensors)
+    assert torch.equal(squares, sum_of_squares(tensors)) and torch.equal(maxima, max_abs(tensors))
+    want = sum(float(t.double().pow(2).sum()) for t in tensors)
+    assert math.isclose(float(squares), want, rel_tol=1e-14)
+    assert maxima.tolist() == [float(t.double().abs().max()) if t.numel() else 0.0 for t in tensors]
+    tensors[0][4, 5] = math.nan  # in the last chunk of a tensor that spans five
+    tensors[4][0] = -math.inf
+    squares, maxima = squares_and_max_abs(tensors)
+    assert math.isnan(float(squares)) and math.isnan(float(maxima[0])) and math.isinf(float(maxima[4]))
 
 
 def test_max_abs_propagates_nan_and_inf_and_counts_them() -> None:

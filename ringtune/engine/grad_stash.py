@@ -33,6 +33,11 @@ class GradientStash:
             p.grad = None
         return cls(params, invariant, saved, invariant.take())
 
+    def holds_nothing(self) -> bool:
+        """True when nothing was accumulated before the request (no gradient, no canary count): the request's
+        gradients will be the whole accumulated gradient."""
+        return all(g is None for g in self.saved) and self.canary[0] is None and self.canary[1] == 0
+
     def restore(self) -> None:
         """The request failed: drop its gradients and put the earlier ones back."""
         for p, old in zip(self.params, self.saved, strict=True):

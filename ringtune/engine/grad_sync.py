@@ -1,9 +1,10 @@
 """How the accumulated gradients become the global SUM, and their norm and finite check: one strategy object per
 parameter layout, behind one interface (:class:`GradientSync`), picked by :func:`gradient_sync_for`.
 
-- :class:`ReplicatedSync` (``shard_params="none"``, no EP): every rank holds every gradient; at ``optim_step``
-  they are SUMmed over the DP×CP group in flat buckets (:func:`~ringtune.engine.gradients.reduce_gradients`)
-  together with the gradient invariant's canary;
+- :class:`ReplicatedSync` (``shard_params="none"``, no EP): every rank holds every gradient; they are SUMmed over
+  the DP×CP group in flat buckets (:func:`~ringtune.engine.gradients.reduce_gradients`) together with the
+  gradient invariant's canary: during the last microbatch's backward when the request is the step's only one
+  (:mod:`ringtune.engine.grad_overlap`, the same bits), else at ``optim_step``;
 - :class:`ExpertParallelSync` (EP > 1, replicated): the non-expert gradients SUM over DP×CP, the expert
   gradients over the expert replica group (both canaries checked); the norm adds the EP group's expert norms;
 - :class:`FsdpSync` (``dp`` / ``dp_cp``): FSDP2 reduce-scattered the gradients during backward; only the canary
@@ -24,8 +25,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ringtune.engine import expert_parallel, sharding
+from ringtune.engine.grad_overlap import OverlappedReduction
 from ringtune.engine.gradients import GradientInvariant
-from ringtune.engine.tensor_norms import count_non_finite, local, sum_of_squares
+from ringtune.engine.tensor_norms import count_non_finite, local, max_abs, squares_and_max_abs, sum_of_squares
 from ringtune.parallel.collectives import all_reduce_
 from ringtune.parallel.mesh import ParallelMesh
 
@@ -36,6 +38,12 @@ def _device(params: list[torch.nn.Parameter]) -> torch.device:
 
 def _local_grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     return [local(p.grad) for p in params if p.grad is not None]
+
+
+def _grads_or_empty(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """Each parameter's local gradient, an empty tensor where it has none (so the list aligns with ``params``)."""
+    device = _device(params)
+    return [local(p.grad) if p.grad is not None else torch.zeros(0, device=device) for p in params]
 
 
 class GradientSync:
@@ -56,6 +64,38 @@ class GradientSync:
         is). Collective where the gradient is spread over ranks; call after :meth:`reduce`."""
         raise NotImplementedError
 
+    def norm_and_grad_maxima(self, params: list[torch.nn.Parameter]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`norm` and, per parameter in ``params`` order, max |local gradient| (float64 ``[len(params)]``, 0
+        where there is none; NaN / inf propagated): what the step's finite guard reads
+        (:func:`~ringtune.engine.update_guard.read_step_figures`). Collective as :meth:`norm`."""
+        return self.norm(params), max_abs(_grads_or_empty(params), _device(params))
+
+    def start_overlap(self, params: list[torch.nn.Parameter]) -> None:
+        """Before the last microbatch of a request that brings the step's whole gradient: start reducing it during
+        backward where this layout can (:class:`ReplicatedSync`); a no-op here."""
+
+    def finish_overlap(self) -> None:
+        """After the request's microbatches: wait for what :meth:`start_overlap` launched (collective over the
+        DP×CP group where it launched anything); a no-op here."""
+
+    def drop_overlap(self) -> None:
+        """Forget a reduction made during backward (its hooks removed): the request failed or the gradients are
+        about to change; local, no collective."""
+
+    def abandon_overlap(self, *, in_step: bool) -> str | None:
+        """A refused request's overlapped reduction: with ``in_step`` (the ranks agreed on the refusal and the data
+        groups were not rebuilt) its buckets are still launched and waited for on every rank, so the DP×CP group
+        stays in step (a rank may have launched more of them during backward than another); then dropped.
+        Returns why the trainer is broken if that wait failed, else None."""
+        why = None
+        if in_step:
+            try:
+                self.finish_overlap()
+            except Exception as exc:
+                why = f"the gradient buckets of a refused request failed ({type(exc).__name__}: {exc})"
+        self.drop_overlap()
+        return why
+
     def grads_finite(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
         """A bool 0-d device tensor: every ``.grad`` accumulated so far is finite (this rank's, which under
         replication is the whole local gradient). One fused reduction; no collective here."""
@@ -66,14 +106,49 @@ class GradientSync:
 class ReplicatedSync(GradientSync):
     """Every rank holds the whole model: SUM over DP×CP in flat buckets (with the canary), norm local."""
 
-    def __init__(self, invariant: GradientInvariant) -> None:
+    def __init__(self, invariant: GradientInvariant, group: Callable[[], dist.ProcessGroup | None] = lambda: None):
+        """``group()``: the DP×CP group at the time of each request (None: one process, nothing to overlap)."""
         self.invariant = invariant
+        self.group = group
+        self.overlapped: OverlappedReduction | None = None
+
+    def start_overlap(self, params: list[torch.nn.Parameter]) -> None:
+        self.drop_overlap()
+        group = self.group()
+        if group is not None and dist.get_world_size(group) > 1:
+            self.overlapped = OverlappedReduction(params, self.invariant.canary, group, faults=self.invariant.faults)
+
+    def finish_overlap(self) -> None:
+        if self.overlapped is not None:
+            self.overlapped.finish()
+
+    def drop_overlap(self) -> None:
+        if self.overlapped is not None:
+            self.overlapped.remove_hooks()
+        self.overlapped = None
 
     def reduce(self, params: list[torch.nn.Parameter]) -> None:
-        self.invariant.reduce_and_check([p.grad for p in params])
+        """The reduction made during backward when it still holds on every rank (its ``matches()``, agreed by one
+        MIN all-reduce of a flag over the DP×CP group: a rank whose gradient was edited since must not be the
+        only one to reduce again), else the buckets now."""
+        done, self.overlapped = self.overlapped, None
+        group = self.group()
+        if done is not None and done.group is not group:
+            done = None  # the data groups were rebuilt since (a rank failed): reduce on the new ones
+        ready = done is not None and done.matches()
+        if group is not None and dist.get_world_size(group) > 1:
+            flag = torch.tensor(int(ready), dtype=torch.int32, device=self.invariant.canary.device)
+            ready = bool(all_reduce_(flag, group, dist.ReduceOp.MIN))
+        self.invariant.reduce_and_check([p.grad for p in params], overlapped=done if ready else None)
 
     def norm(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
         return sum_of_squares(_local_grads(params), _device(params)).sqrt()
+
+    def norm_and_grad_maxima(self, params: list[torch.nn.Parameter]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One read of each gradient for both (:func:`~ringtune.engine.tensor_norms.squares_and_max_abs`); the
+        norm is :meth:`norm`'s, bit for bit."""
+        squares, maxima = squares_and_max_abs(_grads_or_empty(params), _device(params))
+        return squares.sqrt(), maxima
 
 
 class ExpertParallelSync(GradientSync):
@@ -155,4 +230,4 @@ def gradient_sync_for(
     if expert_parallel.ep_size(mesh) > 1:
         assert mesh is not None
         return ExpertParallelSync(invariant, names, mesh)
-    return ReplicatedSync(invariant)
+    return ReplicatedSync(invariant, (lambda: mesh.dp_cp_group) if mesh is not None else (lambda: None))

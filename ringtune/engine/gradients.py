@@ -33,21 +33,46 @@ BUCKET_BYTES = 25 * 2**20
 collectives per step are about the gradients' bytes / this, and the transient is one bucket (and its copy)."""
 
 
-def gradient_buckets(tensors: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> list[list[torch.Tensor]]:
-    """``tensors`` in order, cut into runs of one dtype and device of at most ``bucket_bytes`` each (a tensor
-    larger than that is a bucket of its own)."""
-    buckets: list[list[torch.Tensor]] = []
+def bucket_indices(tensors: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> list[list[int]]:
+    """Indices of ``tensors``, in order, cut into runs of one dtype and device of at most ``bucket_bytes`` each (a
+    tensor larger than that is a bucket of its own). Reads only dtype, device and size (a parameter stands for
+    its gradient)."""
+    buckets: list[list[int]] = []
     size = 0
-    for t in tensors:
+    for i, t in enumerate(tensors):
         bytes_ = t.numel() * t.element_size()
-        last = buckets[-1] if buckets else None
-        if last is None or (last[0].dtype, last[0].device) != (t.dtype, t.device) or size + bytes_ > bucket_bytes:
-            buckets.append([t])
+        last = tensors[buckets[-1][0]] if buckets else None
+        if last is None or (last.dtype, last.device) != (t.dtype, t.device) or size + bytes_ > bucket_bytes:
+            buckets.append([i])
             size = bytes_
         else:
-            last.append(t)
+            buckets[-1].append(i)
             size += bytes_
     return buckets
+
+
+def gradient_buckets(tensors: list[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> list[list[torch.Tensor]]:
+    """``tensors`` cut as :func:`bucket_indices` cuts them."""
+    return [[tensors[i] for i in bucket] for bucket in bucket_indices(tensors, bucket_bytes)]
+
+
+def pack_bucket(bucket: list[torch.Tensor]) -> torch.Tensor:
+    """The flat buffer one bucket is all-reduced in: the tensor itself when it is alone and contiguous (reduced in
+    place), else a concatenation of the flattened tensors (a copy)."""
+    return bucket[0] if _in_place(bucket) else torch.cat([t.reshape(-1) for t in bucket])
+
+
+def unpack_bucket(flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
+    """Copy the reduced ``flat`` (from :func:`pack_bucket` of a bucket of the same shapes) into ``bucket``'s
+    tensors; nothing to do where ``flat`` is the bucket's one tensor (reduced in place)."""
+    if flat is bucket[0]:
+        return
+    for t, part in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
+        t.copy_(part.view_as(t))
+
+
+def _in_place(bucket: list[torch.Tensor]) -> bool:
+    return len(bucket) == 1 and bucket[0].is_contiguous()
 
 
 def reduce_gradients(
@@ -67,14 +92,11 @@ def reduce_gradients(
     if group is None or dist.get_world_size(group) == 1:
         return
     for bucket in gradient_buckets(tensors, bucket_bytes):
-        single = len(bucket) == 1 and bucket[0].is_contiguous()
-        flat = bucket[0] if single else torch.cat([t.reshape(-1) for t in bucket])
+        flat = pack_bucket(bucket)
         all_reduce_(flat, group)
         if faults.active("average_over_group"):  # DEBUG-FAULT HOOK (negative control; no-op)
             flat /= dist.get_world_size(group)
-        if not single:
-            for t, part in zip(bucket, flat.split([t.numel() for t in bucket]), strict=True):
-                t.copy_(part.view_as(t))
+        unpack_bucket(flat, bucket)
 
 
 class GradientInvariant:
@@ -137,9 +159,15 @@ class GradientInvariant:
         """Forget everything accumulated (the gradients were dropped)."""
         self.take()
 
-    def reduce_and_check(self, grads: list[torch.Tensor], expert_grads: list[torch.Tensor] | tuple = ()) -> None:
+    def reduce_and_check(
+        self, grads: list[torch.Tensor], expert_grads: list[torch.Tensor] | tuple = (), *, overlapped=None
+    ) -> None:
         """Reduce ``grads`` and the canary together over the group, ``expert_grads`` and a copy of the canary
-        over the expert replica group, then require each canary == microbatches x its group's size."""
+        over the expert replica group, then require each canary == microbatches x its group's size.
+
+        ``overlapped``: an :class:`~ringtune.engine.grad_overlap.OverlappedReduction` that already reduced exactly
+        ``grads`` and the canary during backward (its ``matches()`` held): its buffers are copied in instead of
+        reducing again (the same bits); the check is the same."""
         if expert_grads and self._expert_group is None:
             raise ValueError("expert_grads given but this invariant has no expert_group")
         canary = self.canary.grad
@@ -147,7 +175,10 @@ class GradientInvariant:
             canary = torch.zeros((), dtype=torch.float64, device=self.canary.device)
         canary = canary.detach().clone()
         expert_canary = canary.clone()
-        reduce_gradients([*grads, canary], self._group(), faults=self.faults)
+        if overlapped is not None:
+            overlapped.unpack(grads, canary)
+        else:
+            reduce_gradients([*grads, canary], self._group(), faults=self.faults)
         checks = [(float(canary), float(self.expected), "DP·CP ranks")]
         if self._expert_group is not None:
             wrong = self.faults.active("experts_over_dp_cp")  # DEBUG-FAULT HOOK (negative control; no-op)

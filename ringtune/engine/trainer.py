@@ -5,7 +5,8 @@ validated :class:`~ringtune.engine.batch.Batch` (a pure function: a user error i
 alike, before any compute). Then each DP rank runs its microbatches, each a packed row split over the CP
 group by the zigzag layout. Per-datum outputs are gathered to full length (one CP all-reduce per
 microbatch) and collected on the result rank (rank 0 of the DP×CP group). Gradients accumulate locally
-over calls and are SUMMED over DP×CP at optim_step, checked by the gradient invariant.
+over calls and are SUMMED over DP×CP at optim_step (or, replicated, during the backward of a step's only
+request, :mod:`ringtune.engine.grad_overlap`), checked by the gradient invariant.
 
 All-or-nothing: a request either completes on every rank or leaves weights, AdamW state, accumulated
 gradients and the step unchanged on every rank, and every rank raises the same error. The ranks agree on
@@ -273,13 +274,17 @@ class Trainer:
         self._check_usable()
         on = self.target if target is None else target
         stash = None if forward_only else GradientStash.take(on.params, on.invariant)
+        if stash is not None and target is None:
+            self.grad_sync.drop_overlap()  # the gradients will change: an earlier request's reduction is stale
+        # The step's only request so far: its gradients are reduced while its last backward runs (grad_overlap.py).
+        overlap = stash is not None and target is None and stash.holds_nothing()
         mine: dict[int, dict[str, torch.Tensor]] = {}
         loss_bad: set[int] = set()  # datums whose loss or log-probs are not finite
         grad_bad: set[int] = set()  # datums of the microbatch after which the gradient became non-finite
         error: BaseException | None = None
         count = batch.plan.microbatches_per_rank
         loads: dict[str, torch.Tensor] = {}  # per MoE layer: expert assignments of this rank's real tokens
-        rows = zip(batch.plan.rows[self.dp_rank], batch.plan.local_lens[self.dp_rank], strict=True)
+        rows = list(zip(batch.plan.rows[self.dp_rank], batch.plan.local_lens[self.dp_rank], strict=True))
         run = MicrobatchRun.of(
             on, cp_size=self.cp_size, cp_rank=self.cp_rank, cp_group=self.cp_group, attention=self.attention,
             gated_delta=self.gated_delta, pad_multiplier=self.pad_multiplier, debug_fault=self.debug_fault,
@@ -288,6 +293,8 @@ class Trainer:
         try:
             for m, (row, local_len) in enumerate(rows):
                 self.faults.microbatch_started(m)  # DEBUG-FAULT HOOK (failure injection in tests; no-op)
+                if overlap and m == len(rows) - 1:
+                    self.grad_sync.start_overlap(on.params)
                 out, bad_loss, bad_grad = run.run(
                     batch, row, local_len, backward=not forward_only, flagged=bool(grad_bad)
                 )
@@ -296,13 +303,23 @@ class Trainer:
                 loss_bad |= bad_loss
                 grad_bad |= bad_grad
         except NOT_CAUGHT:
+            self.grad_sync.drop_overlap()
             raise
         except BaseException as exc:
             error = exc
-        settle_request(
-            error, loss_bad, grad_bad, batch=batch, forward_only=forward_only, stash=stash,
-            group=self.control_group, repair=self._repair, mark_broken=self._mark_broken,
-        )  # fmt: skip
+        generation = self.mesh.generation if self.mesh else 0
+        try:
+            settle_request(
+                error, loss_bad, grad_bad, batch=batch, forward_only=forward_only, stash=stash,
+                group=self.control_group, repair=self._repair, mark_broken=self._mark_broken,
+            )  # fmt: skip
+        except BaseException:
+            if overlap:  # refused: launch and wait what is pending unless the data groups were rebuilt; drop it
+                repaired = self.mesh is not None and self.mesh.generation != generation
+                self.broken = self.broken or self.grad_sync.abandon_overlap(in_step=not (self.broken or repaired))
+            raise
+        if overlap:  # every rank succeeded, so every rank launched the same buckets: wait for them
+            self.grad_sync.finish_overlap()
         if stash is not None:
             stash.merge()
             on.invariant.count(count)
@@ -354,7 +371,8 @@ class Trainer:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             self.grad_sync.reduce(self.params)
-            figures = read_step_figures(self.params, self.optimizer, self.grad_sync.norm(self.params))
+            norm_tensor, grad_maxima = self.grad_sync.norm_and_grad_maxima(self.params)
+            figures = read_step_figures(self.params, self.optimizer, norm_tensor, grad_maxima)
             norm = figures.norm
             bad_weights = [self.names[id(self.params[i])] for i in figures.non_finite_weights()]
             if math.isfinite(norm) and not bad_weights:  # clipped here; dropped with the gradients if refused

@@ -56,17 +56,24 @@ def _moments(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
 
 
 def read_step_figures(
-    params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, norm: torch.Tensor
+    params: list[torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    norm: torch.Tensor,
+    grad_maxima: torch.Tensor | None = None,
 ) -> StepFigures:
     """One host sync for the step's guard: ``norm`` (a float64 0-d device tensor, from the gradient sync) and the
-    maxima of every local weight, gradient (None counts 0) and AdamW moment, fused per list."""
+    maxima of every local weight, gradient (None counts 0) and AdamW moment, fused per list. ``grad_maxima``: the
+    gradients' maxima already taken (float64 ``[len(params)]`` on ``norm``'s device, e.g. by
+    :meth:`~ringtune.engine.grad_sync.GradientSync.norm_and_grad_maxima` in the norm's pass); None: taken here."""
     device = norm.device
     n = len(params)
-    grads = [local(p.grad) if p.grad is not None else torch.zeros(0, device=device) for p in params]
+    if grad_maxima is None:
+        grads = [local(p.grad) if p.grad is not None else torch.zeros(0, device=device) for p in params]
+        grad_maxima = max_abs(grads, device)
     parts = [
         norm.reshape(1).to(torch.float64),
         max_abs([local(p.detach()) for p in params], device),
-        max_abs(grads, device),
+        grad_maxima.to(device, torch.float64),
         max_abs(_moments(optimizer, params, "exp_avg"), device),
         max_abs(_moments(optimizer, params, "exp_avg_sq"), device),
     ]
