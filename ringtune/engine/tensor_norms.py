@@ -75,7 +75,7 @@ def _widened_sweep(tensors: list[torch.Tensor], *, maxima: bool) -> tuple[torch.
     summed in float64, :data:`CHUNK_ELEMENTS` at a time through one reused buffer (``copy_`` widens, ``dot`` sums
     the squares): a float64 0-d CPU tensor; with ``maxima`` also each tensor's max |t_i| (float64 ``[len]``,
     NaN / inf propagated as by :func:`max_abs`), from ``aminmax`` of each chunk while it is in cache."""
-    buffer = torch.empty(min(CHUNK_ELEMENTS, max(t.numel() for t in tensors)), dtype=torch.float64)
+    buffer = torch.empty(min(CHUNK_ELEMENTS, max(t.numel() for t in tensors)), dtype=torch.float64, device="cpu")
     partial = []
     peaks = []
     for t in tensors:

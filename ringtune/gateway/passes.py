@@ -134,5 +134,7 @@ def _stable_metrics(msg: Any, data: list, outputs: list) -> dict[str, float]:
     """stable_reinforce's metrics of one answered request (its resolved datums, its per-datum outputs)."""
     config = parse_loss_config(msg.loss_fn, translate.loss_config(proto.decode_loss_config(msg)))
     logprobs = [o["logprobs"].detach().cpu().double() for o in outputs]
-    inputs = [{k: torch.as_tensor(d.inputs[k]).double() for k in ("logprobs", "sampled_mask")} for d in data]
+    inputs = [
+        {k: torch.as_tensor(d.inputs[k], device="cpu").double() for k in ("logprobs", "sampled_mask")} for d in data
+    ]
     return stable_reinforce_metrics(config, logprobs, inputs)

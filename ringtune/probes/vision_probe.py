@@ -88,7 +88,7 @@ def vision_row(seed: int, cps: tuple[int, ...]) -> tuple[tuple[int, ...], list[l
                 start = cursor + rng.randint(0, 3)
             if start + k > n - 1:
                 break
-            pixels = torch.randn(grid[0] * grid[1] * grid[2], PROBE_TOWER.patch_dim, generator=gen)
+            pixels = torch.randn(grid[0] * grid[1] * grid[2], PROBE_TOWER.patch_dim, generator=gen, device="cpu")
             seq_images.append(ImageInput(pixel_values=pixels, grid_thw=grid, token_start=start, num_tokens=k))
             cursor = start + k + 1
         seq_lens.append(n)
@@ -98,7 +98,7 @@ def vision_row(seed: int, cps: tuple[int, ...]) -> tuple[tuple[int, ...], list[l
 
 def images_on_two_ranks(seq_lens: tuple[int, ...], images: list[list[ImageInput]], cp: int) -> int:
     """How many of the row's images have tokens on more than one rank at CP ``cp`` (encoded on each)."""
-    owner = torch.empty(sum(seq_lens), dtype=torch.int64)
+    owner = torch.empty(sum(seq_lens), dtype=torch.int64, device="cpu")
     for r in range(cp):
         plan = zigzag_plan(seq_lens, cp_size=cp, cp_rank=r, pad_multiplier=1)
         owner[plan.row_index[plan.is_real]] = r
@@ -126,7 +126,7 @@ def _encoded(shard: PackedShard, images: list[list[ImageInput]]) -> list[int]:
     placed = shard.images
     if placed is None:
         return []
-    image_of_row = torch.full((sum(shard.plan.seq_lens),), -1, dtype=torch.int64)
+    image_of_row = torch.full((sum(shard.plan.seq_lens),), -1, dtype=torch.int64, device="cpu")
     flat = [
         (r + im.token_start, r + im.token_end)
         for r, seq in zip(shard.plan.row_starts, images, strict=True)
@@ -135,7 +135,7 @@ def _encoded(shard: PackedShard, images: list[list[ImageInput]]) -> list[int]:
     for i, (start, end) in enumerate(flat):
         image_of_row[start:end] = i
     merge = placed.spatial_merge_size**2
-    ends = torch.tensor([t * h * w // merge for t, h, w in placed.grids], dtype=torch.int64).cumsum(0)
+    ends = torch.tensor([t * h * w // merge for t, h, w in placed.grids], dtype=torch.int64, device="cpu").cumsum(0)
     block = torch.searchsorted(ends, placed.embed_index, right=True)
     encoded = [-1] * len(placed.grids)
     for b, row in zip(block.tolist(), shard.plan.row_index[placed.local_index].tolist(), strict=True):
@@ -160,7 +160,7 @@ def _run(tower: VisionTower, shard: PackedShard, w_row: torch.Tensor, images: li
     nn.init.zeros_(embed_tokens.weight)
     # Only ``model.embed_tokens`` and ``model.visual`` are read by input_embeddings: a holder of the two stands in.
     model = cast(CausalLM, SimpleNamespace(model=SimpleNamespace(embed_tokens=embed_tokens, visual=tower)))
-    ids = torch.full((shard.plan.local_len,), PROBE_TOWER.image_token_id, dtype=torch.int64)
+    ids = torch.full((shard.plan.local_len,), PROBE_TOWER.image_token_id, dtype=torch.int64, device="cpu")
     try:
         x = CausalLM.input_embeddings(model, ids, shard)  # the decoder's own call into the tower
     finally:
@@ -194,7 +194,7 @@ def vision_entry(rank: int, cp: int, group: dist.ProcessGroup, *, dtype: torch.d
     seq_lens, images = vision_row(seed, tuple(cps))
     tower = build_tower(dtype=dtype, seed=seed)
     gen = torch.Generator().manual_seed(seed + 3)
-    w_row = (torch.randn(sum(seq_lens), PROBE_TOWER.out_hidden_size, generator=gen) / 48**0.5).to(dtype)
+    w_row = (torch.randn(sum(seq_lens), PROBE_TOWER.out_hidden_size, generator=gen, device="cpu") / 48**0.5).to(dtype)
     merge = PROBE_TOWER.spatial_merge_size
     shard = shard_of(seq_lens, cp_size=cp, cp_rank=rank, group=group, images=images, spatial_merge_size=merge)
     out, patch_grad, grads = _run(tower, shard, w_row, images)

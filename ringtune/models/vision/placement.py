@@ -85,10 +85,10 @@ def shard_images(plan: ZigzagPlan, images: Sequence[Sequence[ImageInput]], spati
     return ShardImages(
         spans=tuple(tuple((im.token_start, _grid(im)) for im in seq) for seq in images),
         spatial_merge_size=spatial_merge_size,
-        pixel_values=torch.cat([torch.zeros(0, width), *pixels]),
+        pixel_values=torch.cat([torch.zeros(0, width, device="cpu"), *pixels]),
         grids=tuple(grids),
-        local_index=torch.cat([torch.zeros(0, dtype=torch.int64), *local]),
-        embed_index=torch.cat([torch.zeros(0, dtype=torch.int64), *embed]),
+        local_index=torch.cat([torch.zeros(0, dtype=torch.int64, device="cpu"), *local]),
+        embed_index=torch.cat([torch.zeros(0, dtype=torch.int64, device="cpu"), *embed]),
     )
 
 

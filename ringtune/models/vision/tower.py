@@ -33,12 +33,14 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
-def merge_block_coordinates(grid_thw: tuple[int, int, int], merge: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(row, col) int64 [t·h·w] of every patch of one image in the processor's order: frames, then ``m × m``
-    merge blocks in raster order, then the patches of a block in raster order."""
+def merge_block_coordinates(
+    grid_thw: tuple[int, int, int], merge: int, device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(row, col) int64 [t·h·w] on ``device`` of every patch of one image in the processor's order: frames, then
+    ``m × m`` merge blocks in raster order, then the patches of a block in raster order."""
     t, h, w = grid_thw
-    rows = torch.arange(h).view(h // merge, merge, 1, 1).expand(h // merge, merge, w // merge, merge)
-    cols = torch.arange(w).view(1, 1, w // merge, merge).expand(h // merge, merge, w // merge, merge)
+    rows = torch.arange(h, device=device).view(h // merge, merge, 1, 1).expand(h // merge, merge, w // merge, merge)
+    cols = torch.arange(w, device=device).view(1, 1, w // merge, merge).expand(h // merge, merge, w // merge, merge)
     rows, cols = rows.transpose(1, 2).reshape(-1), cols.transpose(1, 2).reshape(-1)
     return rows.repeat(t), cols.repeat(t)
 
@@ -142,7 +144,7 @@ class VisionTower(nn.Module):
         side = int(self.config.num_position_embeddings**0.5)
         taps, weights, angles = [], [], []
         for grid in grids:
-            rows, cols = merge_block_coordinates(grid, self.config.spatial_merge_size)
+            rows, cols = merge_block_coordinates(grid, self.config.spatial_merge_size, self.inv_freq.device)
             axis = []
             for coord, size in ((rows, grid[1]), (cols, grid[2])):
                 src = coord.to(torch.float32) * (side - 1) / max(size - 1, 1)  # corners aligned
