@@ -80,7 +80,13 @@ class ServeSpec:
         )
 
     def arguments(self) -> list[str]:
-        args = ["--model", self.model, "--cp", str(self.cp), "--dp", str(self.dp), "--dtype", self.dtype]
+        """The whole ``ringtune serve`` argument list of this layout: ``--model`` and :meth:`options`."""
+        return ["--model", self.model, *self.options()]
+
+    def options(self) -> list[str]:
+        """The ``ringtune serve`` options of this layout, ``--model`` left out (the caller names the model once:
+        a second ``--model`` would serve a second model)."""
+        args = ["--cp", str(self.cp), "--dp", str(self.dp), "--dtype", self.dtype]
         args += ["--linear-cp-mode", self.linear_cp_mode, "--attention", self.attention]
         args += ["--max-tokens-per-rank", str(self.max_tokens_per_rank)]
         if self.ep > 1:
@@ -114,7 +120,7 @@ def running_server(spec: ServeSpec, workdir: Path, *, timeout_s: float = 300.0) 
         checkpoint_root=workdir / f"ckpt-{spec.name}",
         log_path=workdir / f"serve-{spec.name}.log",
         api_key=API_KEY,
-        extra_args=[*spec.arguments(), "--collective-timeout", "60"],
+        extra_args=[*spec.options(), "--collective-timeout", "60"],
     )
     server.start(timeout_s)
     try:
