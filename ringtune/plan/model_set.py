@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from ringtune.plan.estimate import Estimate
-from ringtune.plan.search import MARGIN, Planned, throughput_cost
+from ringtune.plan.search import Planned, planned_of, ranked
 
 SUMMED = ("parameters", "gradients", "moments", "snapshots")
 """Estimate terms every model holds at once (added up over the set)."""
@@ -41,17 +41,4 @@ def plan_model_set(per_model: Sequence[list[Planned]], memory: int) -> list[Plan
     :func:`plan_layouts` orders them (fitting with margin first, then cheapest, then most memory left)."""
     by_layout = [{p.estimate.layout: p.estimate for p in planned} for planned in per_model]
     common = [layout for layout in by_layout[0] if all(layout in m for m in by_layout[1:])]
-    out = []
-    for layout in common:
-        est = combine([m[layout] for m in by_layout])
-        out.append(
-            Planned(
-                estimate=est,
-                memory=memory,
-                fits=est.peak <= memory,
-                fits_with_margin=est.peak <= (1 - MARGIN) * memory,
-                cost=throughput_cost(layout),
-            )
-        )
-    out.sort(key=lambda p: (not p.fits_with_margin, not p.fits, p.cost if p.fits else 0.0, -p.free))
-    return out
+    return ranked([planned_of(combine([m[layout] for m in by_layout]), memory) for layout in common])

@@ -118,14 +118,23 @@ def plan_layouts(
                 for precision in precisions:
                     layout = Layout(cp=cp, dp=dp, shard=shard, recompute=rc, precision=precision, ep=ep)
                     est = estimate(cfg, layout, tokens, sampler_snapshots=sampler_snapshots, image_tokens=image_tokens)
-                    out.append(
-                        Planned(
-                            estimate=est,
-                            memory=memory,
-                            fits=est.peak <= memory,
-                            fits_with_margin=est.peak <= (1 - MARGIN) * memory,
-                            cost=throughput_cost(layout),
-                        )
-                    )
-    out.sort(key=lambda p: (not p.fits_with_margin, not p.fits, p.cost if p.fits else 0.0, -p.free))
-    return out
+                    out.append(planned_of(est, memory))
+    return ranked(out)
+
+
+def planned_of(est: Estimate, memory: float) -> Planned:
+    """``est`` judged against ``memory`` bytes per GPU: fits, fits with :data:`MARGIN`, throughput cost."""
+    return Planned(
+        estimate=est,
+        memory=memory,
+        fits=est.peak <= memory,
+        fits_with_margin=est.peak <= (1 - MARGIN) * memory,
+        cost=throughput_cost(est.layout),
+    )
+
+
+def ranked(planned: list[Planned]) -> list[Planned]:
+    """``planned`` in the order :func:`plan_layouts` gives: fitting with margin first, then cheapest, then most
+    memory left (sorted in place and returned)."""
+    planned.sort(key=lambda p: (not p.fits_with_margin, not p.fits, p.cost if p.fits else 0.0, -p.free))
+    return planned
