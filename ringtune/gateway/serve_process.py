@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 
@@ -56,6 +56,7 @@ class ServeProcess:
         port: 0 picks a free port.
         api_key: ``--api-key`` (must start with ``tml-``).
         extra_args: more ``ringtune serve`` arguments (``--cp``, ``--context-length``, ``--dtype``, ...).
+        env: more environment variables for the child (over this process's own), e.g. ``OMP_NUM_THREADS``.
     """
 
     def __init__(
@@ -67,11 +68,13 @@ class ServeProcess:
         port: int = 0,
         api_key: str = "tml-local",
         extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.port = port or free_port()
         self.any_port = not port  # a port we picked: another one is tried if it was taken meanwhile
         self.api_key = api_key
         self.log_path = Path(log_path)
+        self.env = dict(env or {})
         self.command = [
             sys.executable,
             "-m",
@@ -130,7 +133,7 @@ class ServeProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=os.environ | {"PYTHONUNBUFFERED": "1"},
+                env=os.environ | self.env | {"PYTHONUNBUFFERED": "1"},
                 start_new_session=True,
                 preexec_fn=_die_with_parent,
             )

@@ -12,6 +12,14 @@ from ringtune.gateway.serve_process import ServeProcess
 from ringtune.parity.long_rows import MESH_PROMPT_TOKENS
 
 API_KEY = "tml-parity"
+SERVER_THREADS = 1
+"""Torch intra-op threads of a matrix server's single rank (``OMP_NUM_THREADS`` of the child). A multi-rank
+server sets ``cores // ranks`` per rank itself (one on this 2-core machine); a DP=1, CP=1 server runs in the
+gateway's process with torch's default, one thread per core, and the tiny model's small kernels then spin two
+threads against each other and the machine's load: the CP=1 references ran 10-30x slower than a CP=2 layout
+(measured 2026-12-07: the float32 reference's client run 195 s with two threads, 20 s with one, load 1-22;
+a 64x32 matmul+backward loop 32x slower with two threads at load ~17). One thread changes no figure that the
+matrix compares (the float64 layouts stay bit-identical to a two-thread reference)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,7 +120,7 @@ def running_server(spec: ServeSpec, workdir: Path, *, timeout_s: float = 300.0) 
 
     A :class:`~ringtune.gateway.serve_process.ServeProcess`: waits for ``/api/v1/healthz`` (ServerStartError, a
     RuntimeError with the log's tail, if the server exits or does not come up within ``timeout_s``) and stops
-    the server and the ranks it spawned on exit.
+    the server and the ranks it spawned on exit. The server's single rank runs :data:`SERVER_THREADS` torch threads.
     """
     workdir.mkdir(parents=True, exist_ok=True)
     server = ServeProcess(
@@ -121,6 +129,7 @@ def running_server(spec: ServeSpec, workdir: Path, *, timeout_s: float = 300.0) 
         log_path=workdir / f"serve-{spec.name}.log",
         api_key=API_KEY,
         extra_args=[*spec.options(), "--collective-timeout", "60"],
+        env={"OMP_NUM_THREADS": str(SERVER_THREADS)},
     )
     server.start(timeout_s)
     try:
