@@ -70,9 +70,17 @@ def add_parity_parser(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--embedded-cp", type=int, nargs="*", default=None, help="CP sizes for SmolLM2-135M")
     m.add_argument("--long-context", type=int, default=None)
     m.add_argument("--workdir", default="parity-work", help="dumps, server logs, the tiny model")
-    m.add_argument("--doc", default="docs/validation.md")
-    m.add_argument("--png-dir", default="docs/validation")
+    m.add_argument("--doc", default=None, help="the report (default docs/validation.md; sliced: in --workdir)")
+    m.add_argument("--png-dir", default=None, help="its plots (default docs/validation; sliced: in --workdir)")
     m.add_argument("--reuse", action="store_true", help="re-compare dumps already in --workdir instead of serving")
+    m.add_argument(
+        "--slice",
+        default=None,
+        metavar="I/N",
+        help="serve only part I of N of the layouts (implies --reuse: run the parts one after another in one "
+        "--workdir); the tally goes to --slices-json",
+    )
+    m.add_argument("--slices-json", default="docs/validation/full-slices.json", help="record of the slices run")
     n = verbs.add_parser("noise", help="measure each precision's noise floor: CP=1 with its requests permuted")
     n.add_argument("--dtypes", nargs="+", default=["bf16-mixed", "bfloat16", "float32"])
     n.add_argument("--row-tokens", type=int, default=1024, help="tokens per packed row (= context length)")
@@ -148,13 +156,20 @@ def run_parity_command(args: argparse.Namespace) -> int:
     if args.parity_command == "noise":
         return _run_noise(args)
     from ringtune.parity.matrix import OPTIONS_DEFAULT, MatrixConfig, options_full, run_matrix
+    from ringtune.parity.slices import parse_slice
 
     full = args.full
     options = () if args.no_options else (options_full() if full else OPTIONS_DEFAULT)
+    try:
+        part = parse_slice(args.slice) if args.slice else (1, 1)
+    except ValueError as exc:
+        raise UserInputError(str(exc)) from exc
+    workdir = Path(args.workdir).resolve()
+    sliced = f"validation-slice-{part[0]}-of-{part[1]}" if args.slice else ""
     config = MatrixConfig(
-        workdir=Path(args.workdir).resolve(),
-        doc=Path(args.doc).resolve(),
-        png_dir=Path(args.png_dir).resolve(),
+        workdir=workdir,
+        doc=Path(args.doc or (workdir / f"{sliced}.md" if sliced else "docs/validation.md")).resolve(),
+        png_dir=Path(args.png_dir or (workdir / sliced if sliced else "docs/validation")).resolve(),
         cps=tuple(args.cp or (1, 2, 4)),
         dps=tuple(args.dp or ((1, 2) if full else (1,))),
         modes=tuple(args.modes or ("headwise", "chunkwise")),
@@ -166,7 +181,9 @@ def run_parity_command(args: argparse.Namespace) -> int:
         option_layouts=options,
         noise_json=Path(args.noise_json).resolve(),
         long_context=args.long_context,
-        reuse=args.reuse,
+        reuse=args.reuse or bool(args.slice),
+        slice=part,
+        slices_json=Path(args.slices_json).resolve(),
     )
     report = run_matrix(config)
     bad = [r for r in report.rows if not r.ok]

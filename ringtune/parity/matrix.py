@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ringtune.parity.client import load_dump, run_parity
@@ -24,6 +25,7 @@ from ringtune.parity.matrix_types import MatrixConfig, MatrixReport, MatrixRow
 from ringtune.parity.plot import plot_deltas
 from ringtune.parity.report import replica_cell, write_report
 from ringtune.parity.servers import API_KEY, ServeSpec, moe_specs, row_budget_specs, running_server
+from ringtune.parity.slices import record_slice, slice_entry
 from ringtune.parity.tiny_checkpoint import tiny_qwen35_dir
 
 FAULT_SPECS: dict[str, dict[str, Any]] = {
@@ -102,6 +104,54 @@ MOE_FULL: tuple[tuple[int, int, int], ...] = ((1, 2, 2), (1, 4, 2), (1, 4, 4), (
 """... and in ``--full`` (EP inside CP, EP across all ranks, two expert replicas across DP)."""
 
 
+@dataclass(frozen=True)
+class PlannedComparison:
+    """One candidate server of the matrix and the CP=1 server it is held against (``tag``: the model's name in
+    the report; ``expect_fail``: a debug fault, which must FAIL compare)."""
+
+    tag: str
+    spec: ServeSpec
+    reference: ServeSpec
+    expect_fail: bool = False
+
+
+def plan_matrix(config: MatrixConfig, *, tiny: str, moe_tiny: str) -> list[PlannedComparison]:
+    """Every comparison of ``config``, in serving order: the tiny-Qwen3.5 grid per dtype, the embedded model, the
+    MoE layouts per dtype, the option layouts, the faults (each fault at its :data:`FAULT_SPECS` layout).
+    ``tiny`` / ``moe_tiny``: the tiny checkpoints' folders (the MoE's is unused without ``moe_layouts``)."""
+    planned: list[PlannedComparison] = []
+    groups = [("tiny-qwen3.5", tiny, config.cps, config.dps, config.modes, d, config.row_tokens) for d in config.dtypes]
+    if config.embedded_cps:
+        groups.append(
+            ("smollm2-135m", EMBEDDED, config.embedded_cps, (1,), ("headwise",), "float32", config.embedded_row_tokens)
+        )
+    for tag, model, cps, dps, modes, dtype, row_tokens in groups:
+        specs = row_budget_specs(model, cps=cps, modes=modes, dtype=dtype, row_tokens=row_tokens, dps=dps)
+        planned += [PlannedComparison(tag, spec, specs[0]) for spec in specs[1:]]
+    for dtype in config.dtypes if config.moe_layouts else ():
+        specs = moe_specs(moe_tiny, layouts=config.moe_layouts, dtype=dtype, row_tokens=config.row_tokens)
+        planned += [PlannedComparison("tiny-qwen3.5-moe", spec, specs[0]) for spec in specs[1:]]
+    for options in config.option_layouts:
+        spec = ServeSpec(model=tiny, max_tokens_per_rank=config.row_tokens // int(options["cp"]), **options)
+        planned.append(PlannedComparison("tiny-qwen3.5", spec, spec.reference()))
+    for fault in config.faults:
+        options = FAULT_SPECS[fault]
+        spec = ServeSpec(
+            model=tiny, max_tokens_per_rank=config.row_tokens // options["cp"], debug_fault=fault, **options
+        )
+        planned.append(PlannedComparison("tiny-qwen3.5", spec, spec.reference(), expect_fail=True))
+    return planned
+
+
+def slice_of(planned: Sequence[PlannedComparison], index: int, count: int) -> list[PlannedComparison]:
+    """Part ``index`` (1-based) of ``count`` contiguous, near-equal parts of ``planned`` (contiguous: the layouts
+    of one reference stay together, so a slice serves few references). ValueError unless 1 <= index <= count."""
+    if not 1 <= index <= count:
+        raise ValueError(f"slice {index}/{count}: want 1 <= I <= N")
+    n = len(planned)
+    return list(planned[(index - 1) * n // count : index * n // count])
+
+
 def _run(spec: ServeSpec, config: MatrixConfig, tag: str, report: MatrixReport) -> tuple[dict[str, Any], float]:
     start = time.monotonic()
     path = config.workdir / f"{tag}-{spec.name}.json"
@@ -121,23 +171,20 @@ def _run(spec: ServeSpec, config: MatrixConfig, tag: str, report: MatrixReport) 
             companion=spec.companion,
             long_rows=spec.long_rows,
         )
-    print(f"  {tag} {spec.name}: served, ran and stopped in {time.monotonic() - start:.0f} s", flush=True)
+    served = time.monotonic() - start
+    report.server_seconds[spec.name] = served
+    print(f"  {tag} {spec.name}: served, ran and stopped in {served:.0f} s", flush=True)
     return dump, float(dump["seconds"])
 
 
 def _compare(
-    report: MatrixReport,
-    config: MatrixConfig,
-    tag: str,
-    spec: ServeSpec,
-    reference: dict[str, Any],
-    *,
-    expect_fail: bool = False,
+    report: MatrixReport, config: MatrixConfig, planned: PlannedComparison, reference: dict[str, Any]
 ) -> MatrixRow:
+    tag, spec = planned.tag, planned.spec
     dump, seconds = _run(spec, config, tag, report)
     result = compare_dumps(reference, dump)
     png = plot_deltas(result, config.png_dir / f"{tag}-{spec.name}.png")
-    row = MatrixRow(tag, spec, result, png, seconds, expect_fail, replica_cell(dump))
+    row = MatrixRow(tag, spec, result, png, seconds, planned.expect_fail, replica_cell(dump))
     report.rows.append(row)
     verdict = "FAIL" if result.failures else "pass"
     names = ", ".join(f.name for f in result.failures[:4])
@@ -146,53 +193,25 @@ def _compare(
 
 
 def run_matrix(config: MatrixConfig) -> MatrixReport:
-    """Serve, run and compare every layout of ``config``; write ``config.doc``; returns the report."""
+    """Serve, run and compare every layout of ``config`` (of its slice, ``config.slice``), each reference served
+    once, just before its first candidate; write ``config.doc``; returns the report."""
     started = time.monotonic()
     report = MatrixReport()
     tiny = str(tiny_qwen35_dir(config.workdir / "tiny-qwen3.5"))
-    groups: list[tuple[str, str, Sequence[int], Sequence[int], Sequence[str], str, int]] = [
-        ("tiny-qwen3.5", tiny, config.cps, config.dps, config.modes, dtype, config.row_tokens)
-        for dtype in config.dtypes
-    ]
     moe_tiny = (
         str(tiny_qwen35_dir(config.workdir / "tiny-qwen3.5-moe", family="qwen3_5_moe")) if config.moe_layouts else ""
     )
-    if config.embedded_cps:
-        groups.append(
-            ("smollm2-135m", EMBEDDED, config.embedded_cps, (1,), ("headwise",), "float32", config.embedded_row_tokens)
-        )
-    references: dict[str, dict[str, Any]] = {}
-    for tag, model, cps, dps, modes, dtype, row_tokens in groups:
-        specs = row_budget_specs(model, cps=cps, modes=modes, dtype=dtype, row_tokens=row_tokens, dps=dps)
-        print(f"parity matrix: {tag} {dtype}: reference {specs[0].name}", flush=True)
-        reference, _ = _run(specs[0], config, tag, report)
-        if tag == "tiny-qwen3.5":
-            references[specs[0].name] = reference
-        for spec in specs[1:]:
-            _compare(report, config, tag, spec, reference)
-    for dtype in config.dtypes if config.moe_layouts else ():
-        specs = moe_specs(moe_tiny, layouts=config.moe_layouts, dtype=dtype, row_tokens=config.row_tokens)
-        print(f"parity matrix: tiny-qwen3.5-moe {dtype}: reference {specs[0].name}", flush=True)
-        reference, _ = _run(specs[0], config, "tiny-qwen3.5-moe", report)
-        for spec in specs[1:]:
-            _compare(report, config, "tiny-qwen3.5-moe", spec, reference)
-
-    def against_reference(spec: ServeSpec, *, expect_fail: bool = False) -> None:
-        ref = spec.reference()
-        if ref.name not in references:
-            print(f"parity matrix: tiny-qwen3.5: reference {ref.name}", flush=True)
-            references[ref.name], _ = _run(ref, config, "tiny-qwen3.5", report)
-        _compare(report, config, "tiny-qwen3.5", spec, references[ref.name], expect_fail=expect_fail)
-
-    for options in config.option_layouts:
-        cp = int(options["cp"])
-        against_reference(ServeSpec(model=tiny, max_tokens_per_rank=config.row_tokens // cp, **options))
-    for fault in config.faults:
-        options = FAULT_SPECS[fault]
-        spec = ServeSpec(
-            model=tiny, max_tokens_per_rank=config.row_tokens // options["cp"], debug_fault=fault, **options
-        )
-        against_reference(spec, expect_fail=True)
+    whole = plan_matrix(config, tiny=tiny, moe_tiny=moe_tiny)
+    planned = slice_of(whole, *config.slice)
+    references: dict[tuple[str, str], dict[str, Any]] = {}
+    for item in planned:
+        key = (item.tag, item.reference.name)
+        if key not in references:
+            print(f"parity matrix: {item.tag}: reference {item.reference.name}", flush=True)
+            references[key], _ = _run(item.reference, config, item.tag, report)
+        _compare(report, config, item, references[key])
     report.wall_seconds = time.monotonic() - started
+    if config.slice != (1, 1) and config.slices_json is not None:
+        record_slice(config.slices_json, slice_entry(report, *config.slice, planned=len(whole)))
     write_report(report, config)
     return report

@@ -35,6 +35,10 @@ class MatrixConfig:
             there.
         long_context: cap of the long datums (None: the servers' context length).
         reuse: take a layout's dump from ``workdir`` when it is there already (re-compare without serving).
+        slice: (I, N): serve and compare only part I of N contiguous parts of the planned comparisons
+            (:func:`~ringtune.parity.matrix.slice_of`); (1, 1) is the whole matrix.
+        slices_json: the record of the ``--full`` slices run (:mod:`ringtune.parity.slices`): a sliced run adds
+            its tally there, and the report shows the record, if the file is there.
     """
 
     workdir: Path
@@ -54,6 +58,8 @@ class MatrixConfig:
     long_context: int | None = None
     seed: int = 0
     reuse: bool = False
+    slice: tuple[int, int] = (1, 1)
+    slices_json: Path | None = None
 
 
 @dataclass
@@ -79,6 +85,7 @@ class MatrixRow:
 class MatrixReport:
     rows: list[MatrixRow] = field(default_factory=list)
     served: list[str] = field(default_factory=list)  # the servers started (a reused dump starts none)
+    server_seconds: dict[str, float] = field(default_factory=dict)  # each started server: served, ran, stopped
     wall_seconds: float = 0.0
 
     @property

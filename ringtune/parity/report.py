@@ -9,6 +9,7 @@ from typing import Any
 from ringtune.parity.compare import Comparison
 from ringtune.parity.matrix_types import MatrixConfig, MatrixReport
 from ringtune.parity.servers import ServeSpec
+from ringtune.parity.slices import slices_section
 
 
 def replica_cell(dump: dict[str, Any]) -> str:
@@ -98,6 +99,7 @@ def write_report(report: MatrixReport, config: MatrixConfig) -> None:
             else ""
         )
         + (f", and the faults {', '.join(config.faults)}" if config.faults else "")
+        + (f"; slice {config.slice[0]}/{config.slice[1]} of those layouts" if config.slice != (1, 1) else "")
         + ". "
         + _wall(report),
         "",
@@ -151,6 +153,7 @@ def write_report(report: MatrixReport, config: MatrixConfig) -> None:
                 f"| [png]({png}) |"
             )
     lines += noise_section(config)
+    lines += slices_section(config.slices_json)
     lines.append("")
     doc.write_text("\n".join(lines))
 
@@ -159,8 +162,12 @@ def _wall(report: MatrixReport) -> str:
     """The matrix's wall time, or that every dump was reused (``--reuse``: no server started, no time measured)."""
     if not report.served:
         return "Every dump was reused from `--workdir` (`--reuse`): the wall times are docs/parity.md's."
+    top = sorted(report.server_seconds.items(), key=lambda kv: -kv[1])[:3]
+    slowest = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in top)
     return (
-        f"Wall time of this matrix on this machine: {report.wall_seconds:.0f} s ({len(report.served)} servers started)."
+        f"Wall time of this matrix on this machine: {report.wall_seconds:.0f} s ({len(report.served)} servers started"
+        + (f"; served, ran and stopped, the slowest: {slowest}" if top else "")
+        + ")."
     )
 
 
