@@ -13,6 +13,10 @@ The parts, in the order they run:
 2. **Kernel parity** (``gpu_parity.py``): every GPU kernel of the registries against the float64 CPU reference,
    forward and backward, with its dtype's limit; on CPU each is replaced by its CPU counterpart, labelled so.
 3. **CP=2 on one device** (``gpu_cp2.py``): two processes against CP=1, within the bf16 parity limits.
+3b. **Noise floors** (``ringtune parity noise``, its own process under ``--noise-timeout-s``): the tiny Qwen3.5
+   served at CP=1 in bf16-mixed and bfloat16, the parity requests unpermuted and in two seeded orders; the spread is
+   the floor the bf16 limits of ``ringtune/parity/limits.py`` come from (docs/parity.md), measured on this device
+   (``noise.json``; a cut run keeps the precisions it finished). Smoke: bf16-mixed, one order, 256-token rows.
 4. **Head kernels timed** (``gpu_head.py``): ``tiled`` against Liger's fused linear cross-entropy at the 4B head's
    size, forward + backward time and peak memory (the head's default changes only if ``liger`` is faster at equal
    memory).
@@ -23,8 +27,8 @@ The parts, in the order they run:
    the most of the 4B's 32 layers whose planned peak fits the device (:func:`step_layers`: all on an H200, 24 / 20
    / 12 at 8K / 32K / 64K on an H100). A configuration that would start after ``--budget-s`` is skipped and says so.
 
-Exit status 0 when the service part, every kernel-parity row and the CP=2 check pass (the step figures are
-reported, not gated).
+Exit status 0 when the service part, every kernel-parity row, the CP=2 check and the noise part pass (the step
+figures are reported, not gated).
 """
 
 from __future__ import annotations
@@ -109,6 +113,27 @@ def service_subprocess(out: Path, timeout_s: float) -> dict:
         if failure.startswith("timeout") or not report.get("runs"):  # else the failed runs say why
             report.setdefault("error", f"{failure}: {(tail or ['no output'])[0][:300]}")
     return report
+
+
+def noise_subprocess(out: Path, timeout_s: float, smoke: bool) -> dict:
+    """``ringtune parity noise`` in a fresh process under ``timeout_s``: {"floors": {"<dtype> CP1": {figure: value}},
+    "pass": whether every precision asked for was measured, "error": why not}; the floors in ``out/noise.json``."""
+    if timeout_s <= 0:
+        return {"floors": {}, "pass": True, "skipped": "--noise-timeout-s 0"}
+    dtypes = ["bf16-mixed"] if smoke else ["bf16-mixed", "bfloat16"]
+    cmd = [sys.executable, "-m", "ringtune.cli", "parity", "noise", "--dtypes", *dtypes, "--cp", "1"]
+    cmd += ["--seeds", *(["1"] if smoke else ["1", "2"]), "--row-tokens", "256" if smoke else "1024"]
+    cmd += ["--workdir", str(out / "noise-work"), "--out", str(out / "noise.json")]
+    error = None
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, check=False)
+        if done.returncode:
+            error = f"exit {done.returncode}: {((done.stderr or done.stdout).strip().splitlines() or [''])[-1][:300]}"
+    except subprocess.TimeoutExpired:
+        error = f"timeout after {timeout_s:.0f} s"
+    path = out / "noise.json"
+    floors = json.loads(path.read_text()) if path.is_file() else {}
+    return {"floors": floors, "pass": error is None and len(floors) == len(dtypes), "error": error}
 
 
 def cp2_subprocess(timeout_s: float) -> dict:
@@ -257,6 +282,14 @@ def markdown(report: dict) -> str:
             f"| {h['kernel']} | {h['tokens']} | {h['vocab']} x {h['dim']} | {h['ms']:.1f} | "
             f"{_fmt(h.get('ratio'), '.2f')} | {_fmt(h.get('extra_gib'), '.2f')} |"
         )
+    noise = report.get("noise") or {}
+    floors = noise.get("floors") or {}
+    keys = ("grad_norm", "grad_norm_later", "post_mean", "post_p99", "post_loss_per_token", "lp_mean", "seconds")
+    lines += ["", "| noise floor (parity noise) | " + " | ".join(keys) + " |", "|---|" + "---:|" * len(keys)]
+    for precision, row in floors.items():
+        lines.append(f"| {precision} | " + " | ".join(_fmt(float(row.get(k, float("nan")))) for k in keys) + " |")
+    if noise.get("error") or noise.get("skipped"):
+        lines.append(f"| not measured | {noise.get('error') or noise.get('skipped')} |" + " |" * (len(keys) - 1))
     c = report["cp2"]
     lines += ["", "| CP=2 vs CP=1 on one device | value | limit | pass |", "|---|---:|---:|---|"]
     for key, value in (c.get("figures") or {}).items():
@@ -275,6 +308,7 @@ def main() -> int:
     p.add_argument("--step-timeout-s", type=float, default=100.0)
     p.add_argument("--cp2-timeout-s", type=float, default=100.0)
     p.add_argument("--service-timeout-s", type=float, default=200.0)
+    p.add_argument("--noise-timeout-s", type=float, default=150.0, help="the noise floors' part (0: skip it)")
     args = p.parse_args()
     if args.smoke:
         args.tokens = [96]
@@ -286,6 +320,7 @@ def main() -> int:
     report["versions"] = versions()
     report["kernel_parity"], report["cp2"], report["training_step"] = [], {"pass": False}, []
     report["head_timing"], report["service"] = [], {"pass": False, "runs": []}
+    report["noise"] = {"floors": {}, "pass": False}
     args.out.mkdir(parents=True, exist_ok=True)
 
     def save() -> str:  # after every part: a run stopped by its time limit still leaves what it measured
@@ -308,12 +343,16 @@ def main() -> int:
     report["cp2"] = cp2_parity(SMOKE_MODEL, device) if args.smoke else cp2_subprocess(args.cp2_timeout_s)
     save()
     print(f"CP=2: {time.time() - started:.0f} s", flush=True)
+    report["noise"] = noise_subprocess(args.out, args.noise_timeout_s, args.smoke)
+    save()
+    print(f"noise floors: {time.time() - started:.0f} s {sorted(report['noise']['floors'])}", flush=True)
     report["head_timing"] = head_timing(device, smoke=args.smoke)
     save()
     print(f"head timing: {time.time() - started:.0f} s", flush=True)
     training_steps(args, started, save, report["training_step"])
     print(save(), flush=True)
     ok = all(r["pass"] for r in report["kernel_parity"]) and report["cp2"]["pass"] and report["service"]["pass"]
+    ok = ok and report["noise"]["pass"]
     return 0 if ok else 1
 
 
