@@ -8,11 +8,21 @@ import pytest
 
 from ringtune.cli import build_parser
 from ringtune.errors import UserInputError
-from ringtune.worker.vllm_options import PYTHON_ENV, SERVED_NAME, engine_config
+from ringtune.worker.vllm_options import PYTHON_ENV, SERVED_NAME, engine_configs
 
 
 def _serve_args(*argv: str):
     return build_parser().parse_args(["serve", *argv])
+
+
+def engine_config(args, **kwargs):
+    """The one engine of a one-model ``args`` (None for ``--sampler builtin``)."""
+    configs = engine_configs(args, **kwargs)
+    if not configs:
+        return None
+    (group,) = configs.values()
+    (config,) = group
+    return config
 
 
 def test_builtin_is_the_default_and_starts_no_engine(tmp_path):

@@ -128,6 +128,14 @@ class VllmEngine:
         """``starting``, ``serving``, ``failed`` (down; restarting unless restarts are used up) or ``closed``."""
         return self._state
 
+    @property
+    def gave_up(self) -> bool:
+        """True when it will not serve again: closed, or a started engine down with its restarts used up (an
+        attached engine may come back, so it never gives up)."""
+        if self._state == "closed":
+            return True
+        return self._state == "failed" and not self.attached and self.restarts >= self.config.max_restarts
+
     def start(self) -> None:
         """Start the engine (or check the attached one) and wait until ``/health`` answers; then the monitor.
         EngineUnavailableError when it does not come up within ``start_timeout_s``."""
@@ -307,7 +315,7 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
-def engine_log_path(root: Path) -> str:
-    """Where a started engine's output goes: ``<checkpoint root>/.vllm/engine.log`` (directory created)."""
+def engine_log_path(root: Path, name: str = "engine") -> str:
+    """Where a started engine's output goes: ``<checkpoint root>/.vllm/<name>.log`` (directory created)."""
     (root / ".vllm").mkdir(parents=True, exist_ok=True)
-    return str(root / ".vllm" / "engine.log")
+    return str(root / ".vllm" / f"{name}.log")
