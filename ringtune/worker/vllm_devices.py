@@ -51,7 +51,8 @@ def engine_devices(
     UserInputError, naming the flag, when: an index is not an integer >= 0 or is listed twice; the count is not
     a multiple of ``engines`` or gives an engine fewer GPUs than it runs on (:func:`engine_gpu_count`); ``text``
     is given but no engine is started; an index is below ``ranks_on_host`` (a training rank's GPU) or not below
-    ``gpus_on_host``; or, on a GPU host (``gpus_on_host`` > 0), engines are started without ``text`` and without ``--gpu-memory-utilization``.
+    ``gpus_on_host``; or, on a GPU host (``gpus_on_host`` > 0), engines are started without ``text`` and
+    without ``--gpu-memory-utilization``.
     """
     per_engine = engine_gpu_count(extra_args)
     if text is None:
