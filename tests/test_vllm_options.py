@@ -74,3 +74,47 @@ def test_bad_lora_rank_is_refused(tmp_path):
     args = _serve_args("--model", str(tmp_path), "--sampler", "vllm", "--vllm-max-lora-rank", "0")
     with pytest.raises(UserInputError, match="--vllm-max-lora-rank=0"):
         engine_config(args, dtype="float32", root=tmp_path)
+
+
+def _model(root, name: str) -> str:
+    path = root / name
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    return str(path)
+
+
+def test_several_engines_urls_and_models(tmp_path):
+    one, two = _model(tmp_path, "one"), _model(tmp_path, "two")
+    args = _serve_args("--model", one, "--sampler", "vllm", "--vllm-engines", "2", "--vllm-devices", "2,3")
+    (group,) = engine_configs(args, dtype="float32", root=tmp_path, ranks_on_host=2, gpus_on_host=4).values()
+    assert [c.env for c in group] == [{"CUDA_VISIBLE_DEVICES": "2"}, {"CUDA_VISIBLE_DEVICES": "3"}]
+    assert [c.log_path for c in group] == [str(tmp_path / ".vllm" / f"engine-{i}.log") for i in range(2)]
+    attached = _serve_args("--model", one, "--sampler", "vllm", "--vllm-url", "http://a:1", "--vllm-url", "http://b:2")
+    (group,) = engine_configs(attached, dtype="float32", root=tmp_path).values()
+    assert [c.url for c in group] == ["http://a:1", "http://b:2"]  # a model with URLs starts none by default
+    argv = ["--model", f"s={one}", "--model", f"t={two}", "--sampler", "vllm", "--vllm-url", "t=http://t:1"]
+    configs = engine_configs(_serve_args(*argv), dtype="float32", root=tmp_path)
+    assert {name: [(c.model, c.url) for c in group] for name, group in configs.items()} == {
+        "s": [(one, None)],
+        "t": [(two, "http://t:1")],
+    }
+    assert configs["s"][0].log_path == str(tmp_path / ".vllm" / "engine-s-0.log")
+    mixed = engine_configs(_serve_args(*argv, "--vllm-engines", "1"), dtype="float32", root=tmp_path)
+    assert [c.url for c in mixed["t"]] == ["http://t:1", None]  # attached first, then the started one
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--vllm-url", "http://x:1"], "name the model it serves"),
+        (["--vllm-url", "u=http://x:1"], "'u' is not a served model"),
+        (["--vllm-url", "s=x:1"], "expected \\[MODEL=\\]http://host:port"),
+        (["--vllm-engines", "-1"], "--vllm-engines=-1 must be >= 0"),
+        (["--vllm-engines", "0", "--vllm-url", "s=http://x:1"], "model 't' has no --vllm-url either"),
+    ],
+)
+def test_several_models_refusals_name_the_flag(tmp_path, extra, message):
+    one, two = _model(tmp_path, "one"), _model(tmp_path, "two")
+    args = _serve_args("--model", f"s={one}", "--model", f"t={two}", "--sampler", "vllm", *extra)
+    with pytest.raises(UserInputError, match=message):
+        engine_configs(args, dtype="float32", root=tmp_path)
