@@ -101,6 +101,7 @@ def test_engine(model_dir: Path, log_path: Path, *, enable_lora: bool = True, ma
         start_timeout_s=600.0,
         health_interval_s=1.0,
         max_restarts=max_restarts,
+        silent_after_s=60.0,  # two engines starting on 2 shared cores can starve a serving one of CPU
         log_path=str(log_path),
     )
     return VllmEngine(config)

@@ -69,6 +69,9 @@ class VllmEngineConfig:
         start_timeout_s: how long a start may take until ``/health`` answers.
         request_timeout_s: the longest completion call.
         health_interval_s: the monitor's period; max_restarts: restarts before it gives up (0: never restart).
+        silent_after_s: a live process whose ``/health`` has not answered for this long counts as down (None:
+            3 x ``health_interval_s``; several engines starting on one host can starve a serving one of CPU for a
+            while: ``serve`` gives 30 s); an exited one is down at once.
         log_path: the engine's stdout and stderr (default: discarded).
     """
 
@@ -88,6 +91,7 @@ class VllmEngineConfig:
     request_timeout_s: float = 600.0
     health_interval_s: float = 2.0
     max_restarts: int = 3
+    silent_after_s: float | None = None
     log_path: str | None = None
 
     def command(self, port: int) -> list[str]:
@@ -194,18 +198,18 @@ class VllmEngine:
     def _watch(self) -> None:
         """The monitor thread: every ``health_interval_s``, restart a dead or silent engine (module docstring); an
         attached engine that answers again serves again (as a new incarnation: it may have lost what was loaded)."""
-        misses = 0
+        answered = time.monotonic()
         while not self._stop.wait(self.config.health_interval_s):
             dead = self._process is not None and self._process.poll() is not None
             if not dead and self.healthy():
-                misses = 0
+                answered = time.monotonic()
                 if self._state == "failed" and self.attached:
                     with self._lock:
                         self.incarnation += 1
                         self._state = "serving"
                 continue
-            misses += 1
-            if not dead and misses < 3:
+            silent_s = self.config.silent_after_s or 3 * self.config.health_interval_s
+            if not dead and time.monotonic() - answered < silent_s:
                 continue
             with self._lock:
                 if self._stop.is_set():
@@ -219,7 +223,7 @@ class VllmEngine:
                 self.restarts += 1
                 try:
                     self._launch()
-                    misses = 0
+                    answered = time.monotonic()
                 except EngineUnavailableError:
                     log.exception("vLLM engine restart failed")
 

@@ -89,6 +89,10 @@ def add_sampler_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+SILENT_AFTER_S = 30.0
+"""How long a live engine may leave ``/health`` unanswered before ``serve`` restarts it (several engines starting
+on one host can starve a serving one of CPU for seconds)."""
+
 SERVED_NAME = "ringtune-base"
 """The engine's name of the base model (only ringtune's completion calls use it; clients name ``--model-name``)."""
 
@@ -164,6 +168,7 @@ def engine_configs(
         enable_lora=args.vllm_lora,
         max_lora_rank=args.vllm_max_lora_rank,
         extra_args=tuple(extra),
+        silent_after_s=SILENT_AFTER_S,
     )
     configs: dict[str, list[VllmEngineConfig]] = {}
     for m in models:
