@@ -8,14 +8,13 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from functools import cache
 from pathlib import Path
 
 from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.server import ServerThread
 from ringtune.worker.local import LocalBackend
-from ringtune.worker.vllm_engine import VllmEngine, VllmEngineConfig
+from ringtune.worker.vllm_engine import VllmEngine, VllmEngineConfig, start_engines
 from ringtune.worker.vllm_options import PYTHON_ENV, SERVED_NAME
 
 API_KEY = "tml-vllm-test"
@@ -115,13 +114,7 @@ def start_vllm_gateway(
 ) -> ServerThread:
     """A started gateway over a float32 :class:`LocalBackend` of ``model_dir`` whose sampling runs on ``engine``
     (or on each served model's engines; started here, side by side; the gateway stops them with itself)."""
-    engines = [engine] if isinstance(engine, VllmEngine) else [e for group in engine.values() for e in group]
-    starts = [threading.Thread(target=e.start) for e in engines]
-    for thread in starts:
-        thread.start()
-    for thread in starts:
-        thread.join()
-    assert all(e.state == "serving" for e in engines), [e.state for e in engines]
+    start_engines([engine] if isinstance(engine, VllmEngine) else [e for group in engine.values() for e in group])
     backend = LocalBackend(str(model_dir), max_tokens_per_rank=CONTEXT, model_name=MODEL_NAME)
     options = {"checkpoint_root": str(root), "api_key": API_KEY, "poll_timeout_s": 5.0, "max_live_runs": 8}
     server = ServerThread(backend, GatewayConfig(**(options | settings)), sampling_engine=engine)  # type: ignore[arg-type]

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,7 @@ class VllmEngine:
         self._lock = threading.RLock()
         self._state = "stopped"  # stopped, starting, serving, failed, closed
         self._stop = threading.Event()
+        self._deadline = 0.0  # when a start that has not answered /health gives up
         self._monitor: threading.Thread | None = None
         self._client = httpx.Client(timeout=httpx.Timeout(config.request_timeout_s, connect=5.0))
 
@@ -143,12 +145,15 @@ class VllmEngine:
     def start(self) -> None:
         """Start the engine (or check the attached one) and wait until ``/health`` answers; then the monitor.
         EngineUnavailableError when it does not come up within ``start_timeout_s``."""
-        with self._lock:
-            self._launch()
-        self._monitor = threading.Thread(target=self._watch, name="vllm-engine-monitor", daemon=True)
-        self._monitor.start()
+        start_engines([self])
 
     def _launch(self) -> None:
+        """Spawn the process and wait until it is healthy (the monitor's restarts)."""
+        self._spawn()
+        self._await_health()
+
+    def _spawn(self) -> None:
+        """Spawn the process (nothing for an attached engine); its start clock begins."""
         self._state = "starting"
         if not self.attached:
             port = free_port()
@@ -167,7 +172,12 @@ class VllmEngine:
                 preexec_fn=_die_with_parent,
             )
             atexit.register(self._kill_process, self._process)
-        deadline = time.monotonic() + self.config.start_timeout_s
+        self._deadline = time.monotonic() + self.config.start_timeout_s
+
+    def _await_health(self) -> None:
+        """Wait until ``/health`` answers (then serving, a new incarnation); EngineUnavailableError when the process
+        exits first or the start clock passes ``start_timeout_s``."""
+        deadline = self._deadline
         while not self.healthy():
             if self._process is not None and self._process.poll() is not None:
                 self._state = "failed"
@@ -185,6 +195,10 @@ class VllmEngine:
         self.incarnation += 1
         self._state = "serving"
         log.info("vLLM engine %d serving at %s", self.incarnation, self.url)
+
+    def _start_monitor(self) -> None:
+        self._monitor = threading.Thread(target=self._watch, name="vllm-engine-monitor", daemon=True)
+        self._monitor.start()
 
     def healthy(self) -> bool:
         """``GET /health`` answers 200 within 5 s."""
@@ -305,6 +319,27 @@ class VllmEngine:
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(10.0)
         self._client.close()
+
+
+def start_engines(engines: Sequence[VllmEngine]) -> None:
+    """Start ``engines`` side by side: every process is spawned from this thread (``PR_SET_PDEATHSIG`` ties an
+    engine to the thread that spawned it, so never from a short-lived worker thread), then each is awaited and its
+    monitor started. The first EngineUnavailableError is raised once all were awaited (the others keep serving;
+    the caller stops them)."""
+    for engine in engines:
+        with engine._lock:
+            engine._spawn()
+    failures = []
+    for engine in engines:
+        try:
+            with engine._lock:
+                engine._await_health()
+        except EngineUnavailableError as exc:
+            failures.append(exc)
+            continue
+        engine._start_monitor()
+    if failures:
+        raise failures[0]
 
 
 def _die_with_parent() -> None:

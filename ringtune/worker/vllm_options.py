@@ -18,7 +18,6 @@ import argparse
 import os
 import shlex
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from ringtune.gateway.backend import Backend
 from ringtune.models.checkpoints.load import EMBEDDED_DEFAULT
 from ringtune.worker.model_set import parse_model_args
 from ringtune.worker.vllm_devices import engine_devices
-from ringtune.worker.vllm_engine import VllmEngine, VllmEngineConfig, engine_log_path
+from ringtune.worker.vllm_engine import VllmEngine, VllmEngineConfig, engine_log_path, start_engines
 
 SAMPLERS = ("builtin", "vllm")
 
@@ -211,14 +210,13 @@ def start_sampling_engines(
     for engine in every:
         where = engine.config.url or f"log {engine.config.log_path}"
         print(f"ringtune: starting a vLLM sampler for {engine.config.model} ({where}) ...", flush=True)
-    with ThreadPoolExecutor(len(every)) as pool:
-        starts = [pool.submit(engine.start) for engine in every]
-    failed = [f.exception() for f in starts if f.exception() is not None]
-    if failed:
+    try:
+        start_engines(every)
+    except BaseException:
         for engine in every:
             engine.stop()
         backend.close()
-        raise failed[0]  # type: ignore[misc]
+        raise
     for name, group in engines.items():
         print(f"ringtune: vLLM sampler(s) for {name}: {', '.join(e.url for e in group)}", flush=True)
     return engines
