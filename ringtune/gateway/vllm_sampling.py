@@ -142,14 +142,7 @@ class VllmSampler:
         max_concurrent: completion calls in flight at once (the engine batches them).
     """
 
-    def __init__(
-        self,
-        engines: Engines,
-        backend: Any,
-        scratch: Path,
-        *,
-        max_concurrent: int = 64,
-    ) -> None:
+    def __init__(self, engines: Engines, backend: Any, scratch: Path, *, max_concurrent: int = 64) -> None:
         self.engines, self.backend, self.scratch = EngineSet(engines), backend, scratch
         self.pool = ThreadPoolExecutor(max_concurrent, thread_name_prefix="vllm-completion")
         self.sessions: dict[str, _Session] = {}
