@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import sys
+import time
+from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
+from test_vllm_engine import STAND_IN
+from vllm_fixtures import live_group_members
 
 from ringtune.cli import build_parser
 from ringtune.errors import UserInputError
-from ringtune.worker.vllm_options import PYTHON_ENV, SERVED_NAME, engine_configs
+from ringtune.worker.vllm_options import PYTHON_ENV, SERVED_NAME, engine_configs, start_sampling_engines
 
 
 def _serve_args(*argv: str):
@@ -118,3 +124,48 @@ def test_several_models_refusals_name_the_flag(tmp_path, extra, message):
     args = _serve_args("--model", f"s={one}", "--model", f"t={two}", "--sampler", "vllm", *extra)
     with pytest.raises(UserInputError, match=message):
         engine_configs(args, dtype="float32", root=tmp_path)
+
+
+class _Backend:
+    """The served models' names and contexts, and whether it was closed."""
+
+    def __init__(self, contexts: dict[str, int]) -> None:
+        self.contexts, self.closed = contexts, False
+
+    def models(self):
+        return tuple(SimpleNamespace(model_name=n, context_length=c) for n, c in self.contexts.items())
+
+    def info(self):
+        return self.models()[0]
+
+    def close(self):
+        self.closed = True
+
+
+def test_start_sampling_engines_starts_each_models_engines_or_none(tmp_path):
+    launcher = tmp_path / "python"  # the stand-in server of test_vllm_engine, whatever module it is asked for
+    (tmp_path / "stand_in.py").write_text(STAND_IN)
+    launcher.write_text(f'#!/bin/sh\nexec {sys.executable} {tmp_path / "stand_in.py"} "$@"\n')
+    launcher.chmod(0o755)
+    one, two = _model(tmp_path, "one"), _model(tmp_path, "two")
+    argv = ["--model", f"s={one}", "--model", f"t={two}", "--sampler", "vllm", "--vllm-python", str(launcher)]
+    configs = engine_configs(_serve_args(*argv, "--vllm-engines", "2"), dtype="float32", root=tmp_path)
+    backend = _Backend({"s": 64, "t": 128})
+    engines = start_sampling_engines(configs, backend)
+    try:
+        assert engines is not None and [len(engines[m]) for m in ("s", "t")] == [2, 2]
+        assert all(e.state == "serving" for group in engines.values() for e in group)
+        assert {m: {e.config.max_model_len for e in group} for m, group in engines.items()} == {"s": {64}, "t": {128}}
+        time.sleep(0.5)  # the processes outlive any helper thread: they were spawned from this one
+        assert all(e.healthy() for group in engines.values() for e in group)
+    finally:
+        pids = [e.process_id() for group in (engines or {}).values() for e in group]
+        for group in (engines or {}).values():
+            for engine in group:
+                engine.stop()
+    assert all(pid is not None and live_group_members(pid) == [] for pid in pids)
+    assert start_sampling_engines({}, backend) is None and not backend.closed
+    broken = [replace(c, python="/nonexistent/python") for c in configs["t"]]
+    with pytest.raises(OSError):
+        start_sampling_engines({"s": configs["s"], "t": broken}, backend)
+    assert backend.closed
