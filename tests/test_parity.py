@@ -36,7 +36,9 @@ from ringtune.parity.windows import Layout, request_positions
 ROW_TOKENS = 512
 pytestmark = pytest.mark.timeout(3600)
 """The module's matrix serves 15 servers one after another inside one fixture: on a loaded 2-core machine it ran
-24 min (5 min of CPU), past the suite's 900 s default; slow is not dead."""
+24 min (5 min of CPU) while its CP=1 references ran two torch threads; with one (``servers.SERVER_THREADS``) the
+module took 700 s at load ~20-27 (the fixture 629 s), still past the suite's 900 s default now and then: slow is
+not dead."""
 
 # What each fault must break first (the figure compare names): a wrong rotary position shows in every log-prob
 # past chunk C; an average instead of a sum halves the grad norm (CP=2) but not the Adam update; a dropped GDN
