@@ -35,18 +35,17 @@ request of it fails with that message (:meth:`ReplicaCheck.require_trusted`).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from ringtune.engine.state_sweep import StateMaxima, checksums_and_max_abs
-from ringtune.engine.tensor_norms import local
 from ringtune.models.layers.moe import is_expert_parameter
 from ringtune.parallel.control import all_gather_objects
 from ringtune.parallel.mesh import ParallelMesh
 
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """The AdamW state tensors compared beside each parameter (plus its ``step`` count, on every rank)."""
 SHOWN = 8
@@ -59,14 +58,23 @@ class ReplicaDivergedError(RuntimeError):
     """Ranks that must hold identical parameters / AdamW moments do not (a server error: the engine is wrong)."""
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def checksums(tensors: list[torch.Tensor]) -> list[int]:
     """Per tensor: the wrapping sum of its elements' raw bits as integers of their own width (exact modulo
     2^width). One changed element changes its integer by a nonzero amount below 2^width, so the sum changes.
     DTensors are read through their local shard; a 0-d tensor (the AdamW step) as a 1-element tensor.
-    (:func:`~ringtune.engine.state_sweep.checksums_and_max_abs` without the maxima.)
     """
-    sums, _ = checksums_and_max_abs(tensors, [False] * len(tensors))
-    return [int(s) for s in sums.tolist()]
+    sums = []
+    for t in tensors:
+        x = _local(t).detach().contiguous().reshape(-1)
+        if x.is_complex() or x.element_size() not in _BITS:
+            raise TypeError(f"cannot checksum a {x.dtype} tensor")
+        bits = _BITS[x.element_size()]
+        sums.append(x.view(bits).sum(dtype=bits).to(torch.int64))
+    return [int(s) for s in torch.stack(sums).tolist()] if sums else []
 
 
 def tensor_key(t: torch.Tensor, name: str, mesh: ParallelMesh | None) -> Key:
@@ -113,8 +121,6 @@ class ReplicaCheck:
     model: nn.Module | None = None
     untrusted: str | None = None
     compared: int = 0
-    maxima: StateMaxima = field(default_factory=StateMaxima)
-    """max |weight| and max |moment| taken in the checksums' sweep, for the next step's guard."""
 
     def require_trusted(self) -> None:
         """ReplicaDivergedError if an earlier step found the replicas apart (the run's state is not trusted)."""
@@ -155,16 +161,7 @@ class ReplicaCheck:
         if self.mesh is None or group is None:
             return time.perf_counter() - start
         named = self.named_tensors(params, names, optimizer)
-        tensors = [t for _, t, _ in named]
-        # the weights and moments: their maxima are taken in the same read, for the next step's guard
-        trained = {id(p) for p in params}
-        trained |= {id(t) for p in params for m, t in optimizer.state.get(p, {}).items() if m in MOMENTS}
-        with_max = [id(t) in trained for t in tensors]
-        device = local(params[0].detach()).device if params else torch.device("cpu")
-        sums, peaks = checksums_and_max_abs(tensors, with_max, device)
-        kept = [i for i, w in enumerate(with_max) if w]
-        self.maxima.record([tensors[i] for i in kept], peaks[torch.tensor(kept, dtype=torch.int64, device=device)])
-        mine = (step, [k for _, _, k in named], [int(s) for s in sums.tolist()])
+        mine = (step, [k for _, _, k in named], checksums([t for _, t, _ in named]))
         everyone = all_gather_objects(mine, group)
         problems, self.compared = self._mismatches(everyone, [n for n, _, _ in named])
         seconds = time.perf_counter() - start

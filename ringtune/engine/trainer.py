@@ -372,9 +372,7 @@ class Trainer:
                     p.grad = torch.zeros_like(p)
             self.grad_sync.reduce(self.params)
             norm_tensor, grad_maxima = self.grad_sync.norm_and_grad_maxima(self.params)
-            figures = read_step_figures(
-                self.params, self.optimizer, norm_tensor, grad_maxima, known=self.replicas.maxima
-            )
+            figures = read_step_figures(self.params, self.optimizer, norm_tensor, grad_maxima)
             norm = figures.norm
             bad_weights = [self.names[id(self.params[i])] for i in figures.non_finite_weights()]
             if math.isfinite(norm) and not bad_weights:  # clipped here; dropped with the gradients if refused
@@ -428,7 +426,6 @@ class Trainer:
         )
         if not optimizer:  # only after a successful load: a refused checkpoint changes nothing
             self.optimizer = new_adamw(self.params, self.adamw_kernel)
-        self.replicas.maxima.forget()  # loaded in place (the version counters would tell; not relied on here)
         self.invariant.reset()
         self.step = step
         self.weights_version += 1

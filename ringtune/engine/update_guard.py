@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 
 from ringtune.engine.optimizer import non_finite_update
-from ringtune.engine.state_sweep import StateMaxima
 from ringtune.engine.tensor_norms import local, max_abs
 
 HEADROOM = 0.25
@@ -48,12 +47,11 @@ class StepFigures:
 
 
 def _moments(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], key: str) -> list[torch.Tensor]:
-    """Each parameter's moment ``key`` (the optimizer's tensor, a DTensor under FSDP), or an empty tensor where
-    AdamW has none yet."""
+    """Each parameter's moment ``key`` (local shard), or an empty tensor where AdamW has none yet."""
     out = []
     for p in params:
         state = optimizer.state.get(p, {})
-        out.append(state[key] if key in state else torch.zeros(0, device=local(p.detach()).device))
+        out.append(local(state[key]) if key in state else torch.zeros(0, device=local(p.detach()).device))
     return out
 
 
@@ -62,27 +60,22 @@ def read_step_figures(
     optimizer: torch.optim.Optimizer,
     norm: torch.Tensor,
     grad_maxima: torch.Tensor | None = None,
-    known: StateMaxima | None = None,
 ) -> StepFigures:
     """One host sync for the step's guard: ``norm`` (a float64 0-d device tensor, from the gradient sync) and the
     maxima of every local weight, gradient (None counts 0) and AdamW moment, fused per list. ``grad_maxima``: the
     gradients' maxima already taken (float64 ``[len(params)]`` on ``norm``'s device, e.g. by
-    :meth:`~ringtune.engine.grad_sync.GradientSync.norm_and_grad_maxima` in the norm's pass); None: taken here.
-    ``known``: maxima of weights and moments taken since they last changed (the replica check's sweep after the
-    previous step, :class:`~ringtune.engine.state_sweep.StateMaxima`): reused, only changed tensors are read;
-    None: every weight and moment is read here. The figures are the same either way."""
+    :meth:`~ringtune.engine.grad_sync.GradientSync.norm_and_grad_maxima` in the norm's pass); None: taken here."""
     device = norm.device
     n = len(params)
     if grad_maxima is None:
         grads = [local(p.grad) if p.grad is not None else torch.zeros(0, device=device) for p in params]
         grad_maxima = max_abs(grads, device)
-    state_maxima = known if known is not None else StateMaxima()  # an empty record reads every tensor
     parts = [
         norm.reshape(1).to(torch.float64),
-        state_maxima.lookup(list(params), device),
+        max_abs([local(p.detach()) for p in params], device),
         grad_maxima.to(device, torch.float64),
-        state_maxima.lookup(_moments(optimizer, params, "exp_avg"), device),
-        state_maxima.lookup(_moments(optimizer, params, "exp_avg_sq"), device),
+        max_abs(_moments(optimizer, params, "exp_avg"), device),
+        max_abs(_moments(optimizer, params, "exp_avg_sq"), device),
     ]
     values = torch.cat(parts).tolist()
     return StepFigures(values[0], values[1 : 1 + n], values[1 + n : 1 + 2 * n], values[1 + 2 * n : 1 + 3 * n],
