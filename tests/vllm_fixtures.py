@@ -14,7 +14,7 @@ from pathlib import Path
 from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.server import ServerThread
 from ringtune.worker.local import LocalBackend
-from ringtune.worker.vllm_engine import VllmEngine, VllmEngineConfig
+from ringtune.worker.vllm_engine import VllmEngine, VllmEngineConfig, start_engines
 from ringtune.worker.vllm_options import PYTHON_ENV, SERVED_NAME
 
 API_KEY = "tml-vllm-test"
@@ -84,7 +84,7 @@ def tiny_llama_dir(dest: Path, *, seed: int = 0) -> Path:
     return dest
 
 
-def test_engine(model_dir: Path, log_path: Path, *, enable_lora: bool = True) -> VllmEngine:
+def test_engine(model_dir: Path, log_path: Path, *, enable_lora: bool = True, max_restarts: int = 3) -> VllmEngine:
     """A (not yet started) CPU engine on ``model_dir`` in float32, eager, LoRA rank <= 8, a 1 GiB KV cache."""
     config = VllmEngineConfig(
         model=str(model_dir),
@@ -99,6 +99,8 @@ def test_engine(model_dir: Path, log_path: Path, *, enable_lora: bool = True) ->
         env={"VLLM_CPU_KVCACHE_SPACE": ENGINE_KV_CACHE_GIB},
         start_timeout_s=600.0,
         health_interval_s=1.0,
+        max_restarts=max_restarts,
+        silent_after_s=60.0,  # two engines starting on 2 shared cores can starve a serving one of CPU
         log_path=str(log_path),
     )
     return VllmEngine(config)
@@ -107,10 +109,12 @@ def test_engine(model_dir: Path, log_path: Path, *, enable_lora: bool = True) ->
 test_engine.__test__ = False  # a helper, not a test
 
 
-def start_vllm_gateway(root: Path, model_dir: Path, engine: VllmEngine, **settings: object) -> ServerThread:
+def start_vllm_gateway(
+    root: Path, model_dir: Path, engine: VllmEngine | dict[str, list[VllmEngine]], **settings: object
+) -> ServerThread:
     """A started gateway over a float32 :class:`LocalBackend` of ``model_dir`` whose sampling runs on ``engine``
-    (started here; the gateway stops it with itself)."""
-    engine.start()
+    (or on each served model's engines; started here, side by side; the gateway stops them with itself)."""
+    start_engines([engine] if isinstance(engine, VllmEngine) else [e for group in engine.values() for e in group])
     backend = LocalBackend(str(model_dir), max_tokens_per_rank=CONTEXT, model_name=MODEL_NAME)
     options = {"checkpoint_root": str(root), "api_key": API_KEY, "poll_timeout_s": 5.0, "max_live_runs": 8}
     server = ServerThread(backend, GatewayConfig(**(options | settings)), sampling_engine=engine)  # type: ignore[arg-type]
