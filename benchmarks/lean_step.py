@@ -282,7 +282,8 @@ def interleaved(rounds: int) -> None:
     :func:`~ringtune.engine.tensor_norms.squares_and_norms`), the weights' and moments' bounds carried from the
     previous step (:mod:`ringtune.engine.state_bounds`: nothing read; recorded untimed before each round, as the
     other variants moved the weights in between), clipping, AdamW, the checksums: 5. Prints each variant's
-    (reads + AdamW) / AdamW for the fastest rounds and for the medians."""
+    (reads + AdamW) / AdamW for the fastest rounds, for the medians, and per round (each over the AdamW step of
+    the same round, which shares its load): the least and the median."""
     from ringtune.engine.optimizer import new_adamw, prepare_step
     from ringtune.engine.replica_check import checksums
     from ringtune.engine.state_bounds import StateBounds
@@ -345,10 +346,12 @@ def interleaved(rounds: int) -> None:
     print(f"SmolLM2-135M float32, one process x 1 thread, {rounds} interleaved rounds: (step reads + AdamW) / AdamW")
     adamw = times["adamw"]
     for name, reads in (("main", 8), ("lean", 5)):
+        paired = [t / a for t, a in zip(times[name], adamw, strict=True)]  # the same round: the same load
         print(
             f"  {name} ({reads} reads per parameter besides AdamW's): fastest {min(times[name]):.2f} s / AdamW's "
             f"fastest {min(adamw):.2f} s = {min(times[name]) / min(adamw):.2f} x; "
-            f"medians {statistics.median(times[name]) / statistics.median(adamw):.2f} x"
+            f"medians {statistics.median(times[name]) / statistics.median(adamw):.2f} x; "
+            f"per round: min {min(paired):.2f} x, median {statistics.median(paired):.2f} x"
         )
 
 
