@@ -89,20 +89,26 @@ def fla_cp_case(ctx) -> dict:
         for index, (name, (lens, multiple)) in enumerate(ROWS.items()):
             x64 = {n: t.requires_grad_() for n, t in _row_inputs(lens, seed=index).items()}
             cu = torch.tensor([0, *torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)
-            ref = gated_delta_core(*(x64[n] for n in ("q", "k", "v")), cu, g=x64["g"], beta=x64["beta"],
-                                   conv_weight=x64["conv_weight"])  # fmt: skip
+            ref = gated_delta_core(
+                *(x64[n] for n in ("q", "k", "v")), cu, g=x64["g"], beta=x64["beta"], conv_weight=x64["conv_weight"]
+            )
             dout = torch.randn(ref.shape, generator=torch.Generator().manual_seed(50 + index), dtype=torch.float64)
             if lens:
                 (ref * dout).sum().backward()
-            want = {"out": ref.detach(), **{n: t.grad if t.grad is not None else torch.zeros_like(t)
-                                              for n, t in x64.items()}}  # fmt: skip
-            plan = zigzag_plan(lens, cp_size=2, cp_rank=mesh.cp_rank, pad_multiplier=multiple,
-                               pad_to=None if lens else 8)  # fmt: skip
+            want = {
+                "out": ref.detach(),
+                **{n: t.grad if t.grad is not None else torch.zeros_like(t) for n, t in x64.items()},
+            }
+            plan = zigzag_plan(
+                lens, cp_size=2, cp_rank=mesh.cp_rank, pad_multiplier=multiple, pad_to=None if lens else 8
+            )
             real = plan.is_real
             runs = {}
             for mode in MODES:
-                local = {n: (t.detach() if n == "conv_weight" else zigzag_slice(t.detach(), plan)).float()
-                         for n, t in x64.items()}  # fmt: skip
+                local = {
+                    n: (t.detach() if n == "conv_weight" else zigzag_slice(t.detach(), plan)).float()
+                    for n, t in x64.items()
+                }
                 local = {n: t.requires_grad_() for n, t in local.items()}
                 start = time.perf_counter()
                 with measure_comm() as fwd:
@@ -113,8 +119,12 @@ def fla_cp_case(ctx) -> dict:
                 got = {"out": out.detach().double()[real]}
                 got |= {n: local[n].grad.double()[real] for n in TOKEN_INPUTS}
                 got["conv_weight"] = all_reduce_(local["conv_weight"].grad.double(), group)
-                runs[mode] = {"got": got, "bytes": (fwd.bytes_sent, bwd.bytes_sent), "seconds": seconds,
-                              "finite": bool(torch.isfinite(out).all())}  # fmt: skip
+                runs[mode] = {
+                    "got": got,
+                    "bytes": (fwd.bytes_sent, bwd.bytes_sent),
+                    "seconds": seconds,
+                    "finite": bool(torch.isfinite(out).all()),
+                }
             ref_local = {"out": zigzag_slice(want["out"], plan)[real], "conv_weight": want["conv_weight"]}
             ref_local |= {n: zigzag_slice(want[n], plan)[real] for n in TOKEN_INPUTS}
             # Relative to the largest reference element, absolute below 1 (a one-token sequence's dg is exactly 0).
