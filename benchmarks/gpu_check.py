@@ -273,7 +273,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 65536])
     p.add_argument("--budget-s", type=float, default=360.0, help="start no training-step run after this many s")
     p.add_argument("--step-timeout-s", type=float, default=100.0)
-    p.add_argument("--cp2-timeout-s", type=float, default=100.0)
+    p.add_argument("--cp2-timeout-s", type=float, default=160.0)
     p.add_argument("--service-timeout-s", type=float, default=200.0)
     args = p.parse_args()
     if args.smoke:

@@ -17,9 +17,7 @@ are printed). fla_cp against chunkwise is the same float32 rounding twice.
 
 from __future__ import annotations
 
-import pytest
 import torch
-from support.triton_interpreter import missing_reason
 
 HK, HV, DK, DV, KERNEL = 1, 2, 16, 16, 4
 """fla's ``tl.dot`` needs head dims of 16 or more; Hv = 2·Hk exercises grouped value heads."""
@@ -141,17 +139,8 @@ def fla_cp_case(ctx) -> dict:
     return results
 
 
-def test_fla_cp_equals_chunkwise_and_float64_at_cp2():
-    reason = missing_reason("fla")
-    if reason is not None:
-        pytest.skip(reason)
-    from support.harness import RankPool
-
-    pool = RankPool(2, timeout=600)
-    try:
-        per_rank = pool.run(fla_cp_case)
-    finally:
-        pool.close()
+def test_fla_cp_equals_chunkwise_and_float64_at_cp2(interpreted_pool2):
+    per_rank = interpreted_pool2.run(fla_cp_case)
     worst: dict[str, float] = {}
     for rank, rows in enumerate(per_rank):
         for name, row in rows.items():
