@@ -1,9 +1,9 @@
 """fla's context parallelism (``fla.ops.cp``, the ``fla_cp`` CP mode) against ringtune's chunkwise hand-off at CP=2.
 
 Two gloo ranks under Triton's interpreter (float32 fla kernels on CPU tensors). Each row of the hard-case catalogue
-(rows of 1-17 tokens, lengths not divisible by 2C, several sequences per row, a sequence longer than fla's 64-token
-chunk crossing the part boundary, a sequence that starts 2 tokens before the boundary so the conv halo is cut, a
-pad-only row) runs the GDN core (conv, q/k L2 norm, gated delta rule) three ways: the float64 single-process
+(sequences of 1-13 tokens, lengths not divisible by 2C, several sequences per row, a sequence longer than fla's
+64-token chunk crossing the part boundary, a sequence that starts 2 tokens before the boundary so the conv halo is
+cut, a pad-only row) runs the GDN core (conv, q/k L2 norm, gated delta rule) three ways: the float64 single-process
 reference (ringtune's ``recompute`` scan), ringtune's ``chunkwise`` mode in float32 (summary all-gather + state
 hand-off, ringtune's kernels) and ``fla_cp`` in float32 (fla's conv halo and affine state chain). Output, every
 per-token gradient on each rank's shard and the conv weight's gradient summed over the group are compared pairwise;
@@ -22,15 +22,14 @@ import torch
 HK, HV, DK, DV, KERNEL = 1, 2, 16, 16, 4
 """fla's ``tl.dot`` needs head dims of 16 or more; Hv = 2·Hk exercises grouped value heads."""
 ROWS: dict[str, tuple[tuple[int, ...], int]] = {
-    "short_mix": ((1, 3, 17, 6, 13), 8),
+    "short_near_boundary": ((13, 1, 1, 1, 5, 7), 1),
     "long_crossing": ((3, 150), 8),
-    "near_boundary": ((1, 1, 1, 5, 7), 1),
     "pad_only": ((), 8),
 }
-"""Row -> (sequence lengths, stream pad multiple). ``short_mix``: sequences of 1-17 tokens, lengths not divisible by
-2C, the 17 crossing the part boundary; ``long_crossing``: a sequence of 150 tokens, two of fla's 64-token chunks on
-each rank, its state handed across; ``near_boundary`` (pad multiple 1): a sequence starts 2 tokens before the part
-boundary, so the conv halo is cut by a sequence start; ``pad_only``: no sequence, the stream pad alone."""
+"""Row -> (sequence lengths, stream pad multiple). ``short_near_boundary`` (pad multiple 1): six sequences of 1-13
+tokens, lengths not divisible by 2C, the 7 crossing the part boundary 2 tokens after its start (the conv halo is cut
+by a sequence start); ``long_crossing``: a sequence of 150 tokens, two of fla's 64-token chunks on each rank, its
+state handed across; ``pad_only``: no sequence, the stream pad alone."""
 MODES = ("chunkwise", "fla_cp")
 TOKEN_INPUTS = ("q", "k", "v", "g", "beta")
 LIMIT = 5e-6
@@ -73,6 +72,7 @@ def fla_cp_case(ctx) -> dict:
     from ringtune.layout import zigzag_plan, zigzag_slice
     from ringtune.ops.gated_delta.core import gated_delta_core
     from ringtune.ops.gated_delta.cp import gdn_cp_fn
+    from ringtune.ops.gated_delta.cp_chunkwise import _halo_mask
     from ringtune.parallel import measure_comm
     from ringtune.parallel.collectives import all_reduce_
 
@@ -135,6 +135,7 @@ def fla_cp_case(ctx) -> dict:
                 "bytes": {m: runs[m]["bytes"] for m in MODES},
                 "seconds": {m: runs[m]["seconds"] for m in MODES},
                 "finite": all(runs[m]["finite"] for m in MODES),
+                "partial_halo": bool(0 < int(_halo_mask(plan, KERNEL - 1).sum()) < KERNEL - 1),
             }
     return results
 
@@ -153,6 +154,7 @@ def test_fla_cp_equals_chunkwise_and_float64_at_cp2(interpreted_pool2):
             fwd_f, bwd_f = row["bytes"]["fla_cp"]
             # At CP=2 fla's all-gathers carry exactly what ringtune's ring shift and summary all-gather carry.
             assert (fwd_f, bwd_f) == (fwd_c, bwd_c), (rank, name, row["bytes"])
+    assert any(row["partial_halo"] for rows in per_rank for row in rows.values())  # the cut halo is exercised
     for pair, err in worst.items():
         print(f"{pair}: max relative |Δ| over rows, tensors and ranks {err:.1e}")
     for name, row in per_rank[0].items():
