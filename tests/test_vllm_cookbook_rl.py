@@ -10,6 +10,8 @@ fine-tuning runs: each step's ``save_weights_for_sampler`` is a whole-weight rel
   clients made with ``record_stability_info``: every engine sample is recorded, every datum carries provenance
   the server resolves against those records), one step off-policy, the non-letter-fraction reward: it rises, and
   ``optim/kl_sample_train_v1/v2`` (engine log-probs vs the trainer's) are at float32 rounding.
+- ``test_rl_train_sync_with_kl_penalty``: the sync mode (``importance_sampling``) with a KL penalty against the
+  base model (``compute_logprobs`` on the engine), ``compute_post_kl`` and the evaluator, 2 steps: on-policy.
 - ``test_stable_reinforce_on_engine_records``: the SDK path that recipe takes, by hand: a sampling client with
   ``record_stability_info``, datums with the recorded spans, ``forward`` / ``forward_backward`` with
   ``stable_reinforce``; the recorded log-probs are the engine's (what the client received).
@@ -29,7 +31,7 @@ from pathlib import Path
 import pytest
 import tinker
 from smollm_fixtures import cookbook_server, tiny_smollm_class_dir
-from test_cookbook_rl import LLAMA_NAME, RENDERER, LettersDatasetBuilder, read_jsonl, rl_config
+from test_cookbook_rl import LLAMA_NAME, RENDERER, LettersDatasetBuilder, assert_on_policy, read_jsonl, rl_config
 from tinker_cookbook.rl import train
 from vllm_fixtures import ENGINE_KV_CACHE_GIB, engine_python, missing_engine_reason
 
@@ -98,6 +100,36 @@ def test_rl_train_on_engine_samples(server, tmp_path):
     records = list((server["root"] / "checkpoints" / ".stability_records").glob("*.jsonl"))
     assert records, "the sampling clients recorded nothing"
     assert server["proc"].proc.poll() is None, server["proc"].log_tail()
+
+
+def test_rl_train_sync_with_kl_penalty(server, tmp_path):
+    """The sync mode's other asks of the sampler: ``importance_sampling`` on fresh samples, a KL penalty against
+    the base model (``compute_logprobs``: the engine's prompt log-probs, served without LoRA),
+    ``compute_post_kl`` and the test-set evaluator, for 2 steps."""
+    model = str(server["model_dir"])
+    log_path = tmp_path / "rl-sync"
+    builder = LettersDatasetBuilder(model_name=model, renderer_name=RENDERER, batch_size=2, group_size=4)
+    kl = {"kl_penalty_coef": 0.01, "kl_reference_config": train.KLReferenceConfig(base_model=model)}
+    config = rl_config(server, log_path, builder, max_steps=2, eval_every=2, compute_post_kl=True, **kl)
+    asyncio.run(train.main(config))
+
+    rows = read_jsonl(log_path / "metrics.jsonl")
+    steps = [r for r in rows if "optim/kl_sample_train_v1" in r]
+    assert [r["step"] for r in steps] == [0, 1], [r["step"] for r in rows]
+    print(f"\nvLLM sampler, sync importance_sampling: {[_kl_figures(r) for r in steps]}")
+    for row in steps:
+        assert_on_policy(row)  # engine log-probs vs the trainer's, on-policy: float32 rounding
+        assert row["grad_norm:mean"] > 0
+        assert row["kl_pre_post_v2"] > 1e-6  # the next sampler (a reload of the new weights) serves them
+    assert abs(steps[0]["kl_policy_base"]) < 1e-4, steps[0]  # step 0 samples the base: policy == reference
+    evals = [r for r in rows if "test/env/all/reward/total" in r]
+    assert [r["step"] for r in evals] == [0, 2], evals
+    assert server["proc"].proc.poll() is None, server["proc"].log_tail()
+
+
+def _kl_figures(row: dict) -> dict[str, str]:
+    keys = ("optim/kl_sample_train_v1", "optim/kl_sample_train_v2", "kl_policy_base", "kl_pre_post_v2")
+    return {key.removeprefix("optim/"): f"{row[key]:.2e}" for key in keys}
 
 
 PROMPT_TEXT = "User: Say hello.\n\nAssistant:"
