@@ -18,12 +18,14 @@ import tinker
 import torch
 from gateway_fixtures import API_KEY, tiny_model_dir
 from support.tiny_models import hf_model
+from test_vllm_sampler_gates import REQUEST, RecordingBackend, RecordingEngine
 
 from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.server import ServerThread
+from ringtune.gateway.vllm_sampling import VllmSampler
 from ringtune.sample.engines.forward_routing import routing_requests, with_routing
 from ringtune.sample.params import SamplingParams
-from ringtune.sample.pool import SampleRequest
+from ringtune.sample.pool import SampleRequest, SamplerSource
 from ringtune.sample.sampler import PromptSamples, SampledSequence
 from ringtune.worker.local import LocalBackend
 
@@ -60,6 +62,29 @@ def test_routing_requests_and_merge():
     short = [PromptSamples([SampledSequence([0], [0.0], "length", routing=_routing(2))])] * 2
     with pytest.raises(ValueError, match="routing of 2 positions for 4 fed tokens"):
         with_routing([plain], results, short)
+
+
+def test_the_routing_forward_runs_on_the_jobs_weights(tmp_path: Path):
+    """With ``record_routing`` each finished job asks the backend's forward once, for all its sequences, on the
+    weights the job sampled (here an inflight target republished while the job was in flight); without it the
+    backend is never asked (a dense server pays nothing)."""
+    engine, backend = RecordingEngine(), RecordingBackend()
+    sampler = VllmSampler(engine, backend, tmp_path / "scratch", record_routing=True)
+    sampler.create_sampler("first", SamplerSource(run_id="run-1", inflight=True))
+    engine.hold.clear()
+    assert sampler.sample("first", [REQUEST], job_id="j", slice_s=0.05) is None  # in flight on the first export
+    sampler.create_sampler("second", SamplerSource(run_id="run-1", inflight=True))  # republished meanwhile
+    first, _ = sampler.inflight["run-1"].exports
+    engine.hold.set()
+    assert sampler.sample_more("j", None) is not None
+    assert [c[0] for c in backend.calls] == ["export", "export", "create", "sample"]
+    forward = backend.calls[2][1]
+    assert backend.calls[2] == ("create", forward, str(first)) and backend.calls[3] == ("sample", forward, 2)
+
+    plain_backend = RecordingBackend()
+    plain = VllmSampler(RecordingEngine(), plain_backend, tmp_path / "plain")
+    plain.create_sampler("base", SamplerSource())
+    assert plain.sample("base", [REQUEST]) is not None and plain_backend.calls == []
 
 
 # ---- through the SDK on a MoE gateway whose sampling runs on a stand-in engine -----------------------------------

@@ -6,7 +6,10 @@ vLLM answers the tokens and their log-probs; the routing of every sampled sequen
 of its fed tokens (:mod:`ringtune.sample.engines.forward_routing`). Through the unmodified SDK: a sampling client
 with ``record_stability_info`` samples, and its sequences' routing is replayed on every input token of a
 ``stable_reinforce`` datum with provenance and of a plain ``cross_entropy`` datum of the same tokens; the engine's
-log-probs equal the trainer's with the replayed experts. The engine-free version of this path (a stand-in engine,
+log-probs equal the trainer's with the replayed experts. The samples are of the base model (the training client's
+weights before its first step): vLLM 0.32's CPU backend cannot reload a MoE's weights (``reload_weights`` fails
+on its repacked fused-MoE tensors and the engine dies; docs/sampling.md), so a snapshot is not sampled. The
+engine-free version of this path (a stand-in engine,
 the tiny Qwen3.5-MoE) is ``test_vllm_forward_routing.py``.
 
 Skipped with the reason when the engine interpreter has no vLLM (``make test-vllm`` runs it).
@@ -65,8 +68,8 @@ def _datum(seq, advantage: float) -> tinker.Datum:
 
 
 def test_engine_samples_carry_routing_for_stable_reinforce(sc):
-    tc = sc.create_lora_training_client(MODEL_NAME, rank=0).result()
-    sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    tc = sc.create_lora_training_client(MODEL_NAME, rank=0).result()  # the base weights until its first step
+    sampler = sc.create_sampling_client(base_model=MODEL_NAME, record_stability_info=True).result()
     params = tinker.SamplingParams(max_tokens=8, temperature=1.0, seed=11, stop=[])
     result = sampler.sample(tinker.ModelInput.from_ints(PROMPT), 2, params).result()
     assert [len(s.tokens) for s in result.sequences] == [8, 8]
@@ -85,7 +88,13 @@ def test_engine_samples_carry_routing_for_stable_reinforce(sc):
 
     # the same tokens in a plain cross_entropy datum: the routing records (R3 without provenance) match them too
     plain = [
-        tinker.Datum(model_input=d.model_input, loss_fn_inputs={"target_tokens": d.loss_fn_inputs["target_tokens"]})
+        tinker.Datum(
+            model_input=d.model_input,
+            loss_fn_inputs={
+                "target_tokens": d.loss_fn_inputs["target_tokens"],
+                "weights": [1.0] * d.model_input.length,
+            },
+        )
         for d in data
     ]
     assert tc.forward(plain, "cross_entropy").result().metrics["routing_replay_tokens:sum"] == inputs
