@@ -31,7 +31,7 @@ lazily (the backend's ``create_sampler``) and freed with the session.
 finished sequence gets its routing from ringtune's forward of its fed tokens on the job's weights (one prefill
 per sequence on the training ranks, :mod:`ringtune.sample.engines.forward_routing`); the service then records it
 for replay and in the stability records. Those records keep the engine's sampled log-probs, the ones the tokens
-were drawn with and the client received (docs/sampling.md, "Stability records of engine samples").
+were drawn with and the client received (docs/sampling.md, "Stability records and MoE routing of engine samples").
 
 **Failures.** A completion that fails (engine down or restarting, a 5xx, a malformed answer) fails its job's
 requests with a ``category: server`` error (SamplingService); other jobs and later requests are unaffected
