@@ -14,7 +14,7 @@ from pathlib import Path
 from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.server import ServerThread
 from ringtune.worker.local import LocalBackend
-from ringtune.worker.vllm_engine import VllmEngine, VllmEngineConfig
+from ringtune.worker.vllm_engine import VllmEngine, VllmEngineConfig, start_engines
 from ringtune.worker.vllm_options import PYTHON_ENV, SERVED_NAME
 
 API_KEY = "tml-vllm-test"
@@ -99,7 +99,7 @@ def tiny_moe_dir(dest: Path, *, seed: int = 0) -> Path:
     return dest
 
 
-def test_engine(model_dir: Path, log_path: Path, *, enable_lora: bool = True) -> VllmEngine:
+def test_engine(model_dir: Path, log_path: Path, *, enable_lora: bool = True, max_restarts: int = 3) -> VllmEngine:
     """A (not yet started) CPU engine on ``model_dir`` in float32, eager, LoRA rank <= 8, a 1 GiB KV cache."""
     config = VllmEngineConfig(
         model=str(model_dir),
@@ -114,6 +114,8 @@ def test_engine(model_dir: Path, log_path: Path, *, enable_lora: bool = True) ->
         env={"VLLM_CPU_KVCACHE_SPACE": ENGINE_KV_CACHE_GIB},
         start_timeout_s=600.0,
         health_interval_s=1.0,
+        max_restarts=max_restarts,
+        silent_after_s=60.0,  # two engines starting on 2 shared cores can starve a serving one of CPU
         log_path=str(log_path),
     )
     return VllmEngine(config)
@@ -123,12 +125,17 @@ test_engine.__test__ = False  # a helper, not a test
 
 
 def start_vllm_gateway(
-    root: Path, model_dir: Path, engine: VllmEngine, *, record_routing: bool = False, **settings: object
+    root: Path,
+    model_dir: Path,
+    engine: VllmEngine | dict[str, list[VllmEngine]],
+    *,
+    record_routing: bool = False,
+    **settings: object,
 ) -> ServerThread:
     """A started gateway over a float32 :class:`LocalBackend` of ``model_dir`` whose sampling runs on ``engine``
-    (started here; the gateway stops it with itself). ``record_routing``: the backend's (a MoE model with
-    ``routing_replay=True`` in ``settings``)."""
-    engine.start()
+    (or on each served model's engines; started here, side by side; the gateway stops them with itself).
+    ``record_routing``: the backend's (a MoE model with ``routing_replay=True`` in ``settings``)."""
+    start_engines([engine] if isinstance(engine, VllmEngine) else [e for group in engine.values() for e in group])
     backend = LocalBackend(
         str(model_dir), max_tokens_per_rank=CONTEXT, model_name=MODEL_NAME, record_routing=record_routing
     )
