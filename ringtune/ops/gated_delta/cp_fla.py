@@ -25,6 +25,7 @@ raises :class:`~ringtune.ops.gated_delta.fla_kernels.FlaUnavailableError` naming
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -72,7 +73,8 @@ def bind_fla_collectives() -> None:
     import fla.ops.cp.chunk_delta_h  # noqa: F401  (imported for the rebinding below)
 
     for name in FLA_ALL_GATHER_USERS:
-        sys.modules[name].all_gather_into_tensor = fla_all_gather_into_tensor
+        module: Any = sys.modules[name]  # fla module: its attribute is rebound, which mypy cannot see
+        module.all_gather_into_tensor = fla_all_gather_into_tensor
 
 
 def fla_cp_gated_delta(
