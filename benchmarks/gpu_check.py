@@ -12,7 +12,8 @@ The parts, in the order they run:
    leaves the model off the GPU fails the part.
 2. **Kernel parity** (``gpu_parity.py``): every GPU kernel of the registries against the float64 CPU reference,
    forward and backward, with its dtype's limit; on CPU each is replaced by its CPU counterpart, labelled so.
-3. **CP=2 on one device** (``gpu_cp2.py``): two processes against CP=1, within the bf16 parity limits.
+3. **CP=2 on one device** (``gpu_cp2.py``): two processes against CP=1, within the bf16 parity limits, with the
+   default modes and again with ``--linear-cp-mode fla_cp`` (fla's own context parallelism).
 3b. **Noise floors** (``ringtune parity noise``, its own process under ``--noise-timeout-s``): the tiny Qwen3.5
    served at CP=1 in bf16-mixed and bfloat16, the parity requests unpermuted and in two seeded orders; the spread is
    the floor the bf16 limits of ``ringtune/parity/limits.py`` come from (docs/parity.md), measured on this device
@@ -306,7 +307,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 65536])
     p.add_argument("--budget-s", type=float, default=360.0, help="start no training-step run after this many s")
     p.add_argument("--step-timeout-s", type=float, default=100.0)
-    p.add_argument("--cp2-timeout-s", type=float, default=100.0)
+    p.add_argument("--cp2-timeout-s", type=float, default=160.0)
     p.add_argument("--service-timeout-s", type=float, default=200.0)
     p.add_argument("--noise-timeout-s", type=float, default=150.0, help="the noise floors' part (0: skip it)")
     args = p.parse_args()

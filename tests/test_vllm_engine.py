@@ -124,3 +124,59 @@ def test_a_start_that_fails_says_so(tmp_path: Path):
         engine.start()
     engine.stop()
     assert "no vllm here" in (tmp_path / "engine.log").read_text()
+
+
+def _server_of(leader: int) -> int:
+    """The API server: the group leader's child (engine_group_leader runs it)."""
+    children = [pid for pid in live_group_members(leader, wait_s=0) if _parent_of(pid) == leader]
+    assert len(children) == 1, children
+    return children[0]
+
+
+def _parent_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_server_killed_alone_takes_its_engine_core_with_it(stand_in_python, tmp_path: Path):
+    """vLLM's engine core outlives a SIGKILLed API server: the group leader ends the rest of the group, so the
+    restart leaves nothing behind (before the leader, every crash left ~2 GiB of vLLM processes)."""
+    engine = VllmEngine(_config(python=stand_in_python, max_restarts=1))
+    engine.start()
+    try:
+        first = engine.process_id()
+        assert first is not None
+        server = _server_of(first)
+        assert len(live_group_members(first, wait_s=0)) == 3  # leader, server, its child
+        os.kill(server, signal.SIGKILL)  # the server alone, as a crash would
+        _wait(lambda: engine.incarnation == 2 and engine.state == "serving")
+        assert live_group_members(first) == []
+    finally:
+        engine.stop()
+
+
+KILLED_PARENT = """
+import sys, time
+from ringtune.worker.vllm_engine import VllmEngine, VllmEngineConfig
+engine = VllmEngine(VllmEngineConfig(model="/models/base", served_name="base", python=sys.argv[1]))
+engine.start()
+print(engine.process_id(), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_ringtune_leaves_no_engine_behind(stand_in_python, tmp_path: Path):
+    """ringtune SIGKILLed (no atexit, no stop): PR_SET_PDEATHSIG tells the group leader, which ends its group."""
+    import subprocess
+
+    script = tmp_path / "parent.py"
+    script.write_text(KILLED_PARENT)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    parent = subprocess.Popen([sys.executable, str(script), stand_in_python], stdout=subprocess.PIPE, env=env)
+    try:
+        assert parent.stdout is not None
+        leader = int(parent.stdout.readline())
+        assert len(live_group_members(leader, wait_s=0)) == 3
+    finally:
+        parent.kill()
+        parent.wait()
+    assert live_group_members(leader, wait_s=30.0) == []

@@ -90,7 +90,9 @@ class GatewayService:
         self.engine_sampler = None  # ``serve --sampler vllm``: sampling sessions on the external engine
         if sampling_engine is not None:
             scratch = Path(config.checkpoint_root) / ".vllm" / "snapshots"
-            self.engine_sampler = VllmSampler(sampling_engine, self.backend, scratch)
+            self.engine_sampler = VllmSampler(
+                sampling_engine, self.backend, scratch, record_routing=config.routing_replay
+            )
         self.stability = StabilityRecords(Path(config.checkpoint_root) / STABILITY_DIRECTORY)
         self.sampling = SamplingService(
             self.backend,

@@ -32,6 +32,13 @@ alternately.
 ringtune's own forward: a one-token request on a built-in sampling session of the same weights, made
 lazily (the backend's ``create_sampler``) and freed with the session.
 
+**MoE routing and stability records.** With ``record_routing`` (``--routing-replay`` on a MoE model) each
+finished sequence gets its routing from ringtune's forward of its fed tokens on the job's weights (one prefill
+per sequence on the training ranks, :mod:`ringtune.sample.engines.forward_routing`); the service then records it
+for replay and in the stability records. Those records keep the engine's sampled log-probs, the ones the tokens
+were drawn with and the client received (docs/sampling.md, "Stability records and MoE routing of engine
+samples").
+
 **Failures.** A completion that fails (engine down or restarting, a 5xx, a malformed answer) fails its job's
 requests with a ``category: server`` error (SamplingService); other jobs, other engines' sessions and later
 requests are unaffected once the engine's monitor restarted it (a session whose engine gave up moves to another
@@ -55,6 +62,7 @@ from typing import Any
 from ringtune.errors import UserInputError
 from ringtune.gateway.vllm_engines import BASE_GATE, Engines, EngineSet, EngineSlot
 from ringtune.gateway.vllm_engines import SamplingEngine as SamplingEngine  # re-exported: its old home
+from ringtune.sample.engines.forward_routing import routing_requests, with_routing
 from ringtune.sample.engines.vllm_api import completion_body, merged_samples, prompt_samples, split_request
 from ringtune.sample.pool import SampleRequest, SamplerSource
 from ringtune.sample.sampler import PromptSamples
@@ -140,10 +148,15 @@ class VllmSampler:
             answer. Called only from the backend thread, as every method here is.
         scratch: where unnamed exports go (a filesystem the engine reads too).
         max_concurrent: completion calls in flight at once (the engine batches them).
+        record_routing: every sampled sequence gets its MoE routing from ringtune's forward of its tokens
+            (``--routing-replay``; module docstring).
     """
 
-    def __init__(self, engines: Engines, backend: Any, scratch: Path, *, max_concurrent: int = 64) -> None:
+    def __init__(
+        self, engines: Engines, backend: Any, scratch: Path, *, max_concurrent: int = 64, record_routing: bool = False
+    ) -> None:
         self.engines, self.backend, self.scratch = EngineSet(engines), backend, scratch
+        self.record_routing = record_routing
         self.pool = ThreadPoolExecutor(max_concurrent, thread_name_prefix="vllm-completion")
         self.sessions: dict[str, _Session] = {}
         self.jobs: dict[str, _Job] = {}
@@ -216,9 +229,12 @@ class VllmSampler:
         """What a job of ``session`` samples: its weights, or its run's inflight target as published now."""
         return session.weights if session.inflight_run is None else self.inflight[session.inflight_run].weights
 
-    def _forward(self, sampler_id: str, session: _Session, requests: list[SampleRequest]) -> list[PromptSamples]:
-        """ringtune's own forward of the prompt-side asks (one-token requests), on a lazily made built-in session."""
-        source = SamplerSource(path=self.weights_now(session).path, model=session.source.model)
+    def _forward(
+        self, sampler_id: str, session: _Session, weights: EngineWeights, requests: list[SampleRequest]
+    ) -> list[PromptSamples]:
+        """ringtune's own forward (one-token requests) on ``weights``, on the session's lazily made built-in
+        session (made anew when the weights differ from the ones it was made on)."""
+        source = SamplerSource(path=weights.path, model=session.source.model)
         if session.forward_id is not None and source != session.source:  # an inflight target was republished
             self.backend.free_sampler(session.forward_id)
             session.forward_id = None
@@ -248,7 +264,7 @@ class VllmSampler:
         forward_asks = [(i, f) for i, (_, f) in enumerate(parts) if f is not None]
         forward_results: list[PromptSamples | None] = [None] * len(requests)
         if forward_asks:
-            answers = self._forward(sampler_id, session, [f for _, f in forward_asks])
+            answers = self._forward(sampler_id, session, self.weights_now(session), [f for _, f in forward_asks])
             for (i, _), answer in zip(forward_asks, answers, strict=True):
                 forward_results[i] = answer
         weights = self.weights_now(session)
@@ -276,10 +292,21 @@ class VllmSampler:
             self.jobs.pop(job_id, None)
             raise
         self.jobs.pop(job_id, None)
-        return [
+        results = [
             merged_samples(prompt_samples(answer, part), forward)
             for answer, part, forward in zip(answers, job.engine_parts, job.forward_results, strict=True)
         ]
+        return self._routed(job, results) if self.record_routing else results
+
+    def _routed(self, job: _Job, results: list[PromptSamples]) -> list[PromptSamples]:
+        """``results`` with each sequence's MoE routing from ringtune's forward of its fed tokens on the job's
+        weights (:mod:`ringtune.sample.engines.forward_routing`); unchanged when the session ended meanwhile
+        (replay is an optimisation: its tokens then keep the router's own choice in training)."""
+        session = self.sessions.get(job.sampler_id)
+        asks = routing_requests(job.requests, results)
+        if session is None or not asks:
+            return results
+        return with_routing(job.requests, results, self._forward(job.sampler_id, session, job.weights, asks))
 
     def _start(self, job: _Job, slice_s: float | None) -> bool:
         """Put the job's completions in flight once its engine holds its gate (reloading when no started job of

