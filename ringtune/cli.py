@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ringtune.debug_faults import DEBUG_FAULTS
-from ringtune.ops.cp_modes import ATTENTION_MODES, GATED_DELTA_MODES
+from ringtune.ops.cp_modes import ALL_GATED_DELTA_MODES, ATTENTION_MODES
 from ringtune.parallel.mesh import DEFAULT_TIMEOUT_S
 from ringtune.probes.attention_parity import AttentionShape
 from ringtune.probes.attention_parity_run import AttentionParityConfig, run_attention_parity
@@ -163,7 +163,7 @@ def _add_serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--linear-cp-mode",
         default=None,
-        choices=GATED_DELTA_MODES,
+        choices=ALL_GATED_DELTA_MODES,
         help="CP GatedDeltaNet mode (default: the first that fits the model's heads)",
     )
     p.add_argument(

@@ -18,17 +18,18 @@ from ringtune.gateway.serve_process import ServeProcess
 from ringtune.models.checkpoints.tokenizers import SMOLLM2_VOCAB, smollm2_tokenizer_dir
 
 
-def tiny_smollm_dir(dest: Path, *, seed: int = 0) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` (random, float32) and SmolLM2's tokenizer files to ``dest``."""
+def tiny_smollm_dir(dest: Path, *, seed: int = 0, **overrides: object) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` (random, float32) and SmolLM2's tokenizer files to ``dest``.
+    ``overrides``: config fields replaced (e.g. ``hidden_size=128, head_dim=32`` for vLLM's CPU attention)."""
     import transformers
 
     torch.manual_seed(seed)
-    transformers.LlamaForCausalLM(_smollm_config("llama")).save_pretrained(dest)
+    transformers.LlamaForCausalLM(_smollm_config("llama", **overrides)).save_pretrained(dest)
     smollm2_tokenizer_dir(dest)
     return dest
 
 
-def tiny_smollm_class_dir(dest: Path, *, seed: int = 0, scale: float = 12.0) -> Path:
+def tiny_smollm_class_dir(dest: Path, *, seed: int = 0, scale: float = 12.0, **overrides: object) -> Path:
     """:func:`tiny_smollm_dir` with one learnable direction shared by a class of tokens, so that RL on a reward
     over that class has something to learn in a few steps (a random model's tokens share nothing).
 
@@ -40,7 +41,7 @@ def tiny_smollm_class_dir(dest: Path, *, seed: int = 0, scale: float = 12.0) -> 
     import transformers
     from safetensors.torch import load_file, save_file
 
-    tiny_smollm_dir(dest, seed=seed)
+    tiny_smollm_dir(dest, seed=seed, **overrides)
     weights = load_file(dest / "model.safetensors")
     tokenizer = transformers.AutoTokenizer.from_pretrained(dest)
     no_letters = [
@@ -74,9 +75,10 @@ def tiny_smollm_class_teacher_dir(dest: Path, *, seed: int = 0, scale: float = 1
     return dest
 
 
-def _smollm_config(family: str):
-    """The tiny ``family`` config with SmolLM2's vocabulary and special token ids."""
-    config = hf_config(family)
+def _smollm_config(family: str, **overrides: object):
+    """The tiny ``family`` config (``overrides`` replacing its fields) with SmolLM2's vocabulary and special
+    token ids."""
+    config = hf_config(family, **overrides)
     config.vocab_size = SMOLLM2_VOCAB
     config.max_position_embeddings = 4096
     config.bos_token_id, config.eos_token_id, config.pad_token_id = 1, 2, None

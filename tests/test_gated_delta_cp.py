@@ -131,6 +131,28 @@ def test_negative_control_chunkwise_without_handoff_fails(pool4, fault):
     assert max(res["long_mixed"]["out"] for res in per_rank) > 1e-3
 
 
+def test_fla_cp_is_named_but_refused_without_cuda(monkeypatch):
+    """``fla_cp`` is a registry name the CLI accepts, never a default; a host without CUDA (and, under Triton's
+    interpreter, without fla installed: this process never has it) refuses it naming the flag and the way out."""
+    from ringtune.cli import build_parser
+    from ringtune.ops.cp_modes import ALL_GATED_DELTA_MODES, GATED_DELTA_MODES
+    from ringtune.ops.gated_delta.cp_fla import fla_cp_gated_delta
+    from ringtune.ops.gated_delta.fla_kernels import FlaUnavailableError
+
+    assert "fla_cp" in ALL_GATED_DELTA_MODES and "fla_cp" not in GATED_DELTA_MODES
+    assert build_parser().parse_args(["serve", "--linear-cp-mode", "fla_cp"]).linear_cp_mode == "fla_cp"
+    with pytest.raises(ParallelConfigError, match=r"\(--linear-cp-mode fla_cp\) cannot run here: .* no CUDA device; "):
+        gdn_cp_fn("fla_cp")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ParallelConfigError, match="flash-linear-attention and triton are not installed"):
+        gdn_cp_fn("fla_cp")
+    x = torch.zeros(4, 1, 16)
+    with pytest.raises(FlaUnavailableError, match="--linear-cp-mode fla_cp"):
+        fla_cp_gated_delta(
+            x, x, x, x[..., 0], x[..., 0], torch.zeros(48, 4), zigzag_plan((4,), cp_size=1, cp_rank=0), None
+        )
+
+
 def headwise_bad_heads_case(ctx):
     mesh = ctx.mesh(dp=1, cp=4)
     plan = zigzag_plan((9,), cp_size=4, cp_rank=mesh.cp_rank, pad_multiplier=8)

@@ -15,7 +15,13 @@ from ringtune.models.checkpoints.hf import load_hf
 from ringtune.models.config import DecoderConfig
 from ringtune.models.shard import PackedShard, shard_of
 from ringtune.ops.attention import CP_ATTENTION, cp_attention_fn
-from ringtune.ops.cp_modes import ATTENTION_MODES, GATED_DELTA_MODES, check_attention_mode, check_gated_delta_mode
+from ringtune.ops.cp_modes import (
+    ALL_GATED_DELTA_MODES,
+    ATTENTION_MODES,
+    GATED_DELTA_MODES,
+    check_attention_mode,
+    check_gated_delta_mode,
+)
 from ringtune.ops.gated_delta.cp import GDN_CP, gdn_cp_fn
 
 transformers = pytest.importorskip("transformers")
@@ -47,10 +53,10 @@ def test_odd_rotary_dim_is_a_user_error_with_the_numbers(head_dim, factor, famil
 
 
 def test_mode_registry_is_the_one_source():
-    assert tuple(CP_ATTENTION) == ATTENTION_MODES and tuple(GDN_CP) == GATED_DELTA_MODES
+    assert tuple(CP_ATTENTION) == ATTENTION_MODES and tuple(GDN_CP) == ALL_GATED_DELTA_MODES
     for mode in ATTENTION_MODES:
         assert cp_attention_fn(mode) is CP_ATTENTION[mode]
-    for mode in GATED_DELTA_MODES:
+    for mode in GATED_DELTA_MODES:  # fla_cp (CUDA + fla only) is refused here: tests/test_gated_delta_cp.py
         assert gdn_cp_fn(mode) is GDN_CP[mode]
     with pytest.raises(ParallelConfigError, match="attention='ringg': choose one of ring, allgather, alltoall"):
         check_attention_mode("ringg")

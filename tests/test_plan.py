@@ -20,6 +20,7 @@ from ringtune.models.precision import check_precision
 from ringtune.models.shard import shard_of
 from ringtune.plan import activations as act
 from ringtune.plan.estimate import Layout, estimate, layer_parameters, root_parameters, snapshot_bytes
+from ringtune.plan.grad_overlap import add_reduced_gradients
 from ringtune.plan.search import plan_layouts
 from ringtune.worker.executor import trainer_dtype_options
 
@@ -115,6 +116,29 @@ def test_sampler_snapshots_are_whole_models_in_the_samplers_dtypes() -> None:
     assert held.peak - alone.peak == pytest.approx(3 * 4 * total) and held.phase == alone.phase
     with pytest.raises(UserInputError, match="--sampler-snapshots=-1: must be an integer >= 0"):
         estimate(cfg, sharded, 256, sampler_snapshots=-1)
+
+
+def test_reduced_gradient_copy_is_counted_where_backward_reduces() -> None:
+    """Replicated at DP·CP > 1 (engine/grad_overlap.py): a ``reduced gradients`` phase of one whole copy of the
+    trainable parameters in their dtype (float32 masters under bf16-mixed), and in each layer's phase the buckets
+    of the layers after it and of the head side; none when sharded or on one rank."""
+    cfg = DecoderConfig.from_hf(TINY)
+    total = sum(p.numel() for p in CausalLM(cfg).parameters())
+    for precision in ("float32", "bf16-mixed"):
+        got = estimate(cfg, Layout(cp=2, dp=1, shard="none", recompute="none", precision=precision), 64)
+        assert got.detail["phase reduced gradients"] == 4 * total
+    for layout in (Layout(cp=1, dp=1, shard="none", recompute="none", precision="float32"),
+                   Layout(cp=1, dp=2, shard="dp", recompute="none", precision="float32")):  # fmt: skip
+        assert "phase reduced gradients" not in estimate(cfg, layout, 64).detail
+    phases = {"head": (1.0, 0.0, 0.0), "layer 1": (5.0, 1.0, 2.0), "layer 0": (7.0, 1.0, 3.0)}
+    add_reduced_gradients(phases, shard="none", ep=1, ranks=2, layer_params=[10, 20], after_layers=3, whole=40,
+                          param_bytes=4)  # fmt: skip
+    assert phases == {"head": (1.0, 0.0, 0.0), "layer 1": (5.0, 1.0, 2.0 + 4 * 3), "layer 0": (7.0, 1.0, 3.0 + 4 * 23),
+                      "reduced gradients": (0.0, 0.0, 160.0)}  # fmt: skip
+    before = dict(phases)
+    add_reduced_gradients(phases, shard="none", ep=2, ranks=2, layer_params=[10, 20], after_layers=3, whole=40,
+                          param_bytes=4)  # fmt: skip
+    assert phases == before  # EP > 1 reduces at optim_step
 
 
 @pytest.mark.parametrize(("precision", "adamw"), [("float32", "torch_default"), ("bf16-mixed", "fused")])

@@ -9,7 +9,13 @@ import torch
 
 from ringtune.engine import tensor_norms
 from ringtune.engine.gradients import gradient_buckets
-from ringtune.engine.tensor_norms import count_non_finite, max_abs, squares_and_max_abs, sum_of_squares
+from ringtune.engine.tensor_norms import (
+    count_non_finite,
+    max_abs,
+    squares_and_max_abs,
+    squares_and_norms,
+    sum_of_squares,
+)
 
 
 def test_sum_of_squares_is_the_float64_sum() -> None:
@@ -44,6 +50,32 @@ def test_squares_and_max_abs_read_once_equal_the_two_reductions(monkeypatch) -> 
     tensors[4][0] = -math.inf
     squares, maxima = squares_and_max_abs(tensors)
     assert math.isnan(float(squares)) and math.isnan(float(maxima[0])) and math.isinf(float(maxima[4]))
+
+
+def test_squares_and_norms_keep_the_sum_and_bound_each_maximum(monkeypatch) -> None:
+    """The sum of squares is sum_of_squares' bit for bit (chunked, mixed dtypes); each tensor's own norm is the
+    float64 norm of its elements, at least its max |t_i| (to the last bits), non-finite with a NaN / inf."""
+    monkeypatch.setattr(tensor_norms, "CHUNK_ELEMENTS", 7)
+    gen = torch.Generator().manual_seed(2)
+    tensors = [
+        torch.randn(5, 6, generator=gen),
+        torch.zeros(0),
+        torch.randn(9, generator=gen, dtype=torch.float64),
+        (torch.randn(15, generator=gen) * 3).to(torch.bfloat16),
+        torch.tensor([0.0, -1e30, 0.0]),  # one dominating element: the norm is the max
+    ]
+    squares, norms = squares_and_norms(tensors)
+    assert torch.equal(squares, sum_of_squares(tensors))
+    for t, norm in zip(tensors, norms.tolist(), strict=True):
+        own = math.sqrt(float(t.double().pow(2).sum())) if t.numel() else 0.0
+        assert math.isclose(norm, own, rel_tol=1e-14, abs_tol=0.0)
+        peak = float(t.double().abs().max()) if t.numel() else 0.0
+        assert norm >= peak * (1 - 1e-15)
+    tensors[0][4, 5] = math.nan
+    tensors[3][0] = -math.inf
+    squares, norms = squares_and_norms(tensors)
+    assert math.isnan(float(squares)) and math.isnan(float(norms[0])) and math.isinf(float(norms[3]))
+    assert norms[1:3].isfinite().all()
 
 
 def test_max_abs_propagates_nan_and_inf_and_counts_them() -> None:

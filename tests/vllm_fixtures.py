@@ -14,7 +14,7 @@ from pathlib import Path
 from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.server import ServerThread
 from ringtune.worker.local import LocalBackend
-from ringtune.worker.vllm_engine import VllmEngine, VllmEngineConfig
+from ringtune.worker.vllm_engine import VllmEngine, VllmEngineConfig, start_engines
 from ringtune.worker.vllm_options import PYTHON_ENV, SERVED_NAME
 
 API_KEY = "tml-vllm-test"
@@ -84,7 +84,22 @@ def tiny_llama_dir(dest: Path, *, seed: int = 0) -> Path:
     return dest
 
 
-def test_engine(model_dir: Path, log_path: Path, *, enable_lora: bool = True) -> VllmEngine:
+def tiny_moe_dir(dest: Path, *, seed: int = 0) -> Path:
+    """A random tiny Qwen3-MoE that vLLM's CPU backend serves (``hf_model("qwen3_moe")``: 4 layers, layer 2 dense,
+    8 experts, top 2, routers at std 0.5; widened to hidden 128, 4 heads of 32, vocab 128) with
+    :func:`tiny_llama_dir`'s word-level tokenizer (its Llama weights and config are overwritten)."""
+    from support.tiny_models import hf_model
+
+    tiny_llama_dir(dest, seed=seed)
+    (dest / "model.safetensors").unlink()
+    overrides = {"hidden_size": 128, "head_dim": 32, "vocab_size": VOCAB, "max_position_embeddings": CONTEXT}
+    model = hf_model("qwen3_moe", seed=seed, **overrides)
+    model.config.eos_token_id, model.config.pad_token_id = EOS, EOS - 1
+    model.save_pretrained(dest)
+    return dest
+
+
+def test_engine(model_dir: Path, log_path: Path, *, enable_lora: bool = True, max_restarts: int = 3) -> VllmEngine:
     """A (not yet started) CPU engine on ``model_dir`` in float32, eager, LoRA rank <= 8, a 1 GiB KV cache."""
     config = VllmEngineConfig(
         model=str(model_dir),
@@ -99,6 +114,8 @@ def test_engine(model_dir: Path, log_path: Path, *, enable_lora: bool = True) ->
         env={"VLLM_CPU_KVCACHE_SPACE": ENGINE_KV_CACHE_GIB},
         start_timeout_s=600.0,
         health_interval_s=1.0,
+        max_restarts=max_restarts,
+        silent_after_s=60.0,  # two engines starting on 2 shared cores can starve a serving one of CPU
         log_path=str(log_path),
     )
     return VllmEngine(config)
@@ -107,11 +124,21 @@ def test_engine(model_dir: Path, log_path: Path, *, enable_lora: bool = True) ->
 test_engine.__test__ = False  # a helper, not a test
 
 
-def start_vllm_gateway(root: Path, model_dir: Path, engine: VllmEngine, **settings: object) -> ServerThread:
+def start_vllm_gateway(
+    root: Path,
+    model_dir: Path,
+    engine: VllmEngine | dict[str, list[VllmEngine]],
+    *,
+    record_routing: bool = False,
+    **settings: object,
+) -> ServerThread:
     """A started gateway over a float32 :class:`LocalBackend` of ``model_dir`` whose sampling runs on ``engine``
-    (started here; the gateway stops it with itself)."""
-    engine.start()
-    backend = LocalBackend(str(model_dir), max_tokens_per_rank=CONTEXT, model_name=MODEL_NAME)
+    (or on each served model's engines; started here, side by side; the gateway stops them with itself).
+    ``record_routing``: the backend's (a MoE model with ``routing_replay=True`` in ``settings``)."""
+    start_engines([engine] if isinstance(engine, VllmEngine) else [e for group in engine.values() for e in group])
+    backend = LocalBackend(
+        str(model_dir), max_tokens_per_rank=CONTEXT, model_name=MODEL_NAME, record_routing=record_routing
+    )
     options = {"checkpoint_root": str(root), "api_key": API_KEY, "poll_timeout_s": 5.0, "max_live_runs": 8}
     server = ServerThread(backend, GatewayConfig(**(options | settings)), sampling_engine=engine)  # type: ignore[arg-type]
     server.start()

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from ringtune.engine import expert_parallel, sharding
 from ringtune.engine.grad_overlap import OverlappedReduction
 from ringtune.engine.gradients import GradientInvariant
-from ringtune.engine.tensor_norms import count_non_finite, local, max_abs, squares_and_max_abs, sum_of_squares
+from ringtune.engine.tensor_norms import count_non_finite, local, max_abs, squares_and_norms, sum_of_squares
 from ringtune.parallel.collectives import all_reduce_
 from ringtune.parallel.mesh import ParallelMesh
 
@@ -64,10 +64,11 @@ class GradientSync:
         is). Collective where the gradient is spread over ranks; call after :meth:`reduce`."""
         raise NotImplementedError
 
-    def norm_and_grad_maxima(self, params: list[torch.nn.Parameter]) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`norm` and, per parameter in ``params`` order, max |local gradient| (float64 ``[len(params)]``, 0
-        where there is none; NaN / inf propagated): what the step's finite guard reads
-        (:func:`~ringtune.engine.update_guard.read_step_figures`). Collective as :meth:`norm`."""
+    def norm_and_grad_bounds(self, params: list[torch.nn.Parameter]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`norm` and, per parameter in ``params`` order, an upper bound of max |local gradient| (float64
+        ``[len(params)]``, 0 where there is none; non-finite where the gradient holds a non-finite element): what
+        the step's finite guard reads (:func:`~ringtune.engine.update_guard.read_step_figures`). Here the exact
+        maxima (one more read of the gradients). Collective as :meth:`norm`."""
         return self.norm(params), max_abs(_grads_or_empty(params), _device(params))
 
     def start_overlap(self, params: list[torch.nn.Parameter]) -> None:
@@ -144,11 +145,12 @@ class ReplicatedSync(GradientSync):
     def norm(self, params: list[torch.nn.Parameter]) -> torch.Tensor:
         return sum_of_squares(_local_grads(params), _device(params)).sqrt()
 
-    def norm_and_grad_maxima(self, params: list[torch.nn.Parameter]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One read of each gradient for both (:func:`~ringtune.engine.tensor_norms.squares_and_max_abs`); the
-        norm is :meth:`norm`'s, bit for bit."""
-        squares, maxima = squares_and_max_abs(_grads_or_empty(params), _device(params))
-        return squares.sqrt(), maxima
+    def norm_and_grad_bounds(self, params: list[torch.nn.Parameter]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One read of each gradient for both: the bounds are each gradient's own L2 norm, from the same sweep
+        (:func:`~ringtune.engine.tensor_norms.squares_and_norms`: no maxima taken); the norm is :meth:`norm`'s,
+        bit for bit."""
+        squares, norms = squares_and_norms(_grads_or_empty(params), _device(params))
+        return squares.sqrt(), norms
 
 
 class ExpertParallelSync(GradientSync):

@@ -40,47 +40,74 @@ def squares_and_max_abs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sum_of_squares(tensors), max_abs(tensors))``, bit for bit, reading each narrower CPU tensor once: its
     maxima are taken chunk by chunk while :func:`_widened_sweep` has the chunk in cache."""
-    return _squares(tensors, device, maxima=True)
+    total, peaks, _ = _squares(tensors, device, maxima=True)
+    assert peaks is not None
+    return total, peaks
+
+
+def squares_and_norms(
+    tensors: list[torch.Tensor], device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sum_of_squares(tensors)`` (bit for bit) and each tensor's own L2 norm (float64 ``[len(tensors)]``, 0 for
+    an empty one), from the same read and the same float64 arithmetic: an upper bound of each tensor's max |t_i|
+    (equal to it up to the last bits of rounding when one element dominates), non-finite where the tensor holds a
+    non-finite element (or, in float64, where its squares overflow). Costs the sum of squares alone, no maxima."""
+    total, _, per_tensor = _squares(tensors, device, maxima=False)
+    return total, per_tensor.sqrt()
 
 
 def _squares(
     tensors: list[torch.Tensor], device: torch.device | str, *, maxima: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The sum of squares and (``maxima``) the per-tensor max |t_i| of :func:`squares_and_max_abs`."""
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The sum of squares, (``maxima``) the per-tensor max |t_i| of :func:`squares_and_max_abs`, and each tensor's
+    own float64 sum of squares (``[len(tensors)]`` on ``device``, 0 for an empty tensor)."""
     nonempty = [t.detach() for t in tensors if t.numel() > 0]
     where = [i for i, t in enumerate(tensors) if t.numel() > 0]
     peaks = torch.zeros(len(tensors), dtype=torch.float64, device=device) if maxima else None
+    own = torch.zeros(len(tensors), dtype=torch.float64, device=device)
     if not nonempty:
-        return torch.zeros((), dtype=torch.float64, device=device), peaks
+        return torch.zeros((), dtype=torch.float64, device=device), peaks, own
     wide = [not (t.dtype == torch.float64 or t.device.type != "cpu") for t in nonempty]
     native = [t for t, w in zip(nonempty, wide, strict=True) if not w]
     parts = []
+    native_squares: list[torch.Tensor] = []
     if native:
         norms = torch._foreach_norm(native, 2, dtype=torch.float64)
-        parts.append(torch.stack([n.to(nonempty[0].device) for n in norms]).square().sum())
+        squared = torch.stack([n.to(nonempty[0].device) for n in norms]).square()
+        parts.append(squared.sum())
+        native_squares = list(squared.to(device))
     widened = [t for t, w in zip(nonempty, wide, strict=True) if w]
     wide_peaks = None
+    wide_squares: list[torch.Tensor] = []
     if widened:
-        total, wide_peaks = _widened_sweep(widened, maxima=maxima)
+        total, wide_peaks, wide_sums = _widened_sweep(widened, maxima=maxima)
         parts.append(total.to(nonempty[0].device))
+        wide_squares = list(wide_sums.to(device))
+    squares_in_order = iter(native_squares), iter(wide_squares)
+    own[torch.tensor(where, device=device)] = torch.stack([next(squares_in_order[w]) for w in wide])
     if peaks is not None:  # back into the order of ``tensors``: native ones by max_abs, widened ones by the sweep
         native_peaks, widened_peaks = iter(max_abs(native, device)), iter(wide_peaks if widened else [])
         values = [next(widened_peaks) if w else next(native_peaks) for w in wide]
         peaks[torch.tensor(where, device=device)] = torch.stack([v.to(device, torch.float64) for v in values])
-    return (parts[0] if len(parts) == 1 else torch.stack(parts).sum()), peaks
+    return (parts[0] if len(parts) == 1 else torch.stack(parts).sum()), peaks, own
 
 
-def _widened_sweep(tensors: list[torch.Tensor], *, maxima: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _widened_sweep(
+    tensors: list[torch.Tensor], *, maxima: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """Σ t_i² over CPU tensors of a narrower float dtype, each element widened to float64 (exact) and squared and
     summed in float64, :data:`CHUNK_ELEMENTS` at a time through one reused buffer (``copy_`` widens, ``dot`` sums
-    the squares): a float64 0-d CPU tensor; with ``maxima`` also each tensor's max |t_i| (float64 ``[len]``,
-    NaN / inf propagated as by :func:`max_abs`), from ``aminmax`` of each chunk while it is in cache."""
+    the squares): a float64 0-d CPU tensor (the chunks' sums summed at once, in order); with ``maxima`` also each
+    tensor's max |t_i| (float64 ``[len]``, NaN / inf propagated as by :func:`max_abs`), from ``aminmax`` of each
+    chunk while it is in cache; and each tensor's own sum of squares (float64 ``[len]``, its chunks' sums)."""
     buffer = torch.empty(min(CHUNK_ELEMENTS, max(t.numel() for t in tensors)), dtype=torch.float64, device="cpu")
     partial = []
     peaks = []
+    own = []
     for t in tensors:
         flat = t.reshape(-1)
         chunk_peaks = []
+        first = len(partial)
         for start in range(0, flat.numel(), CHUNK_ELEMENTS):
             chunk = flat[start : start + CHUNK_ELEMENTS]
             wide = buffer[: chunk.numel()]
@@ -89,10 +116,11 @@ def _widened_sweep(tensors: list[torch.Tensor], *, maxima: bool) -> tuple[torch.
             if maxima:
                 low, high = torch.aminmax(chunk)
                 chunk_peaks.append(torch.maximum(-low, high))
+        own.append(partial[first] if len(partial) == first + 1 else torch.stack(partial[first:]).sum())
         if maxima:
             peak = torch.stack(chunk_peaks).amax() if len(chunk_peaks) > 1 else chunk_peaks[0]
             peaks.append(peak.to(torch.float64))
-    return torch.stack(partial).sum(), (torch.stack(peaks) if maxima else None)
+    return torch.stack(partial).sum(), (torch.stack(peaks) if maxima else None), torch.stack(own)
 
 
 def max_abs(tensors: list[torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:

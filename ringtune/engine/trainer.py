@@ -55,7 +55,8 @@ from ringtune.engine.pass_target import PassTarget
 from ringtune.engine.replica_check import ReplicaCheck
 from ringtune.engine.request_guard import settle_request, settle_step
 from ringtune.engine.request_outcome import ForwardBackwardResult, collect_outputs
-from ringtune.engine.update_guard import read_step_figures, unsafe_updates
+from ringtune.engine.state_bounds import StateBounds
+from ringtune.engine.update_guard import carry_bounds, planned_bounds, read_step_figures, unsafe_updates
 from ringtune.errors import ParallelConfigError
 from ringtune.models.decoder import CausalLM
 from ringtune.models.layers import moe_router_stats as router_stats
@@ -194,6 +195,7 @@ class Trainer:
             names=self.names,
         )  # fmt: skip
         self.replicas = ReplicaCheck(mesh, self.shard_params, model)  # replicas compared after every optim_step
+        self.state_bounds = StateBounds()  # max |weight|, |moment| bounds carried between steps (update_guard.py)
         self.step = 0
         self.weights_version = 0  # bumped whenever the weights change (a sampler snapshot of them is then stale)
         self.broken: str | None = None
@@ -366,13 +368,14 @@ class Trainer:
         error: BaseException | None = None
         bad_weights: list[str] = []
         bad_update: list[str] = []  # parameters whose AdamW update would not be finite (update_guard.unsafe_updates)
+        figures, scale = None, 1.0
         try:
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
             self.grad_sync.reduce(self.params)
-            norm_tensor, grad_maxima = self.grad_sync.norm_and_grad_maxima(self.params)
-            figures = read_step_figures(self.params, self.optimizer, norm_tensor, grad_maxima)
+            norm_tensor, grad_bounds = self.grad_sync.norm_and_grad_bounds(self.params)
+            figures = read_step_figures(self.params, self.optimizer, norm_tensor, grad_bounds, self.state_bounds)
             norm = figures.norm
             bad_weights = [self.names[id(self.params[i])] for i in figures.non_finite_weights()]
             if math.isfinite(norm) and not bad_weights:  # clipped here; dropped with the gradients if refused
@@ -388,7 +391,11 @@ class Trainer:
             params=self.params, invariant=self.invariant, group=self.control_group,
         )  # fmt: skip
         self.faults.skip_weight_decay(self.optimizer, self.shard_params)  # DEBUG-FAULT HOOK (no-op without)
+        assert figures is not None  # settle_step raised otherwise
+        # bounds of the updated weights and moments, the next step's figures for them (update_guard.py)
+        planned = planned_bounds(self.optimizer, self.params, figures, grad_scale=scale)
         apply_step(self.optimizer)
+        carry_bounds(self.state_bounds, self.optimizer, self.params, planned)
         self.step += 1
         self.weights_version += 1
         replica_s = self.replicas.verify(self.params, self.names, self.optimizer, self.step, self.control_group)
@@ -426,6 +433,7 @@ class Trainer:
         )
         if not optimizer:  # only after a successful load: a refused checkpoint changes nothing
             self.optimizer = new_adamw(self.params, self.adamw_kernel)
+        self.state_bounds.forget()  # loaded in place: the version counters tell, but a load is not an update
         self.invariant.reset()
         self.step = step
         self.weights_version += 1

@@ -99,7 +99,8 @@ class CheckpointOps:
                 # An in-memory snapshot of the run's current weights (shared while they do not change), or the
                 # run's inflight target republished with them.
                 sampler_id = new_sampler_id(record.session_id, seq)
-                source = SamplerSource(run_id=run_id, inflight=body.kind == "inflight")
+                model = self.runs.model_of(record).model_name  # which engine set samples it (--sampler vllm)
+                source = SamplerSource(run_id=run_id, inflight=body.kind == "inflight", model=model)
                 self.sampling.register(sampler_id, record.base_model, None, source)
                 return Outcome("json", {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}), None
             name = check_name("path", body.path)

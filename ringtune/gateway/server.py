@@ -21,7 +21,7 @@ from ringtune.gateway.app import create_app
 from ringtune.gateway.backend import Backend
 from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.service import GatewayService
-from ringtune.gateway.vllm_sampling import SamplingEngine
+from ringtune.gateway.vllm_engines import Engines
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +91,11 @@ def serve(
     host: str = "127.0.0.1",
     port: int = 8000,
     log_level: str = "info",
-    sampling_engine: SamplingEngine | None = None,
+    sampling_engine: Engines | None = None,
 ) -> None:
     """Serve until a signal (blocks): SIGTERM / SIGINT drain first (:class:`DrainingServer`); the backend (and
-    ``sampling_engine``, which answers sampling when given: ``serve --sampler vllm``) is closed at shutdown."""
+    ``sampling_engine``: the engine, or each served model's engines, that answer sampling when given: ``serve
+    --sampler vllm``) is closed at shutdown."""
     service = GatewayService(backend, config, sampling_engine=sampling_engine)
     DrainingServer(service, service_uvicorn_config(service, host, port, log_level)).run()
 
@@ -110,7 +111,7 @@ class ServerThread:
         host: str = "127.0.0.1",
         port: int | None = None,
         log_level: str = "warning",
-        sampling_engine: SamplingEngine | None = None,
+        sampling_engine: Engines | None = None,
     ) -> None:
         self.host, self.port, self.backend = host, port or free_port(host), backend
         self.service = GatewayService(backend, config, sampling_engine=sampling_engine)

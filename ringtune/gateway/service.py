@@ -49,7 +49,8 @@ from ringtune.gateway.stability_records import DIRECTORY_NAME as STABILITY_DIREC
 from ringtune.gateway.stability_records import StabilityRecords
 from ringtune.gateway.state import Registry
 from ringtune.gateway.training_ops import TrainingOps
-from ringtune.gateway.vllm_sampling import SamplingEngine, VllmSampler
+from ringtune.gateway.vllm_engines import Engines
+from ringtune.gateway.vllm_sampling import VllmSampler
 from ringtune.probes.ring_accumulation import SERVED_PROBES
 
 
@@ -63,15 +64,14 @@ class GatewayService:
     (signed URLs of external weights, a new secret per server start), ``routing`` (sampled sequences' MoE routing,
     replayed for matching training datums: ``--routing-replay``; else None), ``restored`` (the runs brought back
     at start-up by ``--restore-live-runs``), ``engine_sampler`` (``sampling_engine`` given, ``serve --sampler vllm``:
-    the :class:`~ringtune.gateway.vllm_sampling.VllmSampler` that answers sampling; closed with the service).
+    the :class:`~ringtune.gateway.vllm_sampling.VllmSampler` that answers sampling on that engine or on each served
+    model's engines; closed with the service).
     replayed for matching training datums: ``--routing-replay``; else None), ``stability`` (what the sampler
     recorded for ``record_stability_info`` samples, persisted under the checkpoint root), ``restored`` (the runs
     brought back at start-up by ``--restore-live-runs``).
     """
 
-    def __init__(
-        self, backend: Backend, config: GatewayConfig, *, sampling_engine: SamplingEngine | None = None
-    ) -> None:
+    def __init__(self, backend: Backend, config: GatewayConfig, *, sampling_engine: Engines | None = None) -> None:
         config.validate()
         self.backend, self.config = ObservedBackend(backend, config.checkpoint_root), config
         self.paths = CheckpointPaths(config.checkpoint_root)
@@ -90,7 +90,9 @@ class GatewayService:
         self.engine_sampler = None  # ``serve --sampler vllm``: sampling sessions on the external engine
         if sampling_engine is not None:
             scratch = Path(config.checkpoint_root) / ".vllm" / "snapshots"
-            self.engine_sampler = VllmSampler(sampling_engine, self.backend, scratch)
+            self.engine_sampler = VllmSampler(
+                sampling_engine, self.backend, scratch, record_routing=config.routing_replay
+            )
         self.stability = StabilityRecords(Path(config.checkpoint_root) / STABILITY_DIRECTORY)
         self.sampling = SamplingService(
             self.backend,

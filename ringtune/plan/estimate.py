@@ -7,7 +7,9 @@ at the step's worst moment. :func:`estimate` walks the step's phases and takes t
   and the head's backward tile (:func:`head_transient`);
 - ``layer i``: the backward of decoder layer i (last to first): the kept activations of layers 0..i, what
   layer i's recomputation rebuilds, its backward working set (:data:`BACKWARD_WORK`) and its CP buffers;
-- ``optimizer``: the AdamW step (foreach temporaries, one parameter-sized list).
+- ``optimizer``: the AdamW step (foreach temporaries, one parameter-sized list);
+- ``reduced gradients`` (replicated, DP·CP > 1): the reduced copy of the gradients held from the request's end to
+  ``optim_step`` (:mod:`ringtune.plan.grad_overlap`, which also adds its buckets to the layer phases).
 
 A vision-language config adds its vision tower (:mod:`ringtune.plan.vision`): its parameters (sharded, copied
 and updated like the decoder's; the tower counted as one FSDP unit) and, for ``image_tokens`` image tokens per
@@ -28,6 +30,7 @@ from ringtune.errors import UserInputError
 from ringtune.models.config import DecoderConfig
 from ringtune.models.logprob_tiles import tile_shape
 from ringtune.plan import activations as act
+from ringtune.plan import grad_overlap as overlap
 from ringtune.plan import moe
 from ringtune.plan import vision as vis
 
@@ -307,6 +310,12 @@ def estimate(
     else:
         optimizer_transient = (total / ways + local_experts) * pb  # local_experts: already ÷ ways when sharded
     phases["optimizer"] = (0.0, optimizer_transient, 0.0)
+    head_side = cfg.hidden_size + (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+    overlap.add_reduced_gradients(
+        phases, shard=layout.shard, ep=layout.ep, ranks=layout.dp * layout.cp, param_bytes=pb,
+        layer_params=[n + x for n, x in zip(per_layer, layer_experts, strict=True)], after_layers=head_side,
+        whole=total + local_experts,
+    )  # fmt: skip
     phase = max(phases, key=lambda k: sum(phases[k]))
     activations, constants, communication = phases[phase]
     detail.update({f"phase {k}": sum(v) for k, v in phases.items() if not k.startswith("layer") or k == phase})

@@ -30,8 +30,7 @@ import torch
 from ringtune.errors import UserInputError
 from ringtune.gateway.run_memory import STATE_COPIES
 from ringtune.models.config import DecoderConfig
-from ringtune.plan import moe
-from ringtune.plan.estimate import layer_parameters, root_parameters
+from ringtune.plan.gpu_split import model_parameters as plan_model_parameters
 
 GIB = 2**30
 
@@ -88,10 +87,8 @@ def parse_live_runs(values: Sequence[str] | None, names: Sequence[str], default:
 
 def model_parameters(config: DecoderConfig) -> int:
     """Parameters of a model of ``config`` (every layer, its routed experts, embeddings and head), as ``ringtune
-    plan`` counts them."""
-    layers = sum(layer_parameters(config, t, i) for i, t in enumerate(config.layer_types))
-    experts = sum(moe.expert_parameters(config, i) for i in range(len(config.layer_types)))
-    return layers + experts + root_parameters(config)
+    plan`` counts them (:func:`ringtune.plan.gpu_split.model_parameters`)."""
+    return plan_model_parameters(config)
 
 
 def device_memory_per_rank(device_type: str, ranks_on_host: int) -> int:

@@ -45,7 +45,7 @@ from ringtune.worker.model_set import (
     parse_model_args,
 )
 from ringtune.worker.preflight import Preflight, ServeSettings, preflight, read_config
-from ringtune.worker.vllm_options import engine_config, start_sampling_engine
+from ringtune.worker.vllm_options import engine_configs, start_sampling_engines
 
 
 def gateway_config(args: argparse.Namespace, root: Path, live_runs: dict[str, int] | None = None) -> GatewayConfig:
@@ -249,7 +249,14 @@ def run_serve(args: argparse.Namespace) -> int:
         for m, checked in zip(models, checks, strict=True)
     ]
     checked = checks[0]
-    engine = engine_config(args, dtype=device.dtype, root=root)  # --sampler vllm, checked before any rank starts
+    # --sampler vllm: each model's engines, their GPUs checked against this host's ranks before any rank starts
+    engines = engine_configs(
+        args,
+        dtype=device.dtype,
+        root=root,
+        ranks_on_host=ranks_on_this_host(args.dp * args.cp),
+        gpus_on_host=host_facts().gpu_count,
+    )
     backend = start_backend(args, specs, root, device)
     if backend is None:
         return 0  # a torchrun worker rank: served commands until shutdown
@@ -257,7 +264,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # One line per operation (ringtune.gateway.observe) beside uvicorn's own lines.
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        sampling_engine = start_sampling_engine(engine, backend)  # --sampler vllm (None: the built-in sampler)
+        sampling_engine = start_sampling_engines(engines, backend)  # --sampler vllm (None: the built-in sampler)
         serve(
             backend, config, host=args.host, port=args.port, log_level=args.log_level, sampling_engine=sampling_engine
         )

@@ -27,6 +27,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,9 @@ class VllmEngineConfig:
         start_timeout_s: how long a start may take until ``/health`` answers.
         request_timeout_s: the longest completion call.
         health_interval_s: the monitor's period; max_restarts: restarts before it gives up (0: never restart).
+        silent_after_s: a live process whose ``/health`` has not answered for this long counts as down (None:
+            3 x ``health_interval_s``; several engines starting on one host can starve a serving one of CPU for a
+            while: ``serve`` gives 30 s); an exited one is down at once.
         log_path: the engine's stdout and stderr (default: discarded).
     """
 
@@ -88,6 +92,7 @@ class VllmEngineConfig:
     request_timeout_s: float = 600.0
     health_interval_s: float = 2.0
     max_restarts: int = 3
+    silent_after_s: float | None = None
     log_path: str | None = None
 
     def command(self, port: int) -> list[str]:
@@ -115,6 +120,7 @@ class VllmEngine:
         self._lock = threading.RLock()
         self._state = "stopped"  # stopped, starting, serving, failed, closed
         self._stop = threading.Event()
+        self._deadline = 0.0  # when a start that has not answered /health gives up
         self._monitor: threading.Thread | None = None
         self._client = httpx.Client(timeout=httpx.Timeout(config.request_timeout_s, connect=5.0))
 
@@ -128,15 +134,26 @@ class VllmEngine:
         """``starting``, ``serving``, ``failed`` (down; restarting unless restarts are used up) or ``closed``."""
         return self._state
 
+    @property
+    def gave_up(self) -> bool:
+        """True when it will not serve again: closed, or a started engine down with its restarts used up (an
+        attached engine may come back, so it never gives up)."""
+        if self._state == "closed":
+            return True
+        return self._state == "failed" and not self.attached and self.restarts >= self.config.max_restarts
+
     def start(self) -> None:
         """Start the engine (or check the attached one) and wait until ``/health`` answers; then the monitor.
         EngineUnavailableError when it does not come up within ``start_timeout_s``."""
-        with self._lock:
-            self._launch()
-        self._monitor = threading.Thread(target=self._watch, name="vllm-engine-monitor", daemon=True)
-        self._monitor.start()
+        start_engines([self])
 
     def _launch(self) -> None:
+        """Spawn the process and wait until it is healthy (the monitor's restarts)."""
+        self._spawn()
+        self._await_health()
+
+    def _spawn(self) -> None:
+        """Spawn the process (nothing for an attached engine); its start clock begins."""
         self._state = "starting"
         if not self.attached:
             port = free_port()
@@ -155,7 +172,12 @@ class VllmEngine:
                 preexec_fn=_die_with_parent,
             )
             atexit.register(self._kill_process, self._process)
-        deadline = time.monotonic() + self.config.start_timeout_s
+        self._deadline = time.monotonic() + self.config.start_timeout_s
+
+    def _await_health(self) -> None:
+        """Wait until ``/health`` answers (then serving, a new incarnation); EngineUnavailableError when the process
+        exits first or the start clock passes ``start_timeout_s``."""
+        deadline = self._deadline
         while not self.healthy():
             if self._process is not None and self._process.poll() is not None:
                 self._state = "failed"
@@ -174,6 +196,10 @@ class VllmEngine:
         self._state = "serving"
         log.info("vLLM engine %d serving at %s", self.incarnation, self.url)
 
+    def _start_monitor(self) -> None:
+        self._monitor = threading.Thread(target=self._watch, name="vllm-engine-monitor", daemon=True)
+        self._monitor.start()
+
     def healthy(self) -> bool:
         """``GET /health`` answers 200 within 5 s."""
         if not self.url:
@@ -186,18 +212,18 @@ class VllmEngine:
     def _watch(self) -> None:
         """The monitor thread: every ``health_interval_s``, restart a dead or silent engine (module docstring); an
         attached engine that answers again serves again (as a new incarnation: it may have lost what was loaded)."""
-        misses = 0
+        answered = time.monotonic()
         while not self._stop.wait(self.config.health_interval_s):
             dead = self._process is not None and self._process.poll() is not None
             if not dead and self.healthy():
-                misses = 0
+                answered = time.monotonic()
                 if self._state == "failed" and self.attached:
                     with self._lock:
                         self.incarnation += 1
                         self._state = "serving"
                 continue
-            misses += 1
-            if not dead and misses < 3:
+            silent_s = self.config.silent_after_s or 3 * self.config.health_interval_s
+            if not dead and time.monotonic() - answered < silent_s:
                 continue
             with self._lock:
                 if self._stop.is_set():
@@ -211,7 +237,7 @@ class VllmEngine:
                 self.restarts += 1
                 try:
                     self._launch()
-                    misses = 0
+                    answered = time.monotonic()
                 except EngineUnavailableError:
                     log.exception("vLLM engine restart failed")
 
@@ -295,6 +321,27 @@ class VllmEngine:
         self._client.close()
 
 
+def start_engines(engines: Sequence[VllmEngine]) -> None:
+    """Start ``engines`` side by side: every process is spawned from this thread (``PR_SET_PDEATHSIG`` ties an
+    engine to the thread that spawned it, so never from a short-lived worker thread), then each is awaited and its
+    monitor started. The first EngineUnavailableError is raised once all were awaited (the others keep serving;
+    the caller stops them)."""
+    for engine in engines:
+        with engine._lock:
+            engine._spawn()
+    failures = []
+    for engine in engines:
+        try:
+            with engine._lock:
+                engine._await_health()
+        except EngineUnavailableError as exc:
+            failures.append(exc)
+            continue
+        engine._start_monitor()
+    if failures:
+        raise failures[0]
+
+
 def _die_with_parent() -> None:
     """In the engine's child before exec (Linux): SIGKILL it when the thread that started it dies, so a ringtune
     killed without a chance to stop it (SIGKILL, OOM) leaves no engine behind; vLLM's engine core exits when
@@ -307,7 +354,7 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
-def engine_log_path(root: Path) -> str:
-    """Where a started engine's output goes: ``<checkpoint root>/.vllm/engine.log`` (directory created)."""
+def engine_log_path(root: Path, name: str = "engine") -> str:
+    """Where a started engine's output goes: ``<checkpoint root>/.vllm/<name>.log`` (directory created)."""
     (root / ".vllm").mkdir(parents=True, exist_ok=True)
-    return str(root / ".vllm" / "engine.log")
+    return str(root / ".vllm" / f"{name}.log")

@@ -2,8 +2,14 @@
 they start (:mod:`ringtune.worker.vllm_engine`).
 
 ``--sampler builtin`` (the default) samples on ringtune's own decoders (docs/sampling.md). ``--sampler vllm``
-starts a vLLM server on the served base model (or attaches to ``--vllm-url``) and answers every sampling
+starts vLLM servers on the served base models (or attaches to ``--vllm-url``) and answers every sampling
 session there (:mod:`ringtune.gateway.vllm_sampling`); training stays on ringtune's ranks.
+
+Engines per served model (``--model``, once or more): ``--vllm-engines N`` started ones (default 1 for a model
+no ``--vllm-url`` names, else 0) plus the attached ones, ``--vllm-url [MODEL=]URL`` repeated (with several
+models each URL names its model). ``--vllm-devices`` lists the started engines' GPUs, split evenly over them in
+order (:mod:`ringtune.worker.vllm_devices` checks the split against the training ranks and the engines'
+tensor parallelism).
 """
 
 from __future__ import annotations
@@ -19,7 +25,8 @@ from ringtune.errors import UserInputError
 from ringtune.gateway.backend import Backend
 from ringtune.models.checkpoints.load import EMBEDDED_DEFAULT
 from ringtune.worker.model_set import parse_model_args
-from ringtune.worker.vllm_engine import VllmEngine, VllmEngineConfig, engine_log_path
+from ringtune.worker.vllm_devices import engine_devices
+from ringtune.worker.vllm_engine import VllmEngine, VllmEngineConfig, engine_log_path, start_engines
 
 SAMPLERS = ("builtin", "vllm")
 
@@ -39,7 +46,20 @@ def add_sampler_options(p: argparse.ArgumentParser) -> None:
         help="who answers sampling: ringtune's own decoders (builtin) or a vLLM server it starts or attaches to "
         "(vllm; docs/sampling.md, 'Sampling on vLLM')",
     )
-    p.add_argument("--vllm-url", default=None, help="--sampler vllm: attach to this running engine, start none")
+    p.add_argument(
+        "--vllm-url",
+        action="append",
+        default=None,
+        help="--sampler vllm: attach to this running engine ([MODEL=]URL; repeat for several; with several --model "
+        "each names its model); a model with a URL starts no engine unless --vllm-engines says so",
+    )
+    p.add_argument(
+        "--vllm-engines",
+        type=int,
+        default=None,
+        help="--sampler vllm: engines ringtune starts per served model (default 1, or 0 for a model with a "
+        "--vllm-url); sessions spread over them (docs/sampling.md, 'Several engines')",
+    )
     p.add_argument(
         "--vllm-python",
         default=os.environ.get(PYTHON_ENV) or sys.executable,
@@ -62,65 +82,141 @@ def add_sampler_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--vllm-devices",
         default=None,
-        help="--sampler vllm: the engine's CUDA_VISIBLE_DEVICES (e.g. '4,5,6,7': GPUs the training ranks do not "
-        "use; docs/operations.md, 'A sampling engine beside the ranks')",
+        help="--sampler vllm: the started engines' GPUs, split evenly over them in order (e.g. '4,5,6,7': GPUs the "
+        "training ranks do not use; 2 engines get 4,5 and 6,7; docs/operations.md, 'Sampling engines beside the "
+        "ranks')",
     )
 
+
+SILENT_AFTER_S = 30.0
+"""How long a live engine may leave ``/health`` unanswered before ``serve`` restarts it (several engines starting
+on one host can starve a serving one of CPU for seconds)."""
 
 SERVED_NAME = "ringtune-base"
 """The engine's name of the base model (only ringtune's completion calls use it; clients name ``--model-name``)."""
 
 
-def engine_config(args: argparse.Namespace, *, dtype: str, root: Path) -> VllmEngineConfig | None:
-    """The :class:`VllmEngineConfig` of ``--sampler vllm`` (None for ``builtin``), its ``max_model_len`` set by
-    :func:`start_sampling_engine` to the served context. UserInputError when ``--model`` is not an HF checkpoint
-    directory (vLLM loads the base from it) or ``--vllm-max-lora-rank`` < 1."""
+def attached_urls(values: list[str] | None, models: list[str]) -> dict[str, list[str]]:
+    """Each served model's ``--vllm-url`` engines: ``MODEL=URL`` names the model; a bare URL belongs to the only
+    model. UserInputError for a bare URL with several models, an unknown model name, or a value that is no
+    http(s) URL."""
+    urls: dict[str, list[str]] = {m: [] for m in models}
+    for value in values or []:
+        name, sep, url = value.partition("=")
+        if not sep or "://" in name:
+            name, url = "", value
+        if not url.startswith(("http://", "https://")):
+            raise UserInputError(f"--vllm-url={value!r}: expected [MODEL=]http://host:port")
+        if not name:
+            if len(models) > 1:
+                raise UserInputError(
+                    f"--vllm-url={value!r}: {len(models)} models are served; name the model it serves "
+                    f"(--vllm-url MODEL=URL, MODEL one of {models})"
+                )
+            name = models[0]
+        if name not in urls:
+            raise UserInputError(f"--vllm-url={value!r}: {name!r} is not a served model; choose one of {models}")
+        urls[name].append(url)
+    return urls
+
+
+def engine_configs(
+    args: argparse.Namespace,
+    *,
+    dtype: str,
+    root: Path,
+    ranks_on_host: int | None = None,
+    gpus_on_host: int | None = None,
+) -> dict[str, list[VllmEngineConfig]]:
+    """Each served model's engine configs for ``--sampler vllm`` (attached ones first, then the started ones;
+    empty for ``builtin``), their ``max_model_len`` set by :func:`start_sampling_engines` to the model's context.
+    ``ranks_on_host`` / ``gpus_on_host``: the training ranks and GPUs of this host (None: unknown, not checked).
+    UserInputError when a ``--model`` is not an HF checkpoint directory (vLLM loads the base from it),
+    ``--vllm-max-lora-rank`` < 1, ``--vllm-engines`` < 0, a model ends with no engine, or ``--vllm-devices`` does
+    not split over the started engines (:func:`~ringtune.worker.vllm_devices.engine_devices`)."""
     if args.sampler == "builtin":
-        return None
+        return {}
     models = parse_model_args(args.model, EMBEDDED_DEFAULT)
-    if len(models) > 1:
-        raise UserInputError(
-            f"--sampler vllm: {len(models)} --model values given, but the engine serves one base model; serve "
-            "several base models with --sampler builtin"
-        )
-    model = Path(models[0].source)
-    if not (model / "config.json").is_file():
-        raise UserInputError(
-            f"--sampler vllm: --model={models[0].source!r} must be an HF checkpoint directory (vLLM loads the base "
-            "model from it); GGUF files and embedded names are served by --sampler builtin only"
-        )
+    for m in models:
+        if not (Path(m.source) / "config.json").is_file():
+            raise UserInputError(
+                f"--sampler vllm: --model={m.source!r} must be an HF checkpoint directory (vLLM loads the base "
+                "model from it); GGUF files and embedded names are served by --sampler builtin only"
+            )
     if args.vllm_max_lora_rank < 1:
         raise UserInputError(f"--vllm-max-lora-rank={args.vllm_max_lora_rank} must be >= 1")
+    if args.vllm_engines is not None and args.vllm_engines < 0:
+        raise UserInputError(f"--vllm-engines={args.vllm_engines} must be >= 0")
+    names = [m.served_name for m in models]
+    urls = attached_urls(args.vllm_url, names)
+    started = {n: (1 if not urls[n] else 0) if args.vllm_engines is None else args.vllm_engines for n in names}
+    for n in names:
+        if not urls[n] and not started[n]:
+            raise UserInputError(f"--vllm-engines=0: model {n!r} has no --vllm-url either, so nothing samples it")
     extra = shlex.split(args.vllm_args)
     if args.tokenizer and "--tokenizer" not in extra:
         extra += ["--tokenizer", str(Path(args.tokenizer).resolve())]
-    return VllmEngineConfig(
-        model=str(model.resolve()),
+    devices = engine_devices(
+        args.vllm_devices, sum(started.values()), extra, ranks_on_host=ranks_on_host, gpus_on_host=gpus_on_host
+    )
+    base = VllmEngineConfig(
+        model="",
         served_name=SERVED_NAME,
         python=args.vllm_python,
-        url=args.vllm_url,
         dtype=ENGINE_DTYPES.get(dtype, "bfloat16"),
         enable_lora=args.vllm_lora,
         max_lora_rank=args.vllm_max_lora_rank,
         extra_args=tuple(extra),
-        env={} if args.vllm_devices is None else {"CUDA_VISIBLE_DEVICES": args.vllm_devices},
-        log_path=engine_log_path(root),
+        silent_after_s=SILENT_AFTER_S,
     )
+    configs: dict[str, list[VllmEngineConfig]] = {}
+    for m in models:
+        model = replace(base, model=str(Path(m.source).resolve()))
+        label = "engine" if len(models) == 1 else f"engine-{_file_name(m.served_name)}"
+        group = [replace(model, url=url) for url in urls[m.served_name]]
+        for i in range(started[m.served_name]):
+            visible = devices.pop(0) if devices else None
+            suffix = "" if started[m.served_name] == 1 and len(models) == 1 else f"-{i}"
+            group.append(
+                replace(
+                    model,
+                    env={} if visible is None else {"CUDA_VISIBLE_DEVICES": visible},
+                    log_path=engine_log_path(root, f"{label}{suffix}"),
+                )
+            )
+        configs[m.served_name] = group
+    return configs
 
 
-def start_sampling_engine(config: VllmEngineConfig | None, backend: Backend) -> VllmEngine | None:
-    """The started (or attached) engine of ``config`` for the served ``backend`` (its context length), healthy;
-    None for ``--sampler builtin``. If it cannot start, the backend is closed and EngineUnavailableError raised."""
-    if config is None:
+def _file_name(text: str) -> str:
+    """``text`` with every character but letters, digits, ``-``, ``_`` and ``.`` replaced by ``_``."""
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in text)
+
+
+def start_sampling_engines(
+    configs: dict[str, list[VllmEngineConfig]], backend: Backend
+) -> dict[str, list[VllmEngine]] | None:
+    """The started (or attached) engines of ``configs`` (served model -> its engines) for the served ``backend``
+    (each model's context length), healthy, started side by side; None for ``--sampler builtin``. If one cannot
+    start, every engine is stopped, the backend closed and EngineUnavailableError raised."""
+    if not configs:
         return None
-    config = replace(config, max_model_len=backend.info().context_length)
-    engine = VllmEngine(config)
-    print(f"ringtune: starting the vLLM sampler ({config.python}; log {config.log_path}) ...", flush=True)
+    contexts = {info.model_name: info.context_length for info in backend.models()}
+    engines = {
+        name: [VllmEngine(replace(c, max_model_len=contexts.get(name, backend.info().context_length))) for c in group]
+        for name, group in configs.items()
+    }
+    every = [engine for group in engines.values() for engine in group]
+    for engine in every:
+        where = engine.config.url or f"log {engine.config.log_path}"
+        print(f"ringtune: starting a vLLM sampler for {engine.config.model} ({where}) ...", flush=True)
     try:
-        engine.start()
+        start_engines(every)
     except BaseException:
-        engine.stop()
+        for engine in every:
+            engine.stop()
         backend.close()
         raise
-    print(f"ringtune: vLLM sampler serving {config.served_name} at {engine.url}", flush=True)
-    return engine
+    for name, group in engines.items():
+        print(f"ringtune: vLLM sampler(s) for {name}: {', '.join(e.url for e in group)}", flush=True)
+    return engines

@@ -18,6 +18,10 @@ interpreter in this process (never site-packages), and only while a session is o
    backward): comparisons are re-tagged int1.
 
 bfloat16 is not emulated the way a GPU rounds it: run these tests in float32 only.
+
+``fla.ops.cp`` (fla's context parallelism) refuses any device but an Ampere-or-newer NVIDIA GPU before it launches a
+kernel; :func:`fla_cp_on_cpu` lets CPU tensors through that check while the interpreter is on (its other fix, the
+all-gather output shape gloo refuses, is ringtune's own binding: ``ringtune.ops.gated_delta.cp_fla``).
 """
 
 from __future__ import annotations
@@ -132,3 +136,36 @@ def interpreted_kernels(*names: str) -> list[ModuleType]:
             raise RuntimeError(f"{top} was imported without {INTERPRET_VARIABLE}=1 in this process")
         _INTERPRETED.add(top)
     return [importlib.import_module(name) for name in names]
+
+
+FLA_CP_DEVICE_CHECKERS = (
+    "fla.ops.cp.chunk_delta_h",
+    "fla.ops.cp.chunk_fwd",
+    "fla.ops.cp.chunk_bwd",
+    "fla.ops.cp.chunk_merge",
+)
+"""The fla 0.6.0 modules that call ``fla.ops.cp.context._check_cp_device`` by a name of their own."""
+
+
+@contextmanager
+def fla_cp_on_cpu() -> Iterator[None]:
+    """Within (and inside :func:`interpreter_session`): fla.ops.cp's device check passes CPU tensors; undone on exit.
+
+    CUDA tensors still get fla's own check; only CPU ones under the interpreter are let through.
+    """
+    if os.environ.get(INTERPRET_VARIABLE) != "1":
+        raise RuntimeError(f"fla_cp_on_cpu() runs inside interpreter_session(), with {INTERPRET_VARIABLE}=1")
+    modules = interpreted_kernels(*FLA_CP_DEVICE_CHECKERS)
+    original = modules[0]._check_cp_device
+
+    def check_cp_device(device) -> None:
+        if device.type != "cpu":
+            original(device)
+
+    for module in modules:
+        module._check_cp_device = check_cp_device
+    try:
+        yield
+    finally:
+        for module in modules:
+            module._check_cp_device = original

@@ -2,17 +2,17 @@
 
 One tiny hybrid Qwen3.5 (two GatedDeltaNet layers, key/value heads of 16: fla's ``tl.dot`` needs 16) on a packed
 row; every GatedDeltaNet scan goes to ``fla`` (the registry's default is switched in the worker, as a CUDA device
-would pick it), float32. Reference: the same model in float64 with the ``recompute`` scan at CP=1; the float32
-``recompute`` run at CP=1 is the yardstick of float32 rounding. Log-probs and every parameter gradient (summed over
-the CP group) are compared. Skipped (with the reason) without the ``triton-cpu`` extra.
+would pick it), float32; last the CP=2 row with ``--linear-cp-mode fla_cp`` (fla's own context parallelism, the
+product path of that flag: the model's GatedDeltaNet layers through the registry). Reference: the same model in
+float64 with the ``recompute`` scan at CP=1; the float32 ``recompute`` run at CP=1 is the yardstick of float32
+rounding. Log-probs and every parameter gradient (summed over the CP group) are compared. Skipped (with the
+reason) without the ``triton-cpu`` extra.
 """
 
 from __future__ import annotations
 
-import pytest
 import torch
 from support.tiny_models import hf_model
-from support.triton_interpreter import missing_reason
 
 LENS = (20, 1, 33, 10)
 LIMIT = 1e-4
@@ -49,7 +49,7 @@ def _row_run(model, lens, cp, rank, group, gated_delta):
 def fla_row_case(ctx, *, root: str):
     import contextlib
 
-    from support.triton_interpreter import interpreted_kernels, interpreter_session
+    from support.triton_interpreter import fla_cp_on_cpu, interpreted_kernels, interpreter_session
 
     from ringtune.models.checkpoints.hf import load_hf
     from ringtune.ops.gated_delta import chunked
@@ -76,6 +76,9 @@ def fla_row_case(ctx, *, root: str):
         runs["fla cp1"] = _row_run(model, LENS, 1, 0, None, "headwise")
         for mode in ("headwise", "chunkwise"):
             runs[f"fla cp2 {mode}"] = _row_run(model, LENS, 2, rank, group, mode)
+        interpreted_kernels("fla.modules.causal_conv1d", "fla.ops.cp")
+        stack.enter_context(fla_cp_on_cpu())
+        runs["fla_cp cp2"] = _row_run(model, LENS, 2, rank, group, "fla_cp")  # fla's conv, rule and state chain
     scale_lp = float(ref[0].abs().max())
     errors = {"fla scan calls": (len(calls), 0.0)}
     for name, (rows, grads) in runs.items():
@@ -85,19 +88,10 @@ def fla_row_case(ctx, *, root: str):
     return errors
 
 
-def test_qwen35_row_with_fla_scan_at_cp1_and_cp2(tmp_path):
-    reason = missing_reason("fla")
-    if reason is not None:
-        pytest.skip(reason)
-    from support.harness import RankPool
-
+def test_qwen35_row_with_fla_scan_at_cp1_and_cp2(tmp_path, interpreted_pool2):
     root = tmp_path / "qwen3_5"
     hf_model("qwen3_5", seed=11, linear_key_head_dim=16, linear_value_head_dim=16).save_pretrained(root)
-    pool = RankPool(2, timeout=600)
-    try:
-        per_rank = pool.run(fla_row_case, root=str(root))
-    finally:
-        pool.close()
+    per_rank = interpreted_pool2.run(fla_row_case, root=str(root))
     for rank, errors in enumerate(per_rank):
         calls, _ = errors.pop("fla scan calls")
         assert calls >= 2 * 3, (rank, calls)  # two GatedDeltaNet layers in each of the three fla runs

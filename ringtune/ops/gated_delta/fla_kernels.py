@@ -15,11 +15,10 @@ naming the reason.
   for the row without a CP conv context (the context path keeps ringtune's conv, whose context gradient the
   chunkwise CP mode needs; fla's ``initial_state`` gradient is not relied on).
 
-fla's own context parallelism (``fla.ops.cp``, ``FLACPContext`` with its zigzag layout) is the candidate for the
-chunkwise CP mode; the mapping is written down in docs/gpu.md and ringtune's state hand-off stays the default
-until an H200 run has compared them. NOT YET RUN ON A GPU: benchmarks/gpu_check.py compares both kernels with the
-float64 CPU reference when a GPU is at hand; the CPU suite runs both under Triton's interpreter in float32
-(``tests/triton_cpu/test_fla.py``, with the ``triton-cpu`` extra) against the float64 references.
+fla's own context parallelism (``fla.ops.cp``) is the ``fla_cp`` CP mode (``cp_fla.py``, docs/gpu.md).
+NOT YET RUN ON A GPU: benchmarks/gpu_check.py compares both kernels with the float64 CPU reference when a GPU
+is at hand; the CPU suite runs both under Triton's interpreter in float32 (``tests/triton_cpu/test_fla.py``, with
+the ``triton-cpu`` extra) against the float64 references.
 """
 
 from __future__ import annotations
@@ -42,7 +41,9 @@ def fla_available() -> bool:
     return torch.cuda.is_available() and installed("fla", "triton")
 
 
-def _require(device: torch.device, what: str) -> None:
+def require_fla(device: torch.device, what: str) -> None:
+    """FlaUnavailableError naming ``what`` unless fla's kernels can run on ``device`` (CUDA, or CPU under Triton's
+    interpreter) and fla and triton are installed."""
     if not triton_runs_on(device):
         raise FlaUnavailableError(
             f"{what} needs CUDA tensors; got device {device} (CPU uses ringtune's kernel; fla runs on CPU only "
@@ -76,7 +77,7 @@ def fla_chunk_scan(
     Returns:
         ``(o [T, H, Dv] or None, final_state [n, H, Dk, Dv] or None)``, float32 states; differentiable.
     """
-    _require(k.device, "the fla GatedDeltaNet scan")
+    require_fla(k.device, "the fla GatedDeltaNet scan")
     if chunk_size != FLA_CHUNK_SIZE:
         raise ValueError(f"chunk_size={chunk_size}: the fla scan works in chunks of {FLA_CHUNK_SIZE}")
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
@@ -121,7 +122,7 @@ def fla_causal_conv1d(
     Args: x [T, channels]; weight [channels, K]; cu_seqlens int64 [n+1]; bias [channels] or None; activation
     ``"silu"`` or None. Returns [T, channels] in ``x.dtype``, differentiable in x, weight and bias.
     """
-    _require(x.device, "the fla causal conv1d")
+    require_fla(x.device, "the fla causal conv1d")
     from fla.modules.causal_conv1d import causal_conv1d as fla_conv
 
     if x.shape[0] == 0:
