@@ -18,6 +18,9 @@ C. step time (forward, backward, AdamW) at CP = 1 on one packed row of 64 × 256
    as a GPU caching allocator keeps it: glibc hands blocks over 32 MiB back to the kernel on free, and on this VM
    faulting them in again cost ~2.4 us per 4 KiB page, which made the first steps 1.5-2x slower and the timings
    a measure of page faults (both sides gain from it: transformers 31 -> 24 s, ringtune 33 -> 21 s).
+   ``--glibc-default`` times it as the service runs (freed memory returned to the OS), ``--threads`` sets torch's
+   threads (1 by default); issue 31's packed 8K row is ``--figures C --seqs 12 --seq-len 682 --threads 2``.
+   The ratio of each round is printed with the median's, and their minimum.
 
 Ratios only: the machine is shared, absolute numbers are noise. See docs/memory.md.
 """
@@ -174,14 +177,17 @@ def hf_and_ringtune(seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
     return hf, ours
 
 
-def figure_vs_transformers(num_seqs: int, seq_len: int, rounds: int) -> list[bool]:
-    torch.set_num_threads(1)  # a shared, loaded 2-core box: OpenMP spin-waits would time the neighbours
-    retained = retain_freed_memory()
+def figure_vs_transformers(
+    num_seqs: int, seq_len: int, rounds: int, threads: int = 1, retain: bool = True
+) -> list[bool]:
+    torch.set_num_threads(threads)  # 1 by default: on a shared, loaded 2-core box OpenMP spin-waits time the neighbours
+    retained = retain and retain_freed_memory()
     print(f"\n[C] step time at CP=1 on a packed row of {num_seqs} x {seq_len} tokens: ringtune (one packed forward,")
     print(
         f"    recompute none, one-pass head) vs transformers (one sequence per forward); {rounds} interleaved rounds,"
     )
-    print(f"    1 thread; freed memory {'retained (mallopt)' if retained else 'returned to the OS (no glibc)'}")
+    released = "returned to the OS (no glibc)" if retain else "returned to the OS (glibc default, as the service runs)"
+    print(f"    {threads} thread(s); freed memory {'retained (mallopt)' if retained else released}")
     hf, ours = hf_and_ringtune()
     gen = torch.Generator().manual_seed(1)
     lens = [seq_len] * num_seqs
@@ -222,6 +228,8 @@ def figure_vs_transformers(num_seqs: int, seq_len: int, rounds: int) -> list[boo
             times[name].append(time.perf_counter() - start)
     med = {k: statistics.median(v) for k, v in times.items()}
     ratio = med["ringtune"] / med["transformers"]
+    per_round = [a / b for a, b in zip(times["ringtune"], times["transformers"], strict=True)]
+    print(f"    ratio per round {' '.join(f'{r:.3f}' for r in per_round)}: min {min(per_round):.3f}")
     print(
         f"    median step: ringtune {med['ringtune']:.2f} s, transformers {med['transformers']:.2f} s "
         f"({torch.get_num_threads()} threads); ratio {ratio:.3f} (goal <= {SPEED_GOAL}) {verdict(ratio, SPEED_GOAL)}"
@@ -238,6 +246,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seqs", type=int, default=64, help="figure C sequences of --seq-len tokens")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="figure C torch threads (issue 31's 8K row: 2)")
+    p.add_argument(
+        "--glibc-default", action="store_true", help="figure C: freed memory goes back to the OS, as in the service"
+    )
     p.add_argument("--figures", nargs="+", default=["A", "B", "C"], choices=["A", "B", "C"])
     p.add_argument("--quick", action="store_true", help="smoke run: 1K-4K tokens, 8K long row, 8 x 128 tokens")
     args = p.parse_args(argv)
@@ -257,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     if "B" in args.figures and args.long_tokens:
         results += figure_long_row(args.long_tokens, args.long_cp)
     if "C" in args.figures:
-        results += figure_vs_transformers(args.seqs, args.seq_len, args.rounds)
+        results += figure_vs_transformers(args.seqs, args.seq_len, args.rounds, args.threads, not args.glibc_default)
     print(f"\n{sum(results)}/{len(results)} checks PASS, {time.perf_counter() - start:.0f} s")
     return 0 if all(results) else 1
 

@@ -76,8 +76,8 @@ def test_every_tile_of_forward_and_backward_within_budget(monkeypatch: pytest.Mo
     shapes: list[tuple[int, int]] = []
     tile_logits = logprob_head._tile_logits
 
-    def spy(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-        out = tile_logits(h, w, b)
+    def spy(h: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, buffer: torch.Tensor | None) -> torch.Tensor:
+        out = tile_logits(h, w, b, buffer)
         shapes.append(tuple(out.shape))
         return out
 

@@ -95,14 +95,22 @@ def reference_label_logprobs(
     return torch.where(scored, picked, 0.0).reshape(labels.shape)
 
 
-def _tile_logits(h_tile: torch.Tensor, w_block: torch.Tensor, b_block: torch.Tensor | None) -> torch.Tensor:
+def _tile_logits(
+    h_tile: torch.Tensor, w_block: torch.Tensor, b_block: torch.Tensor | None, buffer: torch.Tensor | None = None
+) -> torch.Tensor:
     """[vocab, tokens] logits of one tile in the accumulator dtype (inputs already cast), vocabulary-major.
 
     Vocabulary-major because the large operand (the weight block) is then the row-major left factor of all
     three products of a tile (``w @ hᵀ``, ``pᵀ @ w`` as ``(p)ᵀ``'s rows, ``p @ h``): measured 10-15% faster
     than token-major on one CPU thread (``benchmarks/long_rows_cp.py`` figure C), the same on a GPU.
+    ``buffer``: a flat tensor of at least vocab × tokens elements (:func:`_tile_buffer`) the logits are written
+    into, the same product as without it; None: a new tensor.
     """
-    logits = w_block @ h_tile.T
+    if buffer is None:
+        logits = w_block @ h_tile.T
+    else:
+        rows, cols = w_block.shape[0], h_tile.shape[0]
+        logits = torch.mm(w_block, h_tile.T, out=buffer[: rows * cols].view(rows, cols))
     if b_block is not None:
         logits.add_(b_block.unsqueeze(1))
     return logits
@@ -133,6 +141,17 @@ def _blocks(size: int, step: int) -> list[tuple[int, int]]:
     return [(i, min(i + step, size)) for i in range(0, size, step)]
 
 
+def _tile_buffer(plan: TilePlan, tokens: int, vocab: int, like: torch.Tensor) -> torch.Tensor:
+    """One flat buffer, of ``like``'s dtype and device, for the logits of every tile of a pass over ``tokens``
+    scored tokens and a ``vocab``-row weight: the largest tile's elements, allocated once per pass.
+
+    A tile of a rank of T tokens is 4 × T × D accumulator bytes (:mod:`~ringtune.models.logprob_tiles`), often
+    over glibc's 32 MiB mmap threshold: a new tensor per tile was a fresh mapping whose pages the product
+    faulted in each time (the memory bound is the same: one tile at a time, as before).
+    """
+    return like.new_empty(min(plan.tokens, tokens) * min(plan.vocab, vocab))
+
+
 def _forward_tile(
     h_tile: torch.Tensor,
     w_block: torch.Tensor,
@@ -140,16 +159,17 @@ def _forward_tile(
     targets: torch.Tensor,
     v0: int,
     g: torch.Tensor | None = None,
+    buffer: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """One tile's (log-sum-exp over its vocab block [tokens], label logits or 0 if outside it [tokens, K], p).
 
     ``p`` is None unless ``g`` [tokens, K] (the upstream gradient) is given, in which case the block must be the
     whole vocabulary: then ``p = Σ_k (onehot_k - softmax) · g_k`` [vocab, tokens] (vocabulary-major, as
     :func:`_tile_logits`) is made from the same logits, in place (softmax as ``exp(l - max) / Σ exp(l - max)``),
-    for the one-pass gradients.
+    for the one-pass gradients. The logits (and ``p``) live in ``buffer`` when given (:func:`_tile_logits`).
     A function of its own so that the [vocab, tokens] logits are freed on return, before the next tile.
     """
-    logits = _tile_logits(h_tile, w_block, b_block)
+    logits = _tile_logits(h_tile, w_block, b_block, buffer)
     cols, inside = _label_columns(targets, v0, w_block.shape[0])
     label_logit = torch.where(inside, logits.gather(0, cols.T).T, 0.0)
     col_max = logits.amax(dim=0)
@@ -234,6 +254,7 @@ def forward_tiles(
     grads = None if g is None else _TileGrads(hidden, weight, bias, need)
     lse = torch.full((n,), float("-inf"), dtype=acc, device=hidden.device)
     label_logit = torch.zeros(targets.shape, dtype=acc, device=hidden.device)
+    buffer = _tile_buffer(plan, n, weight.shape[0], lse) if n else None
     for v0, v1 in _blocks(weight.shape[0] if n else 0, plan.vocab):
         w_block = weight[v0:v1].to(acc)
         b_block = None if bias is None else bias[v0:v1].to(acc)
@@ -243,12 +264,12 @@ def forward_tiles(
             rows = scored[t0:t1]
             h_tile = hidden.index_select(0, rows).to(acc)
             g_tile = None if g is None else g[t0:t1]
-            block_lse, block_label, p = _forward_tile(h_tile, w_block, b_block, targets[t0:t1], v0, g_tile)
+            block_lse, block_label, p = _forward_tile(h_tile, w_block, b_block, targets[t0:t1], v0, g_tile, buffer)
             torch.logaddexp(lse[t0:t1], block_lse, out=lse[t0:t1])
             label_logit[t0:t1] += block_label
             if grads is not None:
                 grads.add(rows, p, h_tile, w_block)
-            del p  # free this tile before the next one is computed
+            del p  # a view of the tile buffer, which the next tile overwrites
         if grads is not None:
             grads.close_block(v0, v1)
     return lse, label_logit, grads
@@ -262,12 +283,14 @@ def _backward_tile(
     v0: int,
     lse: torch.Tensor,
     g: torch.Tensor,
+    buffer: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """d logprobs / d logits of one tile times the upstream gradient: ``Σ_k (onehot_k - softmax) · g_k``.
 
-    ``targets`` and ``g`` are [tokens, K]; the result is [vocab, tokens] (vocabulary-major, as :func:`_tile_logits`).
+    ``targets`` and ``g`` are [tokens, K]; the result is [vocab, tokens] (vocabulary-major, as :func:`_tile_logits`),
+    in ``buffer`` when given.
     """
-    p = _exp_(_tile_logits(h_tile, w_block, b_block).sub_(lse)).mul_(-g.sum(dim=1))
+    p = _exp_(_tile_logits(h_tile, w_block, b_block, buffer).sub_(lse)).mul_(-g.sum(dim=1))
     cols, inside = _label_columns(targets, v0, w_block.shape[0])
     p.scatter_add_(0, cols.T, torch.where(inside, g, 0.0).T)
     return p
@@ -294,6 +317,7 @@ def backward_tiles(
     n = scored.numel()
     g = grad_out.to(acc).index_select(0, scored)
     grads = _TileGrads(hidden, weight, bias, need)
+    buffer = _tile_buffer(plan, n, weight.shape[0], lse) if n else None
     for v0, v1 in _blocks(weight.shape[0] if n else 0, plan.vocab):
         w_block = weight[v0:v1].to(acc)
         b_block = None if bias is None else bias[v0:v1].to(acc)
@@ -301,9 +325,9 @@ def backward_tiles(
         for t0, t1 in _blocks(n, plan.tokens):
             rows = scored[t0:t1]
             h_tile = hidden.index_select(0, rows).to(acc)
-            p = _backward_tile(h_tile, w_block, b_block, targets[t0:t1], v0, lse[t0:t1], g[t0:t1])
+            p = _backward_tile(h_tile, w_block, b_block, targets[t0:t1], v0, lse[t0:t1], g[t0:t1], buffer)
             grads.add(rows, p, h_tile, w_block)
-            del p  # free this tile before the next one is computed
+            del p  # a view of the tile buffer, which the next tile overwrites
         grads.close_block(v0, v1)
     return grads.result()
 

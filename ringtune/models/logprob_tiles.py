@@ -13,8 +13,9 @@ memory planner (``ringtune plan``) both read it. The rule, for a rank holding ``
 
 Tiles span the whole vocabulary unless one token's logits exceed the budget, or the float32 cast of a narrower
 (bf16) weight block and its d_weight block would exceed ``max_chunk_bytes``; then the vocabulary is split
-too. The head's backward allocates per tile the tile itself and ``[tokens, D]`` products (``p @ weight``, the
-cast hidden rows), so its transients follow the same bound; its only [T, D] buffer is d_hidden.
+too. The head allocates one tile-sized logits buffer per pass (every tile is written into it) and per tile
+``[tokens, D]`` products (``p @ weight``, the cast hidden rows), so its transients follow the same bound; its only
+[T, D] buffer is d_hidden.
 """
 
 from __future__ import annotations
