@@ -53,7 +53,11 @@ def kill_rest_of_group() -> None:
 
 def run(parent_pid: int, command: list[str]) -> int:
     """Run ``command`` as the group's engine until it exits (module docstring); returns its exit code."""
-    server = subprocess.Popen(command)
+    try:
+        server = subprocess.Popen(command)
+    except OSError as exc:  # to the engine's log, which the start error names
+        print(f"engine_group_leader: cannot start {command[0]!r}: {exc}", file=sys.stderr)
+        return 127
     stopping = False
 
     def stop(signum: int, frame: object) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -168,6 +169,11 @@ class VllmEngine:
                 self._log = open(self.config.log_path, "ab")
                 out = self._log
             env = {**os.environ, **ENGINE_ENV, **self.config.env}
+            if shutil.which(self.config.python) is None:  # the leader would only exit 127: say what is missing
+                raise FileNotFoundError(
+                    f"--vllm-python {self.config.python!r} (or RINGTUNE_VLLM_PYTHON): no such executable, the vLLM "
+                    "engine's interpreter"
+                )
             leader = [sys.executable, str(GROUP_LEADER), str(os.getpid()), "--"]
             self._process = subprocess.Popen(
                 leader + self.config.command(port),
