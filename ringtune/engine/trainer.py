@@ -50,13 +50,13 @@ from ringtune.engine.grad_sync import gradient_sync_for
 from ringtune.engine.gradients import GradientInvariant
 from ringtune.engine.memory import peak_memory_bytes
 from ringtune.engine.microbatch import MicrobatchRun
-from ringtune.engine.optimizer import AdamParams, apply_step, new_adamw, prepare_step
+from ringtune.engine.optimizer import AdamParams, new_adamw, prepare_step
 from ringtune.engine.pass_target import PassTarget
 from ringtune.engine.replica_check import ReplicaCheck
 from ringtune.engine.request_guard import settle_request, settle_step
 from ringtune.engine.request_outcome import ForwardBackwardResult, collect_outputs
 from ringtune.engine.state_bounds import StateBounds
-from ringtune.engine.update_guard import carry_bounds, planned_bounds, read_step_figures, unsafe_updates
+from ringtune.engine.update_guard import apply_guarded_step, read_step_figures, unsafe_updates
 from ringtune.errors import ParallelConfigError
 from ringtune.models.decoder import CausalLM
 from ringtune.models.layers import moe_router_stats as router_stats
@@ -392,10 +392,7 @@ class Trainer:
         )  # fmt: skip
         self.faults.skip_weight_decay(self.optimizer, self.shard_params)  # DEBUG-FAULT HOOK (no-op without)
         assert figures is not None  # settle_step raised otherwise
-        # bounds of the updated weights and moments, the next step's figures for them (update_guard.py)
-        planned = planned_bounds(self.optimizer, self.params, figures, grad_scale=scale)
-        apply_step(self.optimizer)
-        carry_bounds(self.state_bounds, self.optimizer, self.params, planned)
+        apply_guarded_step(self.state_bounds, self.optimizer, self.params, figures, grad_scale=scale)
         self.step += 1
         self.weights_version += 1
         replica_s = self.replicas.verify(self.params, self.names, self.optimizer, self.step, self.control_group)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ringtune.engine.optimizer import non_finite_update
+from ringtune.engine.optimizer import apply_step, non_finite_update
 from ringtune.engine.state_bounds import StateBounds
 from ringtune.engine.tensor_norms import local, max_abs
 
@@ -233,3 +233,19 @@ def carry_bounds(
             tensors += [params[i], state["exp_avg"], state["exp_avg_sq"]]
             bounds += list(new)
     known.record(tensors, bounds)
+
+
+def apply_guarded_step(
+    known: StateBounds,
+    optimizer: torch.optim.AdamW,
+    params: list[torch.nn.Parameter],
+    figures: StepFigures,
+    *,
+    grad_scale: float,
+) -> None:
+    """Run the AdamW update that ``figures`` guarded (:func:`~ringtune.engine.optimizer.apply_step`) and carry the
+    bounds of the new weights and moments into ``known`` for the next step (:func:`planned_bounds`, then
+    :func:`carry_bounds`)."""
+    planned = planned_bounds(optimizer, params, figures, grad_scale=grad_scale)
+    apply_step(optimizer)
+    carry_bounds(known, optimizer, params, planned)
