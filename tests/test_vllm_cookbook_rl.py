@@ -33,7 +33,7 @@ import tinker
 from smollm_fixtures import cookbook_server, tiny_smollm_class_dir
 from test_cookbook_rl import LLAMA_NAME, RENDERER, LettersDatasetBuilder, assert_on_policy, read_jsonl, rl_config
 from tinker_cookbook.rl import train
-from vllm_fixtures import ENGINE_KV_CACHE_GIB, engine_python, missing_engine_reason
+from vllm_fixtures import ENGINE_KV_CACHE_GIB, engine_python, missing_engine_reason, rl_datum
 
 from ringtune.worker.vllm_options import PYTHON_ENV
 
@@ -142,7 +142,7 @@ def test_stable_reinforce_on_engine_records(server):
         sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
         params = tinker.SamplingParams(max_tokens=6, temperature=1.0, seed=4, stop=[])
         result = sampler.sample(tinker.ModelInput.from_ints(prompt), 2, params).result()
-        data = [_datum(prompt, seq, adv) for seq, adv in zip(result.sequences, [1.0, -1.0], strict=True)]
+        data = [rl_datum(prompt, seq, adv) for seq, adv in zip(result.sequences, [1.0, -1.0], strict=True)]
         recorded = _recorded(server["root"], [s.sequence_id for s in result.sequences])
         for seq in result.sequences:  # the record holds exactly what the client received from the engine
             assert recorded[seq.sequence_id]["tokens"] == list(seq.tokens)
@@ -156,29 +156,6 @@ def test_stable_reinforce_on_engine_records(server):
         tc.optim_step(tinker.AdamParams(learning_rate=1e-2)).result()
         moved = tc.forward(data, "stable_reinforce").result()
         assert moved.metrics["kl_sample_train_v1:mean"] != metrics["kl_sample_train_v1:mean"]
-
-
-def _datum(prompt: list[int], seq, advantage: float) -> tinker.Datum:
-    """An RL datum of one sampled sequence (``prompt + tokens[:-1]`` in, its tokens scored) with provenance."""
-    head = len(prompt) - 1
-    datum = tinker.Datum(
-        model_input=tinker.ModelInput.from_ints(prompt + list(seq.tokens[:-1])),
-        loss_fn_inputs={
-            "target_tokens": [0] * head + list(seq.tokens),
-            "logprobs": [0.0] * head + list(seq.logprobs),
-            "advantages": [0.0] * head + [advantage] * len(seq.tokens),
-        },
-    )
-    return datum.with_provenance(
-        model_input=[
-            tinker.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=len(prompt)),
-            tinker.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens) - 1),
-        ],
-        loss_fn_inputs=[
-            tinker.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=head),
-            tinker.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens)),
-        ],
-    )
 
 
 def _recorded(root: Path, sequence_ids: list[str]) -> dict[str, dict]:

@@ -19,6 +19,7 @@ import torch
 from gateway_fixtures import API_KEY, tiny_model_dir
 from support.tiny_models import hf_model
 from test_vllm_sampler_gates import REQUEST, RecordingBackend, RecordingEngine
+from vllm_fixtures import rl_datum
 
 from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.server import ServerThread
@@ -128,28 +129,6 @@ class FixedEngine:
         pass
 
 
-def _datum(seq, advantage: float) -> tinker.Datum:
-    head = len(PROMPT) - 1
-    datum = tinker.Datum(
-        model_input=tinker.ModelInput.from_ints(PROMPT + list(seq.tokens[:-1])),
-        loss_fn_inputs={
-            "target_tokens": [0] * head + list(seq.tokens),
-            "logprobs": [0.0] * head + list(seq.logprobs),
-            "advantages": [0.0] * head + [advantage] * len(seq.tokens),
-        },
-    )
-    return datum.with_provenance(
-        model_input=[
-            tinker.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=len(PROMPT)),
-            tinker.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens) - 1),
-        ],
-        loss_fn_inputs=[
-            tinker.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=head),
-            tinker.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens)),
-        ],
-    )
-
-
 def test_stable_reinforce_replays_routing_of_engine_samples(tmp_path: Path):
     model_dir = tiny_model_dir(tmp_path / "model")
     hf_model("qwen3_5_moe", seed=5).save_pretrained(model_dir)
@@ -172,7 +151,7 @@ def test_stable_reinforce_replays_routing_of_engine_samples(tmp_path: Path):
         assert len(engine.reloads) == 1  # the run's export, reloaded on the (stand-in) engine
         assert [list(s.tokens) for s in result.sequences] == [SAMPLED, SAMPLED]
         # the stand-in's two samples are equal: advantages of one sign, so the loss is not zero
-        data = [_datum(seq, adv) for seq, adv in zip(result.sequences, [1.0, 0.5], strict=True)]
+        data = [rl_datum(PROMPT, seq, adv) for seq, adv in zip(result.sequences, [1.0, 0.5], strict=True)]
         before = tc.forward(data, "stable_reinforce").result()
         # the routing ringtune's forward recorded for the engine's tokens is replayed on every input token
         assert before.metrics["routing_replay_tokens:sum"] == sum(d.model_input.length for d in data), before.metrics

@@ -22,7 +22,15 @@ from collections.abc import Iterator
 import pytest
 import tinker
 import torch
-from vllm_fixtures import API_KEY, MODEL_NAME, missing_engine_reason, start_vllm_gateway, test_engine, tiny_moe_dir
+from vllm_fixtures import (
+    API_KEY,
+    MODEL_NAME,
+    missing_engine_reason,
+    rl_datum,
+    start_vllm_gateway,
+    test_engine,
+    tiny_moe_dir,
+)
 
 pytestmark = pytest.mark.skipif(missing_engine_reason() is not None, reason=str(missing_engine_reason()))
 
@@ -45,35 +53,13 @@ def sc(tmp_path_factory) -> Iterator[tinker.ServiceClient]:
         server.stop()
 
 
-def _datum(seq, advantage: float) -> tinker.Datum:
-    head = len(PROMPT) - 1
-    datum = tinker.Datum(
-        model_input=tinker.ModelInput.from_ints(PROMPT + list(seq.tokens[:-1])),
-        loss_fn_inputs={
-            "target_tokens": [0] * head + list(seq.tokens),
-            "logprobs": [0.0] * head + list(seq.logprobs),
-            "advantages": [0.0] * head + [advantage] * len(seq.tokens),
-        },
-    )
-    return datum.with_provenance(
-        model_input=[
-            tinker.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=len(PROMPT)),
-            tinker.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens) - 1),
-        ],
-        loss_fn_inputs=[
-            tinker.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=head),
-            tinker.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens)),
-        ],
-    )
-
-
 def test_engine_samples_carry_routing_for_stable_reinforce(sc):
     tc = sc.create_lora_training_client(MODEL_NAME, rank=0).result()  # the base weights until its first step
     sampler = sc.create_sampling_client(base_model=MODEL_NAME, record_stability_info=True).result()
     params = tinker.SamplingParams(max_tokens=8, temperature=1.0, seed=11, stop=[])
     result = sampler.sample(tinker.ModelInput.from_ints(PROMPT), 2, params).result()
     assert [len(s.tokens) for s in result.sequences] == [8, 8]
-    data = [_datum(seq, adv) for seq, adv in zip(result.sequences, [1.0, -1.0], strict=True)]
+    data = [rl_datum(PROMPT, seq, adv) for seq, adv in zip(result.sequences, [1.0, -1.0], strict=True)]
     inputs = sum(d.model_input.length for d in data)
 
     before = tc.forward(data, "stable_reinforce").result()

@@ -10,6 +10,9 @@ import subprocess
 import sys
 from functools import cache
 from pathlib import Path
+from typing import Any
+
+import tinker
 
 from ringtune.gateway.config import GatewayConfig
 from ringtune.gateway.server import ServerThread
@@ -162,3 +165,27 @@ def live_group_members(pgid: int, wait_s: float = 10.0) -> list[int]:
         if not members or time.monotonic() > deadline:
             return members
         time.sleep(0.2)
+
+
+def rl_datum(prompt: list[int], seq: Any, advantage: float) -> tinker.Datum:
+    """An RL datum of one sampled sequence ``seq`` (``.tokens``, ``.logprobs``, ``.sequence_id``): ``prompt +
+    tokens[:-1]`` in, its tokens scored with ``advantage``, with the provenance spans of ``record_stability_info``."""
+    head = len(prompt) - 1
+    datum = tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(prompt + list(seq.tokens[:-1])),
+        loss_fn_inputs={
+            "target_tokens": [0] * head + list(seq.tokens),
+            "logprobs": [0.0] * head + list(seq.logprobs),
+            "advantages": [0.0] * head + [advantage] * len(seq.tokens),
+        },
+    )
+    return datum.with_provenance(
+        model_input=[
+            tinker.PromptProvenanceSpan(sequence_id=seq.sequence_id, length=len(prompt)),
+            tinker.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens) - 1),
+        ],
+        loss_fn_inputs=[
+            tinker.PromptProvenanceSpan(sequence_id=seq.sequence_id, offset=1, length=head),
+            tinker.SampledProvenanceSpan(sequence_id=seq.sequence_id, length=len(seq.tokens)),
+        ],
+    )
