@@ -12,6 +12,7 @@ from ringtune.models.logprob_tiles import (
     DEFAULT_MAX_CHUNK_BYTES,
     MIN_TILE_TOKENS,
     TILE_HIDDEN_MULTIPLE,
+    TILE_TOKEN_ALIGN,
     plan_tiles,
     tile_budget_bytes,
     tile_shape,
@@ -31,6 +32,21 @@ def test_tile_shrinks_with_the_shard() -> None:
     assert all(p.vocab == 32768 for p in got.values())
     # Under CP a rank holds T / CP tokens: above the floor its tile is 1 / CP of the CP = 1 tile.
     assert meta_plan(32768 // 4, 32768, 256).tokens * 4 == meta_plan(32768, 32768, 256).tokens
+
+
+def test_tile_tokens_aligned() -> None:
+    """A budget-sized tile holds a multiple of TILE_TOKEN_ALIGN tokens (rounded down: still within the budget):
+    12 sequences of 682 tokens (8184) would give 255-token tiles, whose odd width halved the logits GEMM's speed
+    (the regression of issue 31's packed-8K step); explicit chunk_tokens and tiles under the alignment are kept."""
+    assert TILE_TOKEN_ALIGN == 64
+    assert meta_plan(8184, 32768, 256).tokens == 192
+    assert meta_plan(12 * 1000, 32768, 256).tokens == 320  # 375 rounded down
+    for tokens in (1, 700, 8184, 9000, 40_000, 1 << 20):
+        for vocab, dim in ((32768, 256), (248_320, 5120), (151_936, 2048)):
+            plan = meta_plan(tokens, vocab, dim)
+            assert plan.tokens % TILE_TOKEN_ALIGN == 0 or plan.tokens < TILE_TOKEN_ALIGN, (tokens, vocab, dim, plan)
+    assert meta_plan(8184, 32768, 256, chunk_tokens=255).tokens == 255
+    assert meta_plan(1 << 16, 248_320, 64, max_chunk_bytes=2**19).tokens == 1  # the cap: under the alignment
 
 
 @pytest.mark.parametrize("tokens", [0, 100, 5000, 1 << 20])
