@@ -68,13 +68,14 @@ def rms_norm(cfg: DecoderConfig, dim: int, w: Widths, *, zero_centered: bool) ->
 
 
 def mlp(cfg: DecoderConfig, w: Widths) -> float:
-    """SwiGLU: gate projection (SiLU's input), its SiLU, the up projection, their product (down's input); a MoE
-    model's MLP: :func:`ringtune.plan.moe.mlp_activations` (every layer taken as MoE)."""
+    """SwiGLU: gate and up projections (kept by ``silu_mul``, which recomputes the SiLU in its backward) and their
+    product (down's input); a MoE model's MLP: :func:`ringtune.plan.moe.mlp_activations` (every layer taken as
+    MoE)."""
     if cfg.has_moe:
         from ringtune.plan.moe import mlp_activations
 
         return mlp_activations(cfg, w.e)
-    return 4 * cfg.intermediate_size * w.e
+    return 3 * cfg.intermediate_size * w.e
 
 
 def attention_core(cfg: DecoderConfig, w: Widths) -> float:

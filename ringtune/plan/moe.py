@@ -3,10 +3,11 @@
 A MoE layer (``cfg.mlp_types[i] == "moe"``) holds, instead of the dense SwiGLU, the router (E·d), the routed
 experts (E · 3·d·I_moe: sharded over EP, replicated over the (DP·CP)/EP expert replica ranks, as
 :func:`ringtune.models.layers.moe.set_expert_parallel` does) and for Qwen3.5-MoE a shared expert (3·d·I_s + d).
-Per token its activations are k routed copies of the SwiGLU inventory (4·I_moe each, compute bytes) plus the
-gathered input copy (d) and the shared expert's (4·I_s). Under EP the dispatch keeps per MoE layer about
-``min(k, EP)`` rows of hidden size out and back per token (``routed_experts_ep``: one row per (token, rank) pair),
-counted as that layer's communication buffers. Estimates, checked only against the parameter count so far.
+Per token its activations are k routed copies of the SwiGLU inventory (3·I_moe each, compute bytes: gate, up and
+their product; ``silu_mul`` recomputes the SiLU) plus the gathered input copy (d) and the shared expert's (3·I_s).
+Under EP the dispatch keeps per MoE layer about ``min(k, EP)`` rows of hidden size out and back per token
+(``routed_experts_ep``: one row per (token, rank) pair), counted as that layer's communication buffers.
+Estimates, checked only against the parameter count so far.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def expert_parameters(cfg: DecoderConfig, index: int) -> int:
 def mlp_activations(cfg: DecoderConfig, e: int) -> float:
     """Saved bytes per token of a MoE MLP (see the module doc); ``e`` the compute bytes."""
     k = cfg.num_experts_per_tok
-    return (4 * k * cfg.moe_intermediate_size + k * cfg.hidden_size + 4 * cfg.shared_expert_intermediate_size) * e
+    return (3 * k * cfg.moe_intermediate_size + k * cfg.hidden_size + 3 * cfg.shared_expert_intermediate_size) * e
 
 
 def dispatch_per_token(cfg: DecoderConfig, ep: int, e: int) -> float:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from ringtune.models.layers.silu_mul import silu_mul
 
 
 class SwiGLU(nn.Module):
-    """``down_proj(silu(gate_proj(x)) · up_proj(x))``; x [..., hidden] -> [..., hidden]."""
+    """``down_proj(silu(gate_proj(x)) · up_proj(x))``; x [..., hidden] -> [..., hidden]. The activation is
+    :func:`~ringtune.models.layers.silu_mul.silu_mul` (keeps gate and up, not the SiLU)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -17,4 +19,4 @@ class SwiGLU(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))

@@ -28,6 +28,7 @@ from torch import nn
 from ringtune.errors import ParallelConfigError, UserInputError
 from ringtune.models.layers.mlp import SwiGLU
 from ringtune.models.layers.moe_router_stats import RouterStats, record
+from ringtune.models.layers.silu_mul import silu_mul
 from ringtune.parallel.expert_dispatch import routed_experts_ep
 
 GroupedLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -135,7 +136,7 @@ class Experts(nn.Module):
         if self.adapter is not None:
             gate_up = self.adapter("gate_up_proj", x, counts, gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        hidden = F.silu(gate) * up
+        hidden = silu_mul(gate, up)
         out = grouped_linear(hidden, self.down_proj, counts)
         if self.adapter is not None:
             out = self.adapter("down_proj", hidden, counts, out)
