@@ -95,7 +95,7 @@ def test_plan_command_prints_the_split_and_the_serve_flags(capsys):
     assert main([*argv, "--vllm-sequences", "128"]) == 0
     out = capsys.readouterr().out
     assert "engine (2 GPU(s), bfloat16) per GPU: weights 25.0 GiB" in out and "<- recommended" in out
-    assert "--cp 6 --dp 2 --shard-params dp_cp --sampler vllm --vllm-engines 1 --vllm-devices 6,7" in out
+    assert "--cp 3 --dp 4 --shard-params dp_cp --sampler vllm --vllm-engines 1 --vllm-devices 6,7" in out
     assert "attach each with --vllm-url" in out  # the other node's engine
     assert main([*argv, "--vllm-sequences", "100000"]) == 1
     assert "no split holds the sequences" in capsys.readouterr().out

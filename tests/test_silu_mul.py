@@ -16,10 +16,11 @@ def _pair(rows: int, cols: int, dtype: torch.dtype, seed: int = 0) -> tuple[torc
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("rows", "cols"), [(1, 5), (17, 3), (700, 768), (3000, 96)])
+@pytest.mark.parametrize(("rows", "cols"), [(0, 8), (1, 5), (17, 3), (700, 768), (3000, 96)])
 def test_equals_the_plain_expression(dtype: torch.dtype, rows: int, cols: int, monkeypatch) -> None:
     """Bit for bit, forward and both gradients: the same ATen ops on the same elements, whole or in blocks
-    (a small block size makes every shape here span several blocks, a ragged last one included)."""
+    (a small block size makes every shape here span several blocks, a ragged last one included; zero rows:
+    an expert-parallel rank that receives no tokens)."""
     monkeypatch.setattr(module, "BLOCK_BYTES", 4096)
     gate, up, dy = _pair(rows, cols, dtype)
     got = silu_mul(gate, up)

@@ -17,6 +17,8 @@ float32 forward and gradients, every dtype the layers compute in).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -30,11 +32,14 @@ def reference_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def _row_blocks(t: torch.Tensor) -> list[tuple[int, int]]:
-    """Row ranges of the leading dimension: one on a non-CPU device, else blocks of ~``BLOCK_BYTES``."""
+    """Row ranges of the leading dimension: one on a non-CPU device, else blocks of ~``BLOCK_BYTES``; none for
+    zero rows (an expert-parallel rank may receive no tokens)."""
     rows = t.shape[0] if t.dim() else 1
+    if rows == 0:
+        return []
     if t.device.type != "cpu" or t.dim() < 2:
         return [(0, rows)]
-    row_bytes = max(1, t[0].numel() * t.element_size())
+    row_bytes = max(1, (t.numel() // rows) * t.element_size())
     step = max(1, BLOCK_BYTES // row_bytes)
     return [(i, min(i + step, rows)) for i in range(0, rows, step)]
 
@@ -54,7 +59,7 @@ class _SiluMul(torch.autograd.Function):
         return _forward_blocks(gate, up)
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # ctx: the forward's
         gate, up = ctx.saved_tensors
         need_gate, need_up = ctx.needs_input_grad[:2]
         d_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device) if need_gate else None
