@@ -20,7 +20,9 @@ C. step time (forward, backward, AdamW) at CP = 1 on one packed row of 64 × 256
    a measure of page faults (both sides gain from it: transformers 31 -> 24 s, ringtune 33 -> 21 s).
    ``--glibc-default`` times it as the service runs (freed memory returned to the OS), ``--threads`` sets torch's
    threads (1 by default); issue 31's packed 8K row is ``--figures C --seqs 12 --seq-len 682 --threads 2``.
-   The ratio of each round is printed with the median's, and their minimum.
+   The ratio of each round is printed with the median's, and their minimum. ``--before`` adds a third
+   contender in the same rounds: ringtune as it was before issue 31's fixes of this step (the head's tile not
+   aligned to ``TILE_TOKEN_ALIGN``, SwiGLU's activation by plain autograd), so one run shows before and after.
 
 Ratios only: the machine is shared, absolute numbers are noise. See docs/memory.md.
 """
@@ -32,6 +34,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -177,8 +181,23 @@ def hf_and_ringtune(seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
     return hf, ours
 
 
+@contextmanager
+def as_before_issue_31() -> Iterator[None]:
+    """ringtune's step as before issue 31's fixes: tiles of the budget's own token count, plain SiLU · up."""
+    from ringtune.models import logprob_tiles
+    from ringtune.models.layers import mlp, moe, silu_mul
+
+    saved = logprob_tiles.TILE_TOKEN_ALIGN, mlp.silu_mul, moe.silu_mul
+    logprob_tiles.TILE_TOKEN_ALIGN = 1
+    mlp.silu_mul = moe.silu_mul = silu_mul.reference_silu_mul
+    try:
+        yield
+    finally:
+        logprob_tiles.TILE_TOKEN_ALIGN, mlp.silu_mul, moe.silu_mul = saved
+
+
 def figure_vs_transformers(
-    num_seqs: int, seq_len: int, rounds: int, threads: int = 1, retain: bool = True
+    num_seqs: int, seq_len: int, rounds: int, threads: int = 1, retain: bool = True, before: bool = False
 ) -> list[bool]:
     torch.set_num_threads(threads)  # 1 by default: on a shared, loaded 2-core box OpenMP spin-waits time the neighbours
     retained = retain and retain_freed_memory()
@@ -217,12 +236,18 @@ def figure_vs_transformers(
         opt_hf.zero_grad(set_to_none=True)
         return total
 
-    losses = {"ringtune": step_ours(), "transformers": step_hf()}  # warm-up; same weights: same loss
-    step_ours(), step_hf()  # a second warm-up: the heap reaches its peak size
+    def step_before() -> float:
+        with as_before_issue_31():
+            return step_ours()
+
+    contenders = [("ringtune", step_ours), ("transformers", step_hf)] + ([("before", step_before)] if before else [])
+    losses = {name: fn() for name, fn in contenders}  # warm-up; same weights: same loss
+    for _, fn in contenders:  # a second warm-up: the heap reaches its peak size
+        fn()
     print(f"    summed loss, first step: ringtune {losses['ringtune']:.4f}, transformers {losses['transformers']:.4f}")
-    times: dict[str, list[float]] = {"ringtune": [], "transformers": []}
+    times: dict[str, list[float]] = {name: [] for name, _ in contenders}
     for _ in range(rounds):
-        for name, fn in (("ringtune", step_ours), ("transformers", step_hf)):
+        for name, fn in contenders:
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
@@ -234,6 +259,13 @@ def figure_vs_transformers(
         f"    median step: ringtune {med['ringtune']:.2f} s, transformers {med['transformers']:.2f} s "
         f"({torch.get_num_threads()} threads); ratio {ratio:.3f} (goal <= {SPEED_GOAL}) {verdict(ratio, SPEED_GOAL)}"
     )
+    if before:
+        was = [b / t for b, t in zip(times["before"], times["transformers"], strict=True)]
+        print(
+            f"    before issue 31's fixes (unaligned tile, plain SwiGLU activation): median {med['before']:.2f} s, "
+            f"ratio {med['before'] / med['transformers']:.3f} (per round min {min(was):.3f}); "
+            f"after / before {med['ringtune'] / med['before']:.3f}"
+        )
     return [ratio <= SPEED_GOAL]
 
 
@@ -250,6 +282,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--glibc-default", action="store_true", help="figure C: freed memory goes back to the OS, as in the service"
     )
+    p.add_argument("--before", action="store_true", help="figure C: also time ringtune as before issue 31's fixes")
     p.add_argument("--figures", nargs="+", default=["A", "B", "C"], choices=["A", "B", "C"])
     p.add_argument("--quick", action="store_true", help="smoke run: 1K-4K tokens, 8K long row, 8 x 128 tokens")
     args = p.parse_args(argv)
@@ -269,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     if "B" in args.figures and args.long_tokens:
         results += figure_long_row(args.long_tokens, args.long_cp)
     if "C" in args.figures:
-        results += figure_vs_transformers(args.seqs, args.seq_len, args.rounds, args.threads, not args.glibc_default)
+        results += figure_vs_transformers(
+            args.seqs, args.seq_len, args.rounds, args.threads, not args.glibc_default, args.before
+        )
     print(f"\n{sum(results)}/{len(results)} checks PASS, {time.perf_counter() - start:.0f} s")
     return 0 if all(results) else 1
 
