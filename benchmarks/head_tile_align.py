@@ -20,7 +20,7 @@ import torch
 from attention_cp import verdict
 
 from ringtune.models.logprob_head import label_logprobs
-from ringtune.models.logprob_tiles import tile_budget_bytes, tile_shape
+from ringtune.models.logprob_tiles import tile_shape
 
 GOAL = 0.9
 
@@ -45,9 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    aligned = tile_shape(args.tokens, args.vocab, args.hidden, acc_bytes=4, weight_bytes=4).tokens
-    budget = tile_budget_bytes(args.tokens, args.hidden, args.vocab, 4, 256 * 2**20)
-    unaligned = max(1, budget // (args.vocab * 4))
+    shape = (args.tokens, args.vocab, args.hidden)
+    aligned = tile_shape(*shape, acc_bytes=4, weight_bytes=4).tokens
+    unaligned = tile_shape(*shape, acc_bytes=4, weight_bytes=4, align=1).tokens
     print(f"head of {args.tokens} tokens x vocab {args.vocab}, hidden {args.hidden}, float32, {args.threads} threads")
     print(f"  tile tokens: planned (aligned) {aligned}, the budget's own count {unaligned}")
     gen = torch.Generator().manual_seed(0)

@@ -46,6 +46,7 @@ def test_tile_tokens_aligned() -> None:
             plan = meta_plan(tokens, vocab, dim)
             assert plan.tokens % TILE_TOKEN_ALIGN == 0 or plan.tokens < TILE_TOKEN_ALIGN, (tokens, vocab, dim, plan)
     assert meta_plan(8184, 32768, 256, chunk_tokens=255).tokens == 255
+    assert tile_shape(8184, 32768, 256, acc_bytes=4, weight_bytes=4, align=1).tokens == 255  # the budget's own
     assert meta_plan(1 << 16, 248_320, 64, max_chunk_bytes=2**19).tokens == 1  # the cap: under the alignment
 
 

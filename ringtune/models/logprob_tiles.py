@@ -76,9 +76,11 @@ def tile_shape(
     chunk_tokens: int | None = None,
     chunk_vocab: int | None = None,
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+    align: int | None = None,
 ) -> TilePlan:
     """The tile for ``tokens`` rows of hidden size ``dim`` against a [vocab, dim] weight of ``weight_bytes``
-    per element, accumulated in ``acc_bytes``; explicit ``chunk_tokens`` / ``chunk_vocab`` win.
+    per element, accumulated in ``acc_bytes``; explicit ``chunk_tokens`` / ``chunk_vocab`` win. ``align``: the
+    multiple a budget-sized tile's tokens are rounded down to (None: :data:`TILE_TOKEN_ALIGN`; 1: none).
 
     Raises ValueError for a chunk size < 1 or a budget below one logit.
     """
@@ -95,8 +97,9 @@ def tile_shape(
     chunk_vocab = max(1, min(chunk_vocab, max(vocab, 1)))
     if chunk_tokens is None:
         chunk_tokens = budget // (chunk_vocab * acc_bytes)
-        if chunk_tokens >= TILE_TOKEN_ALIGN:
-            chunk_tokens -= chunk_tokens % TILE_TOKEN_ALIGN
+        align = TILE_TOKEN_ALIGN if align is None else align
+        if chunk_tokens >= align:
+            chunk_tokens -= chunk_tokens % align
     return TilePlan(tokens=max(1, chunk_tokens), vocab=chunk_vocab)
 
 
