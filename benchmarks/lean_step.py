@@ -7,9 +7,10 @@ Counted on every rank, per step (median over the steps after the first, which cr
 
 - host syncs: calls that read a tensor's value back to Python (``Tensor.item`` / ``tolist`` / ``cpu`` / ``numpy`` /
   ``__bool__`` / ``__float__`` / ``__int__``; on CUDA each is a device sync; on CPU ``cpu()`` of a CPU tensor is
-  counted too, as it would sync on GPU), per optim_step (those inside torch's own AdamW step shown apart: on CPU its
-  per-tensor loop reads each step count back; fused on CUDA reads none) and per microbatch (between two calls of the
-  trainer's ``faults.before_microbatch``; the last microbatch also carries the request's tail);
+  counted too, as it would sync on GPU), per optim_step (those inside the update shown apart: on CPU torch's
+  single-tensor AdamW reads the step count back once per call, and the blocked step calls it once per block;
+  fused on CUDA reads none) and per microbatch (between two calls of the trainer's ``faults.before_microbatch``;
+  the last microbatch also carries the request's tail);
 - gradient overlap: the replicated gradients' buckets all-reduced from backward hooks during the request's last
   microbatch (:mod:`ringtune.engine.grad_overlap`), how many were launched before backward ended, and the wait
   for them at the request's end (communication not hidden behind backward); optim_step then copies them in;
@@ -18,11 +19,13 @@ Counted on every rank, per step (median over the steps after the first, which cr
   seconds spent in them;
 - optimizer time: ``optim_step``'s wall time less the gradient reduction (``GradientInvariant.reduce_and_check``:
   the SUM over the gloo ranks, its bucket packing, the canary check) and the other collectives (communication, not
-  optimizer work), over the AdamW step it runs (``optimizer.step``, timed inside it; also
-  shown without the replica check, :mod:`ringtune.engine.replica_check`, a separate per-step check with its own
-  benchmark) and over one plain ``torch.optim.AdamW.step`` on the same parameters and moments after it (the
+  optimizer work), over one plain ``torch.optim.AdamW.step`` on the same parameters and moments after it (the
   trainer's own AdamW; gradients of zeros, equal on every rank so the replicas stay identical: AdamW's work does not
-  depend on the values).
+  depend on the values; that step moves the weights and moments, so their maxima are then recorded, untimed, as
+  the bounds the trainer's own step would have carried, :mod:`ringtune.engine.state_bounds`); with, inside it,
+  the update's time (:func:`~ringtune.engine.optimizer.apply_step`: clipping, AdamW and, on the CPU, the replica
+  checksums taken block by block, :mod:`ringtune.engine.blocked_adamw`) and the replica check's
+  (:mod:`ringtune.engine.replica_check`, which has its own benchmark).
 
 Prints one line per configuration (rank 0's figures; rank 1's are alike) and the parameter tensor count, so an
 O(parameters) count shows as such.
@@ -44,7 +47,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ringtune.engine import optimizer as optimizer_module
+from ringtune.engine import update_guard
 from ringtune.engine.optimizer import AdamParams
+from ringtune.engine.replica_check import MOMENTS
+from ringtune.engine.tensor_norms import max_abs
 from ringtune.engine.trainer import TrainDatum, Trainer
 from ringtune.models.checkpoints.load import EMBEDDED_DEFAULT, load_model
 from ringtune.parallel import control
@@ -186,7 +193,8 @@ def measure(ctx, *, cp: int, tokens: int, steps: int) -> dict[str, float]:
     counts = Counts()
     inside: dict[str, float] = {}  # seconds and host syncs inside torch's AdamW step and the replica check
     plain_step = trainer.optimizer.step
-    trainer.optimizer.step = _timed(plain_step, "adamw", inside, counts)  # what apply_step calls
+    # the update: clipping, AdamW and (CPU, blocked) the replica checksums taken on the way
+    update_guard.apply_step = _timed(optimizer_module.apply_step, "update", inside, counts)
     trainer.replicas.verify = _timed(trainer.replicas.verify, "replica", inside, counts)
     # the gradient SUM with its invariant check (collectives, bucket packing, canary): communication, not optimizer
     trainer.invariant.reduce_and_check = _timed(trainer.invariant.reduce_and_check, "reduce", inside, counts)
@@ -218,17 +226,19 @@ def measure(ctx, *, cp: int, tokens: int, steps: int) -> dict[str, float]:
         plain_step()  # the plain AdamW step on the same parameters and moments
         plain_s = time.perf_counter() - start
         trainer.optimizer.zero_grad(set_to_none=True)
+        # that step moved the weights and moments the trainer's step had carried bounds of: record their maxima as
+        # that step's own bounds would have been (untimed), so the next optim_step reads what the service's would
+        state = [t for p in trainer.params for t in (p, *(trainer.optimizer.state[p][k] for k in MOMENTS))]
+        trainer.state_bounds.record(state, max_abs([t.detach() for t in state]).tolist())
         # less the gradient reduction (its collectives included) and the other collectives (verdicts, peaks)
         optimizer_s = step_s - inside["reduce_s"] - (after[2] - before[2] - inside["reduce_collective_s"])
         rows.append(
             {
                 "step_syncs": after[0] - before[0],
-                "step_syncs_outside_adamw": after[0] - before[0] - inside["adamw_syncs"],
-                "adamw_syncs": inside["adamw_syncs"],
-                "adamw_in_step_s": inside["adamw_s"],
+                "step_syncs_outside_update": after[0] - before[0] - inside["update_syncs"],
+                "update_syncs": inside["update_syncs"],
+                "update_in_step_s": inside["update_s"],
                 "replica_check_s": inside["replica_s"],
-                "optimizer_over_adamw_in_step": optimizer_s / inside["adamw_s"],
-                "without_replica_check": (optimizer_s - inside["replica_s"]) / inside["adamw_s"],
                 "step_collectives": after[1] - before[1],
                 "mb_syncs_first": per_mb[0],
                 "mb_syncs_last": per_mb[-1],
@@ -274,20 +284,23 @@ def _timed(fn: Callable, name: str, into: dict[str, float], counts: Counts) -> C
 
 def interleaved(rounds: int) -> None:
     """The optimizer step's own work beside one AdamW step, in one process (1 thread), interleaved over ``rounds``:
-    plain AdamW (the trainer's kernel), then per variant the step's reads of the model and AdamW.
-    ``main`` (as on main before the lean guard): one sweep of the gradients for the norm and their maxima
+    plain AdamW (the trainer's kernel, ``optimizer.step()``), then per variant the step's reads of the model and
+    AdamW. ``main`` (as on main before the lean guard): one sweep of the gradients for the norm and their maxima
     (:func:`~ringtune.engine.tensor_norms.squares_and_max_abs`), the maxima of every weight and moment, clipping,
     AdamW, the replica checksums: 8 reads of a parameter-sized tensor per parameter besides AdamW's (clipping's
     read and write counted once). ``lean``: the gradients' sweep for the norm and their own L2 norms (no maxima,
     :func:`~ringtune.engine.tensor_norms.squares_and_norms`), the weights' and moments' bounds carried from the
     previous step (:mod:`ringtune.engine.state_bounds`: nothing read; recorded untimed before each round, as the
-    other variants moved the weights in between), clipping, AdamW, the checksums: 5. Prints each variant's
+    other variants moved the weights in between), then clipping, AdamW and the checksums each over the whole model
+    in turn: 5. ``blocked`` (the trainer's step now): the same sweep and bounds, then clipping, AdamW and the
+    checksums block by block while each block is in cache (:mod:`ringtune.engine.blocked_adamw`): 1 besides one
+    AdamW that itself reads the model once per block rather than once per pass. Prints each variant's
     (reads + AdamW) / AdamW for the fastest rounds, for the medians, and per round (each over the AdamW step of
     the same round, which shares its load): the least and the median."""
-    from ringtune.engine.optimizer import new_adamw, prepare_step
+    from ringtune.engine.optimizer import apply_step, new_adamw, prepare_step
     from ringtune.engine.replica_check import checksums
     from ringtune.engine.state_bounds import StateBounds
-    from ringtune.engine.tensor_norms import max_abs, squares_and_max_abs, squares_and_norms
+    from ringtune.engine.tensor_norms import squares_and_max_abs, squares_and_norms
     from ringtune.engine.update_guard import (
         StepFigures,
         carry_bounds,
@@ -323,21 +336,27 @@ def interleaved(rounds: int) -> None:
         else:
             squares, grad_norms = squares_and_norms(local)
             figures = read_step_figures(params, optimizer, squares.sqrt(), grad_norms, known)
-        scale = prepare_step(optimizer, params, ADAM, norm=figures.norm)  # clips (the norm is above 1)
-        assert unsafe_updates(optimizer, params, figures, grad_scale=scale) == []
-        planned = planned_bounds(optimizer, params, figures, grad_scale=scale) if variant == "lean" else []
-        optimizer.step()
-        if variant == "lean":
+        scale = prepare_step(optimizer, params, ADAM, norm=figures.norm)  # the clip factor (the norm is above 1)
+        assert scale < 1.0 and unsafe_updates(optimizer, params, figures, grad_scale=scale) == []
+        planned = planned_bounds(optimizer, params, figures, grad_scale=scale) if variant != "main" else []
+        if variant == "blocked":
+            sums = apply_step(optimizer, params, grad_scale=scale, checksum=True)
+            assert len(sums) == 3 * len(params)
+        else:
+            for p in params:
+                p.grad.mul_(scale)
+            optimizer.step()
+            checksums([*params, *moments()[0], *moments()[1]])
+        if variant != "main":
             carry_bounds(known, optimizer, params, planned)
-        checksums([*params, *moments()[0], *moments()[1]])
 
     fresh_grads()
     optimizer.step()  # the moments exist
-    times: dict[str, list[float]] = {"adamw": [], "main": [], "lean": []}
+    times: dict[str, list[float]] = {"adamw": [], "main": [], "lean": [], "blocked": []}
     for _ in range(rounds):
         for name in times:
             fresh_grads()
-            if name == "lean":  # the other variants moved the weights: bounds as a lean step before would leave
+            if name in ("lean", "blocked"):  # the other variants moved the weights: bounds as a step before leaves
                 state = [*params, *moments()[0], *moments()[1]]
                 known.record(state, max_abs([t.detach() for t in state]).tolist())  # (untimed)
             start = time.perf_counter()
@@ -345,10 +364,10 @@ def interleaved(rounds: int) -> None:
             times[name].append(time.perf_counter() - start)
     print(f"SmolLM2-135M float32, one process x 1 thread, {rounds} interleaved rounds: (step reads + AdamW) / AdamW")
     adamw = times["adamw"]
-    for name, reads in (("main", 8), ("lean", 5)):
+    for name, reads in (("main", "8 reads"), ("lean", "5 reads"), ("blocked", "1 read + blocks")):
         paired = [t / a for t, a in zip(times[name], adamw, strict=True)]  # the same round: the same load
         print(
-            f"  {name} ({reads} reads per parameter besides AdamW's): fastest {min(times[name]):.2f} s / AdamW's "
+            f"  {name} ({reads} per parameter besides AdamW's): fastest {min(times[name]):.2f} s / AdamW's "
             f"fastest {min(adamw):.2f} s = {min(times[name]) / min(adamw):.2f} x; "
             f"medians {statistics.median(times[name]) / statistics.median(adamw):.2f} x; "
             f"per round: min {min(paired):.2f} x, median {statistics.median(paired):.2f} x"
@@ -376,8 +395,9 @@ def main() -> None:
             pool.close()
         print(
             f"  CP={cp} DP={2 // cp}: {r['parameter_tensors']:.0f} parameter tensors\n"
-            f"    per optim_step: {r['step_syncs']:.0f} host syncs ({r['adamw_syncs']:.0f} of them inside torch's "
-            f"AdamW step itself, {r['step_syncs_outside_adamw']:.0f} outside), {r['step_collectives']:.0f} "
+            f"    per optim_step: {r['step_syncs']:.0f} host syncs ({r['update_syncs']:.0f} of them inside the update, "
+            f"torch's AdamW reading its step count per call on the CPU, {r['step_syncs_outside_update']:.0f} "
+            f"outside), {r['step_collectives']:.0f} "
             f"collectives ({r['collective_s']:.2f} s; the gradient reduction with its check {r['reduce_s']:.2f} s)\n"
             f"    per microbatch: {r['mb_syncs_first']:.0f} host syncs (the last of {r['microbatches']:.0f}, with the "
             f"request's tail: {r['mb_syncs_last']:.0f}), {r['mb_collectives_first']:.0f} collectives (the last: "
@@ -386,9 +406,9 @@ def main() -> None:
             f"{r['buckets']:.0f} (the rest launched after it), waited for at the request's end "
             f"{r['overlap_wait_s']:.2f} s; forward_backward {r['forward_backward_s']:.2f} s\n"
             f"    optim_step {r['optim_step_s']:.2f} s, less the reduction and collectives {r['optimizer_s']:.2f} s = "
-            f"{r['optimizer_over_adamw_in_step']:.2f} x its AdamW step ({r['adamw_in_step_s']:.2f} s; "
-            f"{r['without_replica_check']:.2f} x without the replica check's {r['replica_check_s']:.2f} s); "
-            f"{r['optimizer_over_plain']:.2f} x a plain AdamW step after it ({r['plain_adamw_s']:.2f} s)\n"
+            f"{r['optimizer_over_plain']:.2f} x a plain AdamW step after it ({r['plain_adamw_s']:.2f} s); of it the "
+            f"update (clipping, AdamW, the checksums taken on the way) {r['update_in_step_s']:.2f} s, the replica "
+            f"check {r['replica_check_s']:.2f} s\n"
             f"    host syncs of the last optim_step by call site: {r['sites']}"
         )
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ringtune.engine import update_guard
-from ringtune.engine.optimizer import AdamParams, new_adamw, non_finite_update, prepare_step
+from ringtune.engine.optimizer import AdamParams, apply_step, new_adamw, non_finite_update, prepare_step
 from ringtune.engine.state_bounds import StateBounds
 from ringtune.engine.tensor_norms import max_abs
 from ringtune.engine.update_guard import carry_bounds, planned_bounds, read_step_figures, unsafe_updates
@@ -31,8 +31,7 @@ def _step(params, optimizer, known: StateBounds, adam: AdamParams, grads: list[t
     scale = prepare_step(optimizer, params, adam, norm=figures.norm)
     unsafe = unsafe_updates(optimizer, params, figures, grad_scale=scale)
     planned = planned_bounds(optimizer, params, figures, grad_scale=scale)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    apply_step(optimizer, params, grad_scale=scale)
     carry_bounds(known, optimizer, params, planned)
     return figures, unsafe
 

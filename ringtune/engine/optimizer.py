@@ -11,6 +11,7 @@ import torch
 from torch.optim.adam import adam as functional_adam
 from torch.optim.optimizer import _get_scalar_dtype
 
+from ringtune.engine.blocked_adamw import blocked_step, blocked_supported
 from ringtune.errors import UserInputError
 
 
@@ -51,15 +52,13 @@ class AdamParams:
 def prepare_step(
     optimizer: torch.optim.AdamW, params: list[torch.nn.Parameter], adam: AdamParams, *, norm: float
 ) -> float:
-    """Clip the gradients to ``adam.grad_clip_norm`` (0 = off) given their global ``norm`` and set ``adam``'s
-    hyper-parameters on every param group; moves no weight and no moment (:func:`apply_step` does). Returns the
-    factor the gradients were multiplied by (1.0: not clipped)."""
+    """Set ``adam``'s hyper-parameters on every param group and return the factor that clips the gradients to
+    ``adam.grad_clip_norm`` (0 = off) given their global ``norm`` (1.0: not clipped); changes no tensor: the
+    trial (:func:`non_finite_update`) and the update (:func:`apply_step`) apply the factor. ``params`` is the
+    optimizer's parameter list (kept for the callers' symmetry with :func:`apply_step`)."""
     scale = 1.0
     if adam.grad_clip_norm > 0 and norm > adam.grad_clip_norm:
         scale = adam.grad_clip_norm / (norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
     for group in optimizer.param_groups:
         group["lr"] = adam.learning_rate
         group["betas"] = (adam.beta1, adam.beta2)
@@ -94,11 +93,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def non_finite_update(
-    optimizer: torch.optim.AdamW, params: list[torch.nn.Parameter], *, only: set[int] | None = None
+    optimizer: torch.optim.AdamW,
+    params: list[torch.nn.Parameter],
+    *,
+    only: set[int] | None = None,
+    grad_scale: float = 1.0,
 ) -> list[int]:
-    """Indices into ``params`` whose next AdamW update would put a non-finite value in the weight or in either
-    moment; changes nothing (run after :func:`prepare_step`, before :func:`apply_step`). ``only``: try just these
-    indices (the ones :func:`ringtune.engine.update_guard.unsafe_updates` could not bound); None: every one.
+    """Indices into ``params`` whose next AdamW update, on the gradients times ``grad_scale`` (the clipping
+    :func:`apply_step` will apply), would put a non-finite value in the weight or in either moment; changes
+    nothing (run after :func:`prepare_step`, before :func:`apply_step`). ``only``: try just these indices (the
+    ones :func:`ringtune.engine.update_guard.unsafe_updates` could not bound); None: every one.
 
     A finite gradient can still overflow the update: in float32 an element of 2.9e32 squares to inf in the
     second moment, after which that weight never moves again. Each parameter's update is run here on
@@ -117,6 +121,8 @@ def non_finite_update(
             if p.grad is None or id(p) not in index or (only is not None and index[id(p)] not in only):
                 continue
             weight, grad = _local(p.detach()).clone(), _local(p.grad)
+            if grad_scale != 1.0:
+                grad = grad * grad_scale  # the bits apply_step's in-place clipping gives
             state = optimizer.state.get(p, {})
             m = _local(state["exp_avg"]).clone() if "exp_avg" in state else torch.zeros_like(weight)
             v = _local(state["exp_avg_sq"]).clone() if "exp_avg_sq" in state else torch.zeros_like(weight)
@@ -142,7 +148,22 @@ def non_finite_update(
     return [i for i, ok in zip(tried, verdicts, strict=True) if not ok]
 
 
-def apply_step(optimizer: torch.optim.AdamW) -> None:
-    """AdamW with the hyper-parameters :func:`prepare_step` set; the gradients are then dropped."""
-    optimizer.step()
+def apply_step(
+    optimizer: torch.optim.AdamW, params: list[torch.nn.Parameter], *, grad_scale: float, checksum: bool = False
+) -> dict[int, int]:
+    """Clip (the gradients times ``grad_scale``, from :func:`prepare_step`) and run AdamW with the hyper-parameters
+    :func:`prepare_step` set; the gradients are then dropped. Returns, with ``checksum``, the replica checksums of
+    the new weights and moments by tensor ``id`` where the step took them on its way
+    (:func:`~ringtune.engine.blocked_adamw.blocked_step`, the CPU's single-tensor AdamW in cache-sized blocks,
+    bit-identical to the plain path below), else ``{}`` (the replica check takes them)."""
+    if blocked_supported(optimizer, params):
+        sums = blocked_step(optimizer, params, grad_scale=grad_scale, checksum=checksum)
+    else:
+        if grad_scale != 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(grad_scale)
+        optimizer.step()
+        sums = {}
     optimizer.zero_grad(set_to_none=True)
+    return sums

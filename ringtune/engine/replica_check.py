@@ -62,18 +62,31 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def bit_sum(t: torch.Tensor) -> torch.Tensor:
+    """The wrapping sum of ``t``'s raw bits read as integers of its element's own width (a 0-d int8 / int16 / int32
+    / int64 tensor on ``t``'s device; 0 for an empty tensor). Sums of parts combine into the sum of the whole by
+    :func:`combined_bit_sums` (addition modulo 2^width is order-free). TypeError for a complex tensor."""
+    x = t.detach().contiguous().reshape(-1)
+    if x.is_complex() or x.element_size() not in _BITS:
+        raise TypeError(f"cannot checksum a {x.dtype} tensor")
+    bits = _BITS[x.element_size()]
+    return x.view(bits).sum(dtype=bits)
+
+
+def combined_bit_sums(parts: list[list[torch.Tensor]]) -> list[int]:
+    """Per list of :func:`bit_sum` results of one tensor's blocks, the checksum of the whole tensor (what
+    :func:`checksums` gives for it), read back together."""
+    totals = [torch.stack(p).sum(dtype=p[0].dtype).to(torch.int64) if p else torch.zeros((), dtype=torch.int64)
+              for p in parts]  # fmt: skip
+    return [int(s) for s in torch.stack(totals).tolist()] if totals else []
+
+
 def checksums(tensors: list[torch.Tensor]) -> list[int]:
     """Per tensor: the wrapping sum of its elements' raw bits as integers of their own width (exact modulo
     2^width). One changed element changes its integer by a nonzero amount below 2^width, so the sum changes.
     DTensors are read through their local shard; a 0-d tensor (the AdamW step) as a 1-element tensor.
     """
-    sums = []
-    for t in tensors:
-        x = _local(t).detach().contiguous().reshape(-1)
-        if x.is_complex() or x.element_size() not in _BITS:
-            raise TypeError(f"cannot checksum a {x.dtype} tensor")
-        bits = _BITS[x.element_size()]
-        sums.append(x.view(bits).sum(dtype=bits).to(torch.int64))
+    sums = [bit_sum(_local(t)).to(torch.int64) for t in tensors]
     return [int(s) for s in torch.stack(sums).tolist()] if sums else []
 
 
@@ -154,14 +167,21 @@ class ReplicaCheck:
         optimizer: torch.optim.Optimizer,
         step: int,
         group,
+        known: dict[int, int] | None = None,
     ) -> float:
         """Compare this step's checksums with the other ranks' (collective over ``group``, the control group);
-        returns the seconds it took. Raises ReplicaDivergedError on every rank alike when replicas differ."""
+        returns the seconds it took. ``known``: checksums already taken of tensors unchanged since, by ``id``
+        (e.g. the optimizer step's, :func:`~ringtune.engine.blocked_adamw.blocked_step`); the others are taken
+        here. Raises ReplicaDivergedError on every rank alike when replicas differ."""
         start = time.perf_counter()
         if self.mesh is None or group is None:
             return time.perf_counter() - start
         named = self.named_tensors(params, names, optimizer)
-        mine = (step, [k for _, _, k in named], checksums([t for _, t, _ in named]))
+        known = known or {}
+        missing = [t for _, t, _ in named if id(t) not in known]
+        fresh = iter(checksums(missing))
+        sums = [known[id(t)] if id(t) in known else next(fresh) for _, t, _ in named]
+        mine = (step, [k for _, _, k in named], sums)
         everyone = all_gather_objects(mine, group)
         problems, self.compared = self._mismatches(everyone, [n for n, _, _ in named])
         seconds = time.perf_counter() - start

@@ -378,7 +378,7 @@ class Trainer:
             figures = read_step_figures(self.params, self.optimizer, norm_tensor, grad_bounds, self.state_bounds)
             norm = figures.norm
             bad_weights = [self.names[id(self.params[i])] for i in figures.non_finite_weights()]
-            if math.isfinite(norm) and not bad_weights:  # clipped here; dropped with the gradients if refused
+            if math.isfinite(norm) and not bad_weights:  # the clip factor; apply_guarded_step clips
                 scale = prepare_step(self.optimizer, self.params, adam, norm=norm)
                 unsafe = unsafe_updates(self.optimizer, self.params, figures, grad_scale=scale)
                 bad_update = [self.names[id(self.params[i])] for i in unsafe]
@@ -392,10 +392,12 @@ class Trainer:
         )  # fmt: skip
         self.faults.skip_weight_decay(self.optimizer, self.shard_params)  # DEBUG-FAULT HOOK (no-op without)
         assert figures is not None  # settle_step raised otherwise
-        apply_guarded_step(self.state_bounds, self.optimizer, self.params, figures, grad_scale=scale)
+        sums = apply_guarded_step(  # the replica checksums where the step took them on its way
+            self.state_bounds, self.optimizer, self.params, figures, grad_scale=scale, checksum=self.mesh is not None
+        )
         self.step += 1
         self.weights_version += 1
-        replica_s = self.replicas.verify(self.params, self.names, self.optimizer, self.step, self.control_group)
+        replica_s = self.replicas.verify(self.params, self.names, self.optimizer, self.step, self.control_group, sums)
         peaks = all_gather_objects(float(peak_memory_bytes()), self.control_group)
         return {
             "grad_norm:mean": norm,

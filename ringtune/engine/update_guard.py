@@ -175,9 +175,9 @@ def _read_exact(
 def unsafe_updates(
     optimizer: torch.optim.AdamW, params: list[torch.nn.Parameter], figures: StepFigures, *, grad_scale: float
 ) -> list[int]:
-    """Indices into ``params`` whose AdamW update would put a non-finite value in the weight or a moment (run after
-    :func:`~ringtune.engine.optimizer.prepare_step`, which clipped the gradients by ``grad_scale``; changes no
-    tensor). Bounded parameters pass on the host; a parameter whose carried figures do not bound it is read
+    """Indices into ``params`` whose AdamW update, on the gradients times ``grad_scale`` (the clipping factor of
+    :func:`~ringtune.engine.optimizer.prepare_step`), would put a non-finite value in the weight or a moment
+    (changes no tensor). Bounded parameters pass on the host; a parameter whose carried figures do not bound it is read
     exactly first (``figures`` updated in place; one more host sync); the rest get the exact trial on copies (its
     extra memory: three copies of the largest such parameter, and one more host sync)."""
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
@@ -193,7 +193,7 @@ def unsafe_updates(
         ]
     if not doubtful:
         return []
-    return non_finite_update(optimizer, params, only=set(doubtful))
+    return non_finite_update(optimizer, params, only=set(doubtful), grad_scale=grad_scale)
 
 
 def planned_bounds(
@@ -242,10 +242,13 @@ def apply_guarded_step(
     figures: StepFigures,
     *,
     grad_scale: float,
-) -> None:
-    """Run the AdamW update that ``figures`` guarded (:func:`~ringtune.engine.optimizer.apply_step`) and carry the
-    bounds of the new weights and moments into ``known`` for the next step (:func:`planned_bounds`, then
-    :func:`carry_bounds`)."""
+    checksum: bool = False,
+) -> dict[int, int]:
+    """Run the AdamW update that ``figures`` guarded, on the gradients clipped by ``grad_scale``
+    (:func:`~ringtune.engine.optimizer.apply_step`, whose replica checksums it returns when ``checksum``) and
+    carry the bounds of the new weights and moments into ``known`` for the next step (:func:`planned_bounds`,
+    then :func:`carry_bounds`)."""
     planned = planned_bounds(optimizer, params, figures, grad_scale=grad_scale)
-    apply_step(optimizer)
+    sums = apply_step(optimizer, params, grad_scale=grad_scale, checksum=checksum)
     carry_bounds(known, optimizer, params, planned)
+    return sums
