@@ -188,8 +188,12 @@ def drive(url: str, model: str, cp: int, shape: ServiceShape, on_gpu: GpuWatch) 
         for i in range(shape.steps):
             started = time.perf_counter()
             fb = tc.forward_backward(batch, "cross_entropy").result()
-            metrics = tc.optim_step(tinker.AdamParams(learning_rate=1e-4)).result().metrics
+            # clipped (a random model's gradient norm is far above 1): on CUDA the fused kernel's own clipping
+            # (engine/optimizer.py _kernel_clip), on the CPU the blocked update (engine/blocked_adamw.py)
+            adam = tinker.AdamParams(learning_rate=1e-4, grad_clip_norm=1.0)
+            metrics = tc.optim_step(adam).result().metrics
             step = {"step": i + 1, "s": time.perf_counter() - started, "loss_sum": fb.metrics["loss:sum"]}
+            step["grad_norm"] = metrics.get("grad_norm:mean")
             step["peak_gib"] = metrics.get("peak_memory_gib:max")
             step["gpu_used_gib"] = on_gpu.sample()
             out["steps"].append(step)
@@ -294,7 +298,7 @@ def service_lines(report: dict[str, Any]) -> list[str]:
             used = "" if s["gpu_used_gib"] is None else f", GPU in use {s['gpu_used_gib']:.2f} GiB"
             lines.append(
                 f"{head} step {s['step']}: {s['s']:.2f} s, loss:sum {s['loss_sum']:.4g}, "
-                f"peak {s['peak_gib']:.2f} GiB{used}"
+                f"grad_norm {s['grad_norm']:.4g} (clipped to 1), peak {s['peak_gib']:.2f} GiB{used}"
             )
         lines.append(f"{head} sample: {r['sample']['tokens']} tokens in {r['sample']['s']:.2f} s")
         c = r["compute_logprobs"]

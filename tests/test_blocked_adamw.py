@@ -1,7 +1,8 @@
-"""The CPU optimizer step in cache-sized blocks (engine/blocked_adamw.py): clipping, torch's AdamW and the replica
-checksums block by block give the bits of clipping every gradient, ``optimizer.step()`` and ``checksums`` in turn,
-for every dtype, setting and tensor size (blocks shrunk so that small tensors span many, with ragged ends); and
-the step falls back to the plain path wherever the blocks would not be the same computation."""
+"""Where the optimizer step clips: on the CPU in cache-sized blocks (engine/blocked_adamw.py), where clipping, torch's
+AdamW and the replica checksums block by block give the bits of clipping every gradient, ``optimizer.step()`` and
+``checksums`` in turn, for every dtype, setting and tensor size (blocks shrunk so that small tensors span many, with
+ragged ends), falling back to the plain path wherever the blocks would not be the same computation; inside torch's
+fused kernel (its divisor); and in the exact trial, which clips its copy the same way."""
 
 from __future__ import annotations
 
@@ -157,15 +158,49 @@ def test_unsupported_layouts_take_the_plain_path() -> None:
     assert not blocked_supported(opt, params)
 
 
-def test_trial_sees_the_clipped_gradient() -> None:
-    """``non_finite_update`` with the clip factor judges the update ``apply_step`` will run: a gradient whose
-    square overflows float32 is refused unclipped and passes once clipped, and the gradients are left as they
-    were (clipping happens in ``apply_step`` only)."""
+@pytest.mark.parametrize("kernel", ["torch_default", "fused"])
+def test_trial_sees_the_clipped_gradient(kernel: str) -> None:
+    """``non_finite_update`` with the clip factor judges the update ``apply_step`` will run (the fused kernel's
+    trial divides inside the kernel too, on a copy of the gradient): a gradient whose square overflows float32 is
+    refused unclipped and passes once clipped, and the gradients are left as they were (clipping happens in
+    ``apply_step`` only)."""
     params = [torch.nn.Parameter(torch.ones(4))]
-    opt = new_adamw(params, "torch_default")
+    opt = new_adamw(params, kernel)
     params[0].grad = torch.full((4,), 1e30)
     adam = AdamParams(learning_rate=1e-3, grad_clip_norm=1.0)
     scale = prepare_step(opt, params, adam, norm=2e30)
     assert non_finite_update(opt, params) == [0]
     assert non_finite_update(opt, params, grad_scale=scale) == []
     assert torch.equal(params[0].grad, torch.full((4,), 1e30))
+
+
+def test_fused_kernel_clips_inside() -> None:
+    """With torch's fused AdamW (CPU here, as on CUDA) ``apply_step`` hands the clip factor to the kernel as its
+    divisor instead of multiplying every gradient first: the same bits as the kernel run with that divisor by
+    hand, within a few float32 ulps of clipping first, and the divisor is gone from the optimizer afterwards."""
+    start = _params(torch.float32)
+    runs = []
+    for how in ("apply_step", "divisor", "clip_first"):
+        params = [torch.nn.Parameter(p.detach().clone()) for p in start]
+        opt = new_adamw(params, "fused")
+        for step in range(3):
+            for p, g in zip(params, _grads(params, step), strict=True):
+                p.grad = g * 100.0
+            scale = prepare_step(opt, params, AdamParams(learning_rate=1e-2, grad_clip_norm=1.0), norm=1e4)
+            assert scale < 1.0
+            if how == "apply_step":
+                apply_step(opt, params, grad_scale=scale)
+                assert not hasattr(opt, "grad_scale")
+            elif how == "divisor":
+                opt.grad_scale = torch.tensor(1.0 / scale, dtype=torch.float32)
+                opt.step()
+                del opt.grad_scale
+            else:
+                for p in params:
+                    p.grad.mul_(scale)
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+        runs.append(_state(params, opt))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0], runs[1], strict=True))
+    for a, c in zip(runs[0], runs[2], strict=True):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-7)  # g / (1/s) vs g * s: one rounding apart per step

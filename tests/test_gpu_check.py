@@ -59,8 +59,9 @@ NUMBER = r"-?\d+(?:\.\d+)?(?:e[-+]\d+)?"
 
 
 def check_service_lines(stdout: str, service: dict) -> None:
-    """The service part's printed lines: for CP=1 and CP=2, each SDK step with its time, loss and the server's peak
-    memory (peak RSS on CPU), the sample, compute_logprobs against forward, KL by depth, save and load; ran first."""
+    """The service part's printed lines: for CP=1 and CP=2, each SDK step with its time, loss, gradient norm (the
+    step clips to 1) and the server's peak memory (peak RSS on CPU), the sample, compute_logprobs against forward,
+    KL by depth, save and load; ran first."""
     lines = stdout.splitlines()
     first = next(i for i, ln in enumerate(lines) if ln.startswith("service"))
     assert first < next(i for i, ln in enumerate(lines) if ln.startswith("kernel parity:"))  # the service runs first
@@ -69,7 +70,11 @@ def check_service_lines(stdout: str, service: dict) -> None:
         head = rf"service cp={cp} bf16-mixed"
         wanted = [
             rf"{head}: started in {NUMBER} s, {NUMBER} s in all",
-            *(rf"{head} step {i}: {NUMBER} s, loss:sum {NUMBER}, peak {NUMBER} GiB" for i in (1, 2)),
+            *(
+                rf"{head} step {i}: {NUMBER} s, loss:sum {NUMBER}, grad_norm {NUMBER} \(clipped to 1\), "
+                rf"peak {NUMBER} GiB"
+                for i in (1, 2)
+            ),
             rf"{head} sample: 4 tokens in {NUMBER} s",
             rf"{head} compute_logprobs: {NUMBER} s, max \|sampler - forward\| {NUMBER}",
             *(rf"{head} KL depth {d}: v1 {NUMBER} ± {NUMBER}, v2 {NUMBER}, max \|d\| {NUMBER}" for d in (16, 48)),
@@ -80,6 +85,7 @@ def check_service_lines(stdout: str, service: dict) -> None:
     for run in service["runs"]:
         steps = run["steps"]
         assert all(s["s"] > 0 and s["peak_gib"] > 0 and s["gpu_used_gib"] is None for s in steps)
+        assert steps[0]["grad_norm"] > 1.0  # the first step's update was clipped (the clipping path ran)
         assert steps[1]["loss_sum"] < steps[0]["loss_sum"]  # the optim_step moved the weights
         # bf16-mixed: sampler and trainer share the weights; at CP=2 the decode path rounds differently (< 2e-3)
         assert run["compute_logprobs"]["max_abs_vs_forward"] < 2e-3
