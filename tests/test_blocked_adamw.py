@@ -15,8 +15,8 @@ from ringtune.engine.blocked_adamw import blocked_step, blocked_supported
 from ringtune.engine.optimizer import AdamParams, apply_step, new_adamw, non_finite_update, prepare_step
 from ringtune.engine.replica_check import checksums
 
-SHAPES = ((37, 11), (5,), (1,), (64, 64), (3, 1, 7))
-"""Tensor sizes around the shrunk block: one element, a ragged tail, exact multiples, a many-block tensor."""
+SHAPES = ((37, 11), (5,), (1,), (64, 64), (3, 1, 7), (0, 3))
+"""Tensor sizes around the shrunk block: one element, a ragged tail, exact multiples, a many-block tensor, none."""
 
 
 def _params(dtype: torch.dtype, seed: int = 0) -> list[torch.nn.Parameter]:

@@ -76,9 +76,9 @@ def bit_sum(t: torch.Tensor) -> torch.Tensor:
 def combined_bit_sums(parts: list[list[torch.Tensor]]) -> list[int]:
     """Per list of :func:`bit_sum` results of one tensor's blocks, the checksum of the whole tensor (what
     :func:`checksums` gives for it), read back together."""
-    totals = [torch.stack(p).sum(dtype=p[0].dtype).to(torch.int64) if p else torch.zeros((), dtype=torch.int64)
-              for p in parts]  # fmt: skip
-    return [int(s) for s in torch.stack(totals).tolist()] if totals else []
+    whole = [torch.stack(p).sum(dtype=p[0].dtype).to(torch.int64) for p in parts if p]
+    values = iter(torch.stack(whole).tolist() if whole else [])
+    return [int(next(values)) if p else 0 for p in parts]  # an empty tensor's sum is 0
 
 
 def checksums(tensors: list[torch.Tensor]) -> list[int]:
