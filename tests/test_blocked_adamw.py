@@ -61,9 +61,7 @@ def test_blocks_give_the_bits_of_the_plain_step(monkeypatch, dtype, adam, thread
             for p, g in zip(params, grads, strict=True):
                 p.grad = g.clone()
         norm = float(torch.stack([g.double().norm() for g in grads]).norm())
-        scales = [
-            prepare_step(opt, params, adam, norm=norm) for params, opt in zip((plain, blocked), opts, strict=True)
-        ]
+        scales = [prepare_step(opt, adam, norm=norm) for opt in opts]
         assert scales[0] == scales[1]
         if step == 0:  # the moments do not exist yet: the plain path creates them
             assert not blocked_supported(opts[1], blocked)
@@ -101,7 +99,7 @@ def test_real_blocks_of_large_tensors(threads) -> None:
         for params, opt in zip((plain, blocked), opts, strict=True):
             for p, g in zip(params, grads, strict=True):
                 p.grad = g.clone()
-            scale = prepare_step(opt, params, adam, norm=float(torch.cat(grads).norm()))
+            scale = prepare_step(opt, adam, norm=float(torch.cat(grads).norm()))
             if params is plain or step == 0:
                 for p in params:
                     p.grad.mul_(scale)
@@ -120,7 +118,7 @@ def test_apply_step_takes_the_blocks_where_supported(monkeypatch) -> None:
     monkeypatch.setattr(optimizer_module, "blocked_step", lambda *a, **k: calls.append(k) or real(*a, **k))
     params = _params(torch.float32)
     opt = new_adamw(params, "torch_default")
-    prepare_step(opt, params, AdamParams(), norm=1.0)
+    prepare_step(opt, AdamParams(), norm=1.0)
     for checksum, expect_blocked in ((True, False), (True, True), (False, True)):
         for p, g in zip(params, _grads(params, 0), strict=True):
             p.grad = g
@@ -168,7 +166,7 @@ def test_trial_sees_the_clipped_gradient(kernel: str) -> None:
     opt = new_adamw(params, kernel)
     params[0].grad = torch.full((4,), 1e30)
     adam = AdamParams(learning_rate=1e-3, grad_clip_norm=1.0)
-    scale = prepare_step(opt, params, adam, norm=2e30)
+    scale = prepare_step(opt, adam, norm=2e30)
     assert non_finite_update(opt, params) == [0]
     assert non_finite_update(opt, params, grad_scale=scale) == []
     assert torch.equal(params[0].grad, torch.full((4,), 1e30))
@@ -186,7 +184,7 @@ def test_fused_kernel_clips_inside() -> None:
         for step in range(3):
             for p, g in zip(params, _grads(params, step), strict=True):
                 p.grad = g * 100.0
-            scale = prepare_step(opt, params, AdamParams(learning_rate=1e-2, grad_clip_norm=1.0), norm=1e4)
+            scale = prepare_step(opt, AdamParams(learning_rate=1e-2, grad_clip_norm=1.0), norm=1e4)
             assert scale < 1.0
             if how == "apply_step":
                 apply_step(opt, params, grad_scale=scale)

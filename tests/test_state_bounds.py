@@ -28,7 +28,7 @@ def _step(params, optimizer, known: StateBounds, adam: AdamParams, grads: list[t
         p.grad = g.clone()
     norm = torch.stack([g.double().norm() for g in grads]).norm()
     figures = read_step_figures(params, optimizer, norm, known=known)
-    scale = prepare_step(optimizer, params, adam, norm=figures.norm)
+    scale = prepare_step(optimizer, adam, norm=figures.norm)
     unsafe = unsafe_updates(optimizer, params, figures, grad_scale=scale)
     planned = planned_bounds(optimizer, params, figures, grad_scale=scale)
     apply_step(optimizer, params, grad_scale=scale)
@@ -98,7 +98,7 @@ def test_a_loose_bound_is_read_exactly_and_the_verdicts_stay_the_trials() -> Non
         p.grad = torch.full_like(p, 1e-3)
     figures = read_step_figures(params, optimizer, torch.tensor(1.0, dtype=torch.float64), known=known)
     assert figures.carried[0] and figures.weights[0] == 1e38
-    prepare_step(optimizer, params, AdamParams(learning_rate=1e-3), norm=1.0)
+    prepare_step(optimizer, AdamParams(learning_rate=1e-3), norm=1.0)
     assert unsafe_updates(optimizer, params, figures, grad_scale=1.0) == []
     assert not figures.carried[0] and figures.weights[0] == float(params[0].detach().abs().max())
     params[2].grad = torch.full_like(params[2], 2.9e32)  # its square overflows float32's second moment

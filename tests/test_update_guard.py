@@ -19,14 +19,14 @@ def _stepped(kernel: str, grads: list[torch.Tensor], adam: AdamParams, steps: in
     """Parameters of ones with AdamW state after ``steps`` steps of small gradients, then ``grads`` set."""
     params = [torch.nn.Parameter(torch.ones_like(g)) for g in grads]
     optimizer = new_adamw(params, kernel)
-    prepare_step(optimizer, params, AdamParams(learning_rate=1e-3), norm=1.0)
+    prepare_step(optimizer, AdamParams(learning_rate=1e-3), norm=1.0)
     for _ in range(steps):
         for p in params:
             p.grad = torch.full_like(p, 1e-3)
         optimizer.step()
     for p, g in zip(params, grads, strict=True):
         p.grad = g.clone()
-    prepare_step(optimizer, params, adam, norm=1.0)
+    prepare_step(optimizer, adam, norm=1.0)
     return params, optimizer
 
 

@@ -50,13 +50,10 @@ class AdamParams:
                 raise UserInputError(f"adam_params.{name}={value!r} must be finite and {limit}")
 
 
-def prepare_step(
-    optimizer: torch.optim.AdamW, params: list[torch.nn.Parameter], adam: AdamParams, *, norm: float
-) -> float:
+def prepare_step(optimizer: torch.optim.AdamW, adam: AdamParams, *, norm: float) -> float:
     """Set ``adam``'s hyper-parameters on every param group and return the factor that clips the gradients to
     ``adam.grad_clip_norm`` (0 = off) given their global ``norm`` (1.0: not clipped); changes no tensor: the
-    trial (:func:`non_finite_update`) and the update (:func:`apply_step`) apply the factor. ``params`` is the
-    optimizer's parameter list (kept for the callers' symmetry with :func:`apply_step`)."""
+    trial (:func:`non_finite_update`) and the update (:func:`apply_step`) apply the factor."""
     scale = 1.0
     if adam.grad_clip_norm > 0 and norm > adam.grad_clip_norm:
         scale = adam.grad_clip_norm / (norm + 1e-6)
@@ -117,13 +114,14 @@ def non_finite_update(
     tried: list[int] = []  # indices into params, in the order their trials ran
     finite: list[torch.Tensor] = []  # per trial, on the parameter's device: the update stays finite
     index = {id(p): i for i, p in enumerate(params)}
+    in_kernel = grad_scale != 1.0 and _kernel_clip(optimizer)  # as apply_step clips
     for group in optimizer.param_groups:
         for p in group["params"]:
             if p.grad is None or id(p) not in index or (only is not None and index[id(p)] not in only):
                 continue
             weight, grad = _local(p.detach()).clone(), _local(p.grad)
             divisor = None  # the fused kernel's own unscaling, as apply_step runs it (_kernel_clip)
-            if grad_scale != 1.0 and _kernel_clip(optimizer):
+            if in_kernel:
                 grad, divisor = grad.clone(), _kernel_divisor(grad_scale, grad.device)  # the kernel writes grad
             elif grad_scale != 1.0:
                 grad = grad * grad_scale  # the bits apply_step's in-place clipping gives

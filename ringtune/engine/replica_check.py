@@ -143,6 +143,12 @@ class ReplicaCheck:
                 "the server) and report the bug"
             )
 
+    @property
+    def compares(self) -> bool:
+        """Whether :meth:`verify` compares anything: not in one process (no mesh), where the optimizer step need
+        not take checksums either."""
+        return self.mesh is not None
+
     def named_tensors(
         self, params: list[torch.nn.Parameter], names: dict[int, str], optimizer: torch.optim.Optimizer
     ) -> list[tuple[str, torch.Tensor, Key]]:
@@ -174,7 +180,7 @@ class ReplicaCheck:
         (e.g. the optimizer step's, :func:`~ringtune.engine.blocked_adamw.blocked_step`); the others are taken
         here. Raises ReplicaDivergedError on every rank alike when replicas differ."""
         start = time.perf_counter()
-        if self.mesh is None or group is None:
+        if not self.compares or group is None:
             return time.perf_counter() - start
         named = self.named_tensors(params, names, optimizer)
         known = known or {}

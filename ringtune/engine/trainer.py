@@ -379,7 +379,7 @@ class Trainer:
             norm = figures.norm
             bad_weights = [self.names[id(self.params[i])] for i in figures.non_finite_weights()]
             if math.isfinite(norm) and not bad_weights:  # the clip factor; apply_guarded_step clips
-                scale = prepare_step(self.optimizer, self.params, adam, norm=norm)
+                scale = prepare_step(self.optimizer, adam, norm=norm)
                 unsafe = unsafe_updates(self.optimizer, self.params, figures, grad_scale=scale)
                 bad_update = [self.names[id(self.params[i])] for i in unsafe]
         except NOT_CAUGHT:
@@ -393,7 +393,7 @@ class Trainer:
         self.faults.skip_weight_decay(self.optimizer, self.shard_params)  # DEBUG-FAULT HOOK (no-op without)
         assert figures is not None  # settle_step raised otherwise
         sums = apply_guarded_step(  # the replica checksums where the step took them on its way
-            self.state_bounds, self.optimizer, self.params, figures, grad_scale=scale, checksum=self.mesh is not None
+            self.state_bounds, self.optimizer, self.params, figures, grad_scale=scale, checksum=self.replicas.compares
         )
         self.step += 1
         self.weights_version += 1
