@@ -51,6 +51,7 @@ from ringtune.engine import optimizer as optimizer_module
 from ringtune.engine import update_guard
 from ringtune.engine.optimizer import AdamParams
 from ringtune.engine.replica_check import MOMENTS
+from ringtune.engine.state_bounds import StateBounds
 from ringtune.engine.tensor_norms import max_abs
 from ringtune.engine.trainer import TrainDatum, Trainer
 from ringtune.models.checkpoints.load import EMBEDDED_DEFAULT, load_model
@@ -228,8 +229,7 @@ def measure(ctx, *, cp: int, tokens: int, steps: int) -> dict[str, float]:
         trainer.optimizer.zero_grad(set_to_none=True)
         # that step moved the weights and moments the trainer's step had carried bounds of: record their maxima as
         # that step's own bounds would have been (untimed), so the next optim_step reads what the service's would
-        state = [t for p in trainer.params for t in (p, *(trainer.optimizer.state[p][k] for k in MOMENTS))]
-        trainer.state_bounds.record(state, max_abs([t.detach() for t in state]).tolist())
+        record_exact_bounds(trainer.state_bounds, trainer.optimizer, trainer.params)
         # less the gradient reduction (its collectives included) and the other collectives (verdicts, peaks)
         optimizer_s = step_s - inside["reduce_s"] - (after[2] - before[2] - inside["reduce_collective_s"])
         rows.append(
@@ -262,6 +262,13 @@ def measure(ctx, *, cp: int, tokens: int, steps: int) -> dict[str, float]:
     out["parameter_tensors"] = float(len(trainer.params))
     out["sites"] = dict(sites.most_common(6))  # the last step's host syncs by call site (outside AdamW's own too)
     return out
+
+
+def record_exact_bounds(known: StateBounds, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> None:
+    """Record in ``known`` each weight's and AdamW moment's exact max |x| as its carried bound: what the trainer's
+    own step leaves, after a step outside it (the plain AdamW step timed beside it) moved them."""
+    state = [t for p in params for t in (p, *(optimizer.state[p][k] for k in MOMENTS))]
+    known.record(state, max_abs([t.detach() for t in state]).tolist())
 
 
 def _timed(fn: Callable, name: str, into: dict[str, float], counts: Counts) -> Callable:
@@ -299,7 +306,6 @@ def interleaved(rounds: int) -> None:
     the same round, which shares its load): the least and the median."""
     from ringtune.engine.optimizer import apply_step, new_adamw, prepare_step
     from ringtune.engine.replica_check import checksums
-    from ringtune.engine.state_bounds import StateBounds
     from ringtune.engine.tensor_norms import squares_and_max_abs, squares_and_norms
     from ringtune.engine.update_guard import (
         StepFigures,
@@ -336,7 +342,7 @@ def interleaved(rounds: int) -> None:
         else:
             squares, grad_norms = squares_and_norms(local)
             figures = read_step_figures(params, optimizer, squares.sqrt(), grad_norms, known)
-        scale = prepare_step(optimizer, params, ADAM, norm=figures.norm)  # the clip factor (the norm is above 1)
+        scale = prepare_step(optimizer, ADAM, norm=figures.norm)  # the clip factor (the norm is above 1)
         assert scale < 1.0 and unsafe_updates(optimizer, params, figures, grad_scale=scale) == []
         planned = planned_bounds(optimizer, params, figures, grad_scale=scale) if variant != "main" else []
         if variant == "blocked":
@@ -357,8 +363,7 @@ def interleaved(rounds: int) -> None:
         for name in times:
             fresh_grads()
             if name in ("lean", "blocked"):  # the other variants moved the weights: bounds as a step before leaves
-                state = [*params, *moments()[0], *moments()[1]]
-                known.record(state, max_abs([t.detach() for t in state]).tolist())  # (untimed)
+                record_exact_bounds(known, optimizer, params)  # (untimed)
             start = time.perf_counter()
             optimizer.step() if name == "adamw" else step(name)
             times[name].append(time.perf_counter() - start)
