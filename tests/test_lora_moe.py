@@ -197,14 +197,17 @@ def float64_case(ctx, *, root: str, export: str):
         trainer.optim_step(ADAM)
         after = trainer.forward(data, "importance_sampling")
         snapshot = trainer.sampler_snapshot()  # collective the first time (gathers the experts)
-        trainer.export_hf(f"{export}-{dp}{cp}{ep}")
+        # one directory per replica: at DP1×CP2 the pool runs two replicas side by side, and two writers of one
+        # path would swap the directory under the other's reader
+        where = f"{export}-{dp}{cp}{ep}-{dist.get_global_rank(trainer.control_group, 0)}"
+        trainer.export_hf(where)
         if trainer.is_result_rank:
             weights = {n: p.detach().clone() for n, p in model.named_parameters()}
             out[dp, cp, ep] = (result.metrics["loss:sum"], result.outputs, grads, weights)
             lens = [len(d.tokens) for d in data]
             ids, labels = torch.cat([d.tokens for d in data]), torch.cat([d.inputs["target_tokens"] for d in data])
             want = torch.cat([o["logprobs"] for o in after.outputs])
-            exported = load_hf(f"{export}-{dp}{cp}{ep}", dtype=torch.float64)
+            exported = load_hf(where, dtype=torch.float64)
             with torch.no_grad():
                 shard = shard_of(lens)
                 args = (zigzag_slice(ids, shard.plan), zigzag_slice(labels, shard.plan, pad_value=-100))
