@@ -24,17 +24,16 @@ the outcome over the mesh's control group (:mod:`ringtune.parallel.control`) bef
   update on copies only where the bound fails, :mod:`ringtune.engine.update_guard`): weights, moments and step
   untouched on every rank; the accumulated gradients are dropped.
 
-The parts: the gradient SUM, norm and finite check per parameter layout (:mod:`ringtune.engine.grad_sync`), one
-row's run (:mod:`ringtune.engine.microbatch`) and its inputs (:mod:`ringtune.engine.microbatch_inputs`), what a
-pass runs on (:mod:`ringtune.engine.pass_target`), the agreements
-(:mod:`ringtune.engine.request_guard`), the step's finite guard (:mod:`ringtune.engine.update_guard`). A step
-reads values back to the host O(1) times: once per microbatch (the gathered outputs and the gradient's finite
-verdict) and a few times per optimizer step (benchmarks/lean_step.py counts them).
+The parts: the optimizer step's sequence (:mod:`ringtune.engine.optim_step`), the gradient SUM, norm and finite
+check per parameter layout (:mod:`ringtune.engine.grad_sync`), one row's run (:mod:`ringtune.engine.microbatch`)
+and its inputs (:mod:`ringtune.engine.microbatch_inputs`), what a pass runs on (:mod:`ringtune.engine.pass_target`),
+the agreements (:mod:`ringtune.engine.request_guard`), the step's finite guard (:mod:`ringtune.engine.update_guard`).
+A step reads values back to the host O(1) times: once per microbatch (the gathered outputs and the gradient's
+finite verdict) and a few times per optimizer step (benchmarks/lean_step.py counts them).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -48,15 +47,14 @@ from ringtune.engine.checkpoint import export_hf_weights, load_checkpoint, save_
 from ringtune.engine.grad_stash import GradientStash
 from ringtune.engine.grad_sync import gradient_sync_for
 from ringtune.engine.gradients import GradientInvariant
-from ringtune.engine.memory import peak_memory_bytes
 from ringtune.engine.microbatch import MicrobatchRun
-from ringtune.engine.optimizer import AdamParams, new_adamw, prepare_step
+from ringtune.engine.optim_step import run_optim_step
+from ringtune.engine.optimizer import AdamParams, new_adamw
 from ringtune.engine.pass_target import PassTarget
 from ringtune.engine.replica_check import ReplicaCheck
-from ringtune.engine.request_guard import settle_request, settle_step
+from ringtune.engine.request_guard import settle_request
 from ringtune.engine.request_outcome import ForwardBackwardResult, collect_outputs
 from ringtune.engine.state_bounds import StateBounds
-from ringtune.engine.update_guard import apply_guarded_step, read_step_figures, unsafe_updates
 from ringtune.errors import ParallelConfigError
 from ringtune.models.decoder import CausalLM
 from ringtune.models.layers import moe_router_stats as router_stats
@@ -71,7 +69,7 @@ from ringtune.models.layers.moe import (
 from ringtune.models.precision import check_compute_dtype, export_dtype, set_compute_dtype
 from ringtune.models.recompute import DEFAULT_RECOMPUTE, check_recompute_mode, set_recompute
 from ringtune.ops.cp_modes import DEFAULT_ATTENTION, DEFAULT_GATED_DELTA
-from ringtune.parallel.control import NOT_CAUGHT, RankFailedError, agreed_call, all_gather_objects, gather_object_to
+from ringtune.parallel.control import NOT_CAUGHT, RankFailedError, agreed_call, gather_object_to
 from ringtune.parallel.mesh import ParallelMesh, rebuild_mesh
 
 SHARDED_GROUPS_LOST = "a rank failed mid-request and FSDP-sharded parameters cannot move to new groups"
@@ -360,53 +358,11 @@ class Trainer:
         or a weight is not finite or the update would make a weight or AdamW moment non-finite on any rank
         (weights, moments and step unchanged; the accumulated gradients are dropped), RankFailedError when
         another rank failed. The gradient norm, the finite checks and the update guard are read back in one
-        host sync (:func:`~ringtune.engine.update_guard.read_step_figures`).
+        host sync (:func:`~ringtune.engine.update_guard.read_step_figures`); the sequence is
+        :mod:`ringtune.engine.optim_step`'s.
         """
         self._check_usable()
-        agreed_call(adam.validate, self.control_group)
-        norm = math.nan
-        error: BaseException | None = None
-        bad_weights: list[str] = []
-        bad_update: list[str] = []  # parameters whose AdamW update would not be finite (update_guard.unsafe_updates)
-        figures, scale = None, 1.0
-        try:
-            for p in self.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            self.grad_sync.reduce(self.params)
-            norm_tensor, grad_bounds = self.grad_sync.norm_and_grad_bounds(self.params)
-            figures = read_step_figures(self.params, self.optimizer, norm_tensor, grad_bounds, self.state_bounds)
-            norm = figures.norm
-            bad_weights = [self.names[id(self.params[i])] for i in figures.non_finite_weights()]
-            if math.isfinite(norm) and not bad_weights:  # the clip factor; apply_guarded_step clips
-                scale = prepare_step(self.optimizer, adam, norm=norm)
-                unsafe = unsafe_updates(self.optimizer, self.params, figures, grad_scale=scale)
-                bad_update = [self.names[id(self.params[i])] for i in unsafe]
-        except NOT_CAUGHT:
-            raise
-        except BaseException as exc:
-            error = exc
-        settle_step(
-            error, (math.isfinite(norm), bad_weights, bad_update), norm,
-            params=self.params, invariant=self.invariant, group=self.control_group,
-        )  # fmt: skip
-        self.faults.skip_weight_decay(self.optimizer, self.shard_params)  # DEBUG-FAULT HOOK (no-op without)
-        assert figures is not None  # settle_step raised otherwise
-        sums = apply_guarded_step(  # the replica checksums where the step took them on its way
-            self.state_bounds, self.optimizer, self.params, figures, grad_scale=scale, checksum=self.replicas.compares
-        )
-        self.step += 1
-        self.weights_version += 1
-        replica_s = self.replicas.verify(self.params, self.names, self.optimizer, self.step, self.control_group, sums)
-        peaks = all_gather_objects(float(peak_memory_bytes()), self.control_group)
-        return {
-            "grad_norm:mean": norm,
-            "learning_rate:mean": float(adam.learning_rate),
-            "peak_memory_gib:max": max(peaks) / 2**30,
-            "step:max": float(self.step),
-            "replica_check_ms:max": 1e3 * replica_s,
-            "replica_tensors:max": float(self.replicas.compared),
-        }
+        return run_optim_step(self, adam)
 
     # ------------------------------------------------------------------ state
 
