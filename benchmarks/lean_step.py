@@ -34,6 +34,7 @@ O(parameters) count shows as such.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -194,6 +195,9 @@ def measure(ctx, *, cp: int, tokens: int, steps: int) -> dict[str, float]:
     counts = Counts()
     inside: dict[str, float] = {}  # seconds and host syncs inside torch's AdamW step and the replica check
     plain_step = trainer.optimizer.step
+    # torch's AdamW as a user constructs it (torch.optim.AdamW(params): on the CPU its per-tensor loop), with its own
+    # moments, when the trainer's kernel is another one (the CPU default is fused since 2026-12-07: both are shown)
+    user_adamw = None if not trainer.optimizer.param_groups[0]["fused"] else torch.optim.AdamW(trainer.params, lr=1e-9)
     # the update: clipping, AdamW and (CPU, blocked) the replica checksums taken on the way
     update_guard.apply_step = _timed(optimizer_module.apply_step, "update", inside, counts)
     trainer.replicas.verify = _timed(trainer.replicas.verify, "replica", inside, counts)
@@ -226,6 +230,11 @@ def measure(ctx, *, cp: int, tokens: int, steps: int) -> dict[str, float]:
         start = time.perf_counter()
         plain_step()  # the plain AdamW step on the same parameters and moments
         plain_s = time.perf_counter() - start
+        user_s = math.nan
+        if user_adamw is not None:
+            start = time.perf_counter()
+            user_adamw.step()  # the same zero gradients
+            user_s = time.perf_counter() - start
         trainer.optimizer.zero_grad(set_to_none=True)
         # that step moved the weights and moments the trainer's step had carried bounds of: record their maxima as
         # that step's own bounds would have been (untimed), so the next optim_step reads what the service's would
@@ -255,6 +264,8 @@ def measure(ctx, *, cp: int, tokens: int, steps: int) -> dict[str, float]:
                 "optimizer_s": optimizer_s,
                 "plain_adamw_s": plain_s,
                 "optimizer_over_plain": optimizer_s / plain_s,
+                "user_adamw_s": user_s,
+                "optimizer_over_user": optimizer_s / user_s,
             }
         )
     later = rows[1:] or rows
@@ -301,9 +312,12 @@ def interleaved(rounds: int) -> None:
     other variants moved the weights in between), then clipping, AdamW and the checksums each over the whole model
     in turn: 5. ``blocked`` (the trainer's step now): the same sweep and bounds, then clipping, AdamW and the
     checksums block by block while each block is in cache (:mod:`ringtune.engine.blocked_adamw`): 1 besides one
-    AdamW that itself reads the model once per block rather than once per pass. Prints each variant's
-    (reads + AdamW) / AdamW for the fastest rounds, for the medians, and per round (each over the AdamW step of
-    the same round, which shares its load): the least and the median."""
+    AdamW that itself reads the model once per block rather than once per pass. These four run torch's per-tensor
+    AdamW (``torch_default``, as ``torch.optim.AdamW(params)`` does on the CPU). ``fused kernel``: torch's fused
+    AdamW alone (its own moments), and ``fused``: the trainer's step on it, the CPU default since 2026-12-07 (the
+    sweep, the carried bounds, clipping inside the kernel, then the replica checksums' three reads). Prints each
+    variant's (reads + AdamW) / AdamW for the fastest rounds, for the medians, and per round (each over the AdamW
+    step of the same round, which shares its load): the least and the median."""
     from ringtune.engine.optimizer import apply_step, new_adamw, prepare_step
     from ringtune.engine.replica_check import checksums
     from ringtune.engine.tensor_norms import squares_and_max_abs, squares_and_norms
@@ -318,10 +332,11 @@ def interleaved(rounds: int) -> None:
     torch.set_num_threads(1)
     model = load_model(EMBEDDED_DEFAULT, dtype=torch.float32)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = new_adamw(params)
+    optimizer = new_adamw(params, "torch_default")  # the variants below: torch's per-tensor loop on the CPU
+    fused = new_adamw(params, "fused")  # the trainer's CPU default since 2026-12-07, with its own moments
     gen = torch.Generator().manual_seed(0)
     grads = [torch.randn(p.shape, generator=gen) * 1e-2 for p in params]
-    known = StateBounds()
+    known, known_fused = StateBounds(), StateBounds()
 
     def fresh_grads() -> None:
         for p, g in zip(params, grads, strict=True):
@@ -356,20 +371,48 @@ def interleaved(rounds: int) -> None:
         if variant != "main":
             carry_bounds(known, optimizer, params, planned)
 
-    fresh_grads()
-    optimizer.step()  # the moments exist
-    times: dict[str, list[float]] = {"adamw": [], "main": [], "lean": [], "blocked": []}
+    def fused_step() -> None:  # the trainer's step on the fused kernel: sweep, bounds, in-kernel clip, checksums
+        squares, grad_norms = squares_and_norms([p.grad for p in params])
+        figures = read_step_figures(params, fused, squares.sqrt(), grad_norms, known_fused)
+        scale = prepare_step(fused, ADAM, norm=figures.norm)
+        assert scale < 1.0 and unsafe_updates(fused, params, figures, grad_scale=scale) == []
+        planned = planned_bounds(fused, params, figures, grad_scale=scale)
+        assert apply_step(fused, params, grad_scale=scale, checksum=True) == {}  # not blocked: the check reads
+        checksums([*params, *[fused.state[p][k] for k in ("exp_avg", "exp_avg_sq") for p in params]])
+        carry_bounds(known_fused, fused, params, planned)
+
+    for opt in (optimizer, fused):
+        fresh_grads()
+        opt.step()  # the moments exist
+    times: dict[str, list[float]] = {
+        "adamw": [],
+        "main": [],
+        "lean": [],
+        "blocked": [],
+        "fused kernel": [],
+        "fused": [],
+    }
     for _ in range(rounds):
         for name in times:
             fresh_grads()
             if name in ("lean", "blocked"):  # the other variants moved the weights: bounds as a step before leaves
                 record_exact_bounds(known, optimizer, params)  # (untimed)
+            if name == "fused":
+                record_exact_bounds(known_fused, fused, params)
             start = time.perf_counter()
-            optimizer.step() if name == "adamw" else step(name)
+            if name == "adamw":
+                optimizer.step()
+            elif name == "fused kernel":
+                fused.step()
+            elif name == "fused":
+                fused_step()
+            else:
+                step(name)
             times[name].append(time.perf_counter() - start)
     print(f"SmolLM2-135M float32, one process x 1 thread, {rounds} interleaved rounds: (step reads + AdamW) / AdamW")
     adamw = times["adamw"]
-    for name, reads in (("main", "8 reads"), ("lean", "5 reads"), ("blocked", "1 read + blocks")):
+    variants = (("main", "8 reads"), ("lean", "5 reads"), ("blocked", "1 read + blocks"), ("fused kernel", "0 reads"))
+    for name, reads in (*variants, ("fused", "4 reads")):
         paired = [t / a for t, a in zip(times[name], adamw, strict=True)]  # the same round: the same load
         print(
             f"  {name} ({reads} per parameter besides AdamW's): fastest {min(times[name]):.2f} s / AdamW's "
@@ -400,9 +443,9 @@ def main() -> None:
             pool.close()
         print(
             f"  CP={cp} DP={2 // cp}: {r['parameter_tensors']:.0f} parameter tensors\n"
-            f"    per optim_step: {r['step_syncs']:.0f} host syncs ({r['update_syncs']:.0f} of them inside the update, "
-            f"torch's AdamW reading its step count per call on the CPU, {r['step_syncs_outside_update']:.0f} "
-            f"outside), {r['step_collectives']:.0f} "
+            f"    per optim_step: {r['step_syncs']:.0f} host syncs ({r['update_syncs']:.0f} of them inside the update: "
+            f"torch's per-tensor AdamW reads its step count per call on the CPU, the fused kernel none; "
+            f"{r['step_syncs_outside_update']:.0f} outside), {r['step_collectives']:.0f} "
             f"collectives ({r['collective_s']:.2f} s; the gradient reduction with its check {r['reduce_s']:.2f} s)\n"
             f"    per microbatch: {r['mb_syncs_first']:.0f} host syncs (the last of {r['microbatches']:.0f}, with the "
             f"request's tail: {r['mb_syncs_last']:.0f}), {r['mb_collectives_first']:.0f} collectives (the last: "
@@ -414,7 +457,13 @@ def main() -> None:
             f"{r['optimizer_over_plain']:.2f} x a plain AdamW step after it ({r['plain_adamw_s']:.2f} s); of it the "
             f"update (clipping, AdamW, the checksums taken on the way) {r['update_in_step_s']:.2f} s, the replica "
             f"check {r['replica_check_s']:.2f} s\n"
-            f"    host syncs of the last optim_step by call site: {r['sites']}"
+            + (
+                f"    over torch.optim.AdamW(params).step() as a user runs it (its CPU per-tensor loop): "
+                f"{r['optimizer_over_user']:.2f} x ({r['user_adamw_s']:.2f} s)\n"
+                if math.isfinite(r["user_adamw_s"])
+                else ""
+            )
+            + f"    host syncs of the last optim_step by call site: {r['sites']}"
         )
 
 

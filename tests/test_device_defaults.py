@@ -40,7 +40,7 @@ def test_cpu_keeps_float32_gloo_and_the_cpu_kernels():
         "float32",
         "gloo",
         "cpu_flash",
-        "torch_default",
+        "fused",
     )
     assert (got.gated_delta_scan, got.conv_kernel, got.head_kernel, got.notes) == ("recompute", "torch", "tiled", ())
     cpu = torch.device("cpu")  # the names the registries themselves pick on CPU

@@ -559,7 +559,7 @@ def test_adamw_kernels_take_the_same_steps(pool, checkpoint):
     the weights by ~3e-2, so 1e-6 is ~30 ulps of the update, far below what a changed formula would move (a missed
     bias correction: ~1e-2)."""
     out = pool.run(adamw_kernels_case, root=checkpoint)[0]
-    assert out["fused.fused"] and not out["torch_default.fused"] and out["default"] == "torch_default"  # CPU
+    assert out["fused.fused"] and not out["torch_default.fused"] and out["default"] == "fused"  # CPU too
     fused, default, start = out["fused"], out["torch_default"], out["start"]
     worst = max(float((fused[n] - w).abs().max()) for n, w in default.items())
     moved = max(float((default[n] - w).abs().max()) for n, w in start.items())

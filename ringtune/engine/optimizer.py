@@ -66,14 +66,30 @@ def prepare_step(optimizer: torch.optim.AdamW, adam: AdamParams, *, norm: float)
 
 
 ADAMW_KERNELS = ("fused", "torch_default")
-"""How AdamW's update runs: ``fused`` (torch's one-kernel AdamW, ``fused=True``: no parameter-sized temporaries,
-fewer launches), ``torch_default`` (what ``torch.optim.AdamW`` picks: foreach on CUDA, a loop per tensor on
-CPU). The update is the same AdamW either way (equal to float32 rounding, tests/test_engine_requests.py)."""
+"""How AdamW's update runs: ``fused`` (torch's one-kernel AdamW, ``fused=True``: one pass reading each weight,
+gradient and moment once, no parameter-sized temporaries, fewer launches), ``torch_default`` (what
+``torch.optim.AdamW`` picks: foreach on CUDA, a loop of about eight elementwise passes per tensor on CPU,
+:mod:`ringtune.engine.blocked_adamw` runs those in cache-sized blocks). The update is the same AdamW either way
+(equal to float32 rounding, tests/test_engine_requests.py)."""
+
+FUSED_DEVICE_TYPES = ("cpu", "cuda")
+"""Devices where the trainer's default is ``fused``: torch has the kernel on both. On the CPU it took 0.07 s where
+the per-tensor loop took 0.45 s for SmolLM2-135M's state (float32, one thread; benchmarks/lean_step.py)."""
+
+
+def default_adamw_kernel_for(device_type: str) -> str:
+    """The AdamW kernel a trainer on ``device_type`` runs unless told: ``fused`` on :data:`FUSED_DEVICE_TYPES`,
+    else ``torch_default``. The serve banner (:mod:`ringtune.worker.device_defaults`) reads the same rule."""
+    return "fused" if device_type in FUSED_DEVICE_TYPES else "torch_default"
 
 
 def default_adamw_kernel(params: list[torch.nn.Parameter]) -> str:
-    """``fused`` when every parameter is on CUDA, else ``torch_default`` (CPU: today's path, unchanged)."""
-    return "fused" if params and all(p.device.type == "cuda" for p in params) else "torch_default"
+    """:func:`default_adamw_kernel_for` the parameters' one device type when every parameter is floating point
+    (the fused kernel's domain), else ``torch_default``."""
+    types = {p.device.type for p in params}
+    if len(types) != 1 or not all(p.is_floating_point() for p in params):
+        return "torch_default"
+    return default_adamw_kernel_for(types.pop())
 
 
 def new_adamw(params: list[torch.nn.Parameter], kernel: str | None = None) -> torch.optim.AdamW:
@@ -182,9 +198,14 @@ def _kernel_clip(optimizer: torch.optim.Optimizer) -> bool:
     """Whether every param group runs torch's fused AdamW, whose kernel divides each gradient by the optimizer's
     ``grad_scale`` tensor as it reads it (the hook AMP's GradScaler uses): clipping then costs no pass over the
     gradients of its own (a read and a write of each, ~2/7 of the fused update's traffic). Not for FSDP's DTensor
-    parameters (the divisor is a plain tensor, which DTensor's dispatch of the kernel would have to accept)."""
+    parameters (the divisor is a plain tensor, which DTensor's dispatch of the kernel would have to accept), nor for
+    float64 ones: the kernel takes a float32 divisor, whose rounding (~1e-8 relative) would set a replicated float64
+    run apart from a sharded one (which clips by the separate pass) far above the 1e-10 the layouts agree to."""
     groups = optimizer.param_groups
-    return bool(groups) and all(g.get("fused") and not any(isinstance(p, DTensor) for p in g["params"]) for g in groups)
+    return bool(groups) and all(
+        g.get("fused") and not any(isinstance(p, DTensor) or p.dtype == torch.float64 for p in g["params"])
+        for g in groups
+    )
 
 
 def _kernel_divisor(grad_scale: float, device: torch.device) -> torch.Tensor:

@@ -111,7 +111,7 @@ class Trainer:
         exact_arithmetic: with ``compute_dtype``, the layers compute in float64 between roundings to it
             (``bf16-exact``: batch-, layout- and CP-invariant bits, :mod:`ringtune.models.precision`).
         adamw_kernel: a name of :data:`ringtune.engine.optimizer.ADAMW_KERNELS`; None (default): ``fused`` on
-            CUDA, torch's default on CPU.
+            CPU and CUDA (:func:`ringtune.engine.optimizer.default_adamw_kernel`).
         freeze_vision: full fine-tuning of a VL model leaves its vision tower as loaded (no gradients, no
             AdamW state); False (default) trains it. LoRA runs never adapt the tower (their base is frozen).
 

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ringtune.engine.optimizer import default_adamw_kernel_for
 from ringtune.errors import UserInputError
 from ringtune.models.config import DecoderConfig
 from ringtune.models.head_kernels import DEFAULT_HEAD
@@ -167,6 +168,6 @@ def resolve_device_settings(
         gated_delta_scan="fla" if fla else DEFAULT_CHUNK_SCAN,
         conv_kernel="fla" if fla else "torch",
         head_kernel=DEFAULT_HEAD,
-        adamw_kernel="fused" if cuda else "torch_default",
+        adamw_kernel=default_adamw_kernel_for(host.device_type),
         notes=tuple(notes),
     )
