@@ -14,25 +14,46 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
+from ringtune.engine.grad_sync import GradientSync
+from ringtune.engine.gradients import GradientInvariant
 from ringtune.engine.memory import peak_memory_bytes
 from ringtune.engine.optimizer import AdamParams, prepare_step
+from ringtune.engine.replica_check import ReplicaCheck
 from ringtune.engine.request_guard import settle_step
+from ringtune.engine.state_bounds import StateBounds
 from ringtune.engine.update_guard import apply_guarded_step, read_step_figures, unsafe_updates
 from ringtune.parallel.control import NOT_CAUGHT, agreed_call, all_gather_objects
 
-if TYPE_CHECKING:
-    from ringtune.engine.trainer import Trainer
+
+class StepOwner(Protocol):
+    """What an optimizer step reads and advances: a :class:`~ringtune.engine.trainer.Trainer`'s state (a protocol,
+    so that this module does not import the trainer, which imports it)."""
+
+    params: list[torch.nn.Parameter]
+    names: dict[int, str]
+    optimizer: torch.optim.AdamW
+    grad_sync: GradientSync
+    state_bounds: StateBounds
+    replicas: ReplicaCheck
+    invariant: GradientInvariant
+    faults: Any  # ringtune.debug_faults.FaultHooks
+    shard_params: str
+    control_group: dist.ProcessGroup | None
+    step: int
+    weights_version: int
 
 
-def run_optim_step(trainer: Trainer, adam: AdamParams) -> dict[str, float]:
-    """Steps 1-6 above on ``trainer`` (its parameters, AdamW state, bounds and step count); collective over its
-    data groups and its control group, every rank with the same ``adam``. Returns the Tinker metrics of the step
-    (``grad_norm:mean``, ``learning_rate:mean``, ``peak_memory_gib:max``, ``step:max``, ``replica_check_ms:max``,
-    ``replica_tensors:max``). Raises as :meth:`Trainer.optim_step` documents, on every rank alike.
+def run_optim_step(trainer: StepOwner, adam: AdamParams) -> dict[str, float]:
+    """Steps 1-6 above on ``trainer`` (a :class:`~ringtune.engine.trainer.Trainer`: its parameters, AdamW state,
+    bounds and step count); collective over its data groups and its control group, every rank with the same
+    ``adam``. Returns the Tinker metrics of the step (``grad_norm:mean``, ``learning_rate:mean``,
+    ``peak_memory_gib:max``, ``step:max``, ``replica_check_ms:max``, ``replica_tensors:max``). Raises as
+    :meth:`Trainer.optim_step` documents, on every rank alike.
     """
     t = trainer
     agreed_call(adam.validate, t.control_group)
