@@ -163,7 +163,10 @@ def print_banner(
     for other in backend.models()[1:]:
         print(f"  and {other.model_name} ({other.arch}), tokenizer {other.tokenizer_dir}, on the same ranks,")
     print(f"  DP={info.dp_size} x CP={info.cp_size} ranks ({checked.attention} attention, {checked.gated_delta} GDN),")
-    print(f"  on {device.device_type} ({device.data_backend} data groups, {device.attention_kernel} attention kernel),")
+    print(
+        f"  on {device.device_type} ({device.data_backend} data groups, {device.attention_kernel} attention kernel, "
+        f"{device.adamw_kernel} AdamW),"
+    )
     for note in (*device.notes, *checked.notes):
         print(f"  note: {note}")
     print(f"  {budget} tokens per rank, checkpoints in {root}, tokenizer {info.tokenizer_dir}")
