@@ -567,3 +567,31 @@ def test_adamw_kernels_take_the_same_steps(pool, checkpoint):
     assert worst <= 1e-6 and moved > 1e-2
     with pytest.raises(ValueError, match="adamw kernel 'apex': choose one of fused, torch_default"):
         new_adamw([torch.nn.Parameter(torch.zeros(2))], "apex")
+
+
+def test_a_checkpoint_resumes_under_the_other_adamw_kernel(checkpoint, tmp_path):
+    """The kernel is the live trainer's, not the checkpoint's (checkpoint_fit._KERNEL_KEYS): a state saved by a
+    ``torch_default`` trainer (every CPU checkpoint before ``fused`` became the CPU default) loads into a ``fused``
+    one, which stays fused, with the moments and step as saved; its next step equals the ``torch_default``
+    continuation to float32 rounding (the 1e-6 of test_adamw_kernels_take_the_same_steps), and the other way round."""
+
+    def trainer(kernel: str) -> Trainer:
+        return Trainer(load_hf(checkpoint, dtype=torch.float32), None, max_tokens_per_rank=BUDGET, adamw_kernel=kernel)
+
+    vocab = trainer("fused").model.config.vocab_size
+    for saved_by, resumed_by in (("torch_default", "fused"), ("fused", "torch_default")):
+        first = trainer(saved_by)
+        first.forward_backward(datums("cross_entropy", vocab, seed=0), "cross_entropy")
+        first.optim_step(ADAM)
+        first.save_state(str(tmp_path / saved_by))
+        resumed = trainer(resumed_by)
+        resumed.load_state(str(tmp_path / saved_by))
+        assert bool(resumed.optimizer.param_groups[0]["fused"]) == (resumed_by == "fused")
+        for p, q in zip(first.params, resumed.params, strict=True):
+            a, b = first.optimizer.state[p], resumed.optimizer.state[q]
+            assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"]) and float(a["step"]) == float(b["step"]) == 1.0
+        for t in (first, resumed):
+            t.forward_backward(datums("cross_entropy", vocab, seed=1), "cross_entropy")
+            t.optim_step(ADAM)
+        worst = max(float((p - q).abs().max()) for p, q in zip(first.params, resumed.params, strict=True))
+        assert worst <= 1e-6, (saved_by, resumed_by, worst)

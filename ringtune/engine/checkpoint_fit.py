@@ -42,6 +42,9 @@ from ringtune.errors import UserInputError
 OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _GROUP_KEYS = ("params", "param_names")
 """Keys of an optimizer param group that are not hyper-parameters."""
+_KERNEL_KEYS = ("fused", "foreach", "capturable", "differentiable")
+"""Keys of a param group that say how the update runs (the trainer's AdamW kernel, ``ADAMW_KERNELS``), not what
+the run learned: the live optimizer's are kept on load (a checkpoint of either kernel resumes under the other)."""
 _SHOWN = 8
 
 
@@ -270,8 +273,9 @@ def _same(a: Any, b: Any) -> bool:
 def optimizer_state_dict(path: Path, plan: LoadPlan, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """The loaded optimizer copies (``plan.template["optim"]``) as a state dict for ``optimizer.load_state_dict``.
 
-    Parameter ids and group layout are the live optimizer's; hyper-parameters come from the checkpoint and must
-    be the same for every parameter of one live group (else UserInputError: the group layouts differ).
+    Parameter ids and group layout are the live optimizer's, and so is its kernel (:data:`_KERNEL_KEYS`);
+    hyper-parameters come from the checkpoint and must be the same for every parameter of one live group (else
+    UserInputError: the group layouts differ).
     """
     loaded = plan.template["optim"]
     live = optimizer.state_dict()
@@ -283,7 +287,7 @@ def optimizer_state_dict(path: Path, plan: LoadPlan, optimizer: torch.optim.Opti
         hyper = {}
         if group_fqns:
             first = group_fqns[0]
-            names = [k for k in live_group if k not in _GROUP_KEYS]
+            names = [k for k in live_group if k not in _GROUP_KEYS and k not in _KERNEL_KEYS]
             hyper = {k: loaded[f"param_groups.{first}.{k}"] for k in names}
             for fqn in group_fqns[1:]:
                 for k in names:
