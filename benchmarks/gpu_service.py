@@ -188,8 +188,8 @@ def drive(url: str, model: str, cp: int, shape: ServiceShape, on_gpu: GpuWatch) 
         for i in range(shape.steps):
             started = time.perf_counter()
             fb = tc.forward_backward(batch, "cross_entropy").result()
-            # clipped (a random model's gradient norm is far above 1): on CUDA the fused kernel's own clipping
-            # (engine/optimizer.py _kernel_clip), on the CPU the blocked update (engine/blocked_adamw.py)
+            # clipped (a random model's gradient norm is far above 1): the fused kernel's own clipping, on CUDA as
+            # on the CPU (engine/optimizer.py _kernel_clip)
             adam = tinker.AdamParams(learning_rate=1e-4, grad_clip_norm=1.0)
             metrics = tc.optim_step(adam).result().metrics
             step = {"step": i + 1, "s": time.perf_counter() - started, "loss_sum": fb.metrics["loss:sum"]}

@@ -342,44 +342,37 @@ def interleaved(rounds: int) -> None:
         for p, g in zip(params, grads, strict=True):
             p.grad = g.clone()
 
-    def moments() -> list[list[torch.Tensor]]:
-        return [[optimizer.state[p][k] for p in params] for k in ("exp_avg", "exp_avg_sq")]
+    def moments(opt: torch.optim.Optimizer) -> list[list[torch.Tensor]]:
+        return [[opt.state[p][k] for p in params] for k in MOMENTS]
 
     def step(variant: str) -> None:
+        opt, bounds = (fused, known_fused) if variant == "fused" else (optimizer, known)
         local = [p.grad for p in params]
         if variant == "main":
             squares, grad_max = squares_and_max_abs(local)
-            m, v = moments()
+            m, v = moments(opt)
             values = torch.cat([squares.sqrt().reshape(1), max_abs(params), grad_max, max_abs(m), max_abs(v)]).tolist()
             n = len(params)
             figures = StepFigures(values[0], values[1 : 1 + n], values[1 + n : 1 + 2 * n],
                                   values[1 + 2 * n : 1 + 3 * n], values[1 + 3 * n :], [False] * n)  # fmt: skip
         else:
             squares, grad_norms = squares_and_norms(local)
-            figures = read_step_figures(params, optimizer, squares.sqrt(), grad_norms, known)
-        scale = prepare_step(optimizer, ADAM, norm=figures.norm)  # the clip factor (the norm is above 1)
-        assert scale < 1.0 and unsafe_updates(optimizer, params, figures, grad_scale=scale) == []
-        planned = planned_bounds(optimizer, params, figures, grad_scale=scale) if variant != "main" else []
-        if variant == "blocked":
-            sums = apply_step(optimizer, params, grad_scale=scale, checksum=True)
-            assert len(sums) == 3 * len(params)
+            figures = read_step_figures(params, opt, squares.sqrt(), grad_norms, bounds)
+        scale = prepare_step(opt, ADAM, norm=figures.norm)  # the clip factor (the norm is above 1)
+        assert scale < 1.0 and unsafe_updates(opt, params, figures, grad_scale=scale) == []
+        planned = planned_bounds(opt, params, figures, grad_scale=scale) if variant != "main" else []
+        if variant in ("blocked", "fused"):  # the trainer's update: blocks, or the fused kernel clipping inside
+            sums = apply_step(opt, params, grad_scale=scale, checksum=True)
+            assert len(sums) == (3 * len(params) if variant == "blocked" else 0)
+            if not sums:  # the fused kernel takes no checksums: the replica check reads them
+                checksums([*params, *moments(opt)[0], *moments(opt)[1]])
         else:
             for p in params:
                 p.grad.mul_(scale)
-            optimizer.step()
-            checksums([*params, *moments()[0], *moments()[1]])
+            opt.step()
+            checksums([*params, *moments(opt)[0], *moments(opt)[1]])
         if variant != "main":
-            carry_bounds(known, optimizer, params, planned)
-
-    def fused_step() -> None:  # the trainer's step on the fused kernel: sweep, bounds, in-kernel clip, checksums
-        squares, grad_norms = squares_and_norms([p.grad for p in params])
-        figures = read_step_figures(params, fused, squares.sqrt(), grad_norms, known_fused)
-        scale = prepare_step(fused, ADAM, norm=figures.norm)
-        assert scale < 1.0 and unsafe_updates(fused, params, figures, grad_scale=scale) == []
-        planned = planned_bounds(fused, params, figures, grad_scale=scale)
-        assert apply_step(fused, params, grad_scale=scale, checksum=True) == {}  # not blocked: the check reads
-        checksums([*params, *[fused.state[p][k] for k in ("exp_avg", "exp_avg_sq") for p in params]])
-        carry_bounds(known_fused, fused, params, planned)
+            carry_bounds(bounds, opt, params, planned)
 
     for opt in (optimizer, fused):
         fresh_grads()
@@ -404,8 +397,6 @@ def interleaved(rounds: int) -> None:
                 optimizer.step()
             elif name == "fused kernel":
                 fused.step()
-            elif name == "fused":
-                fused_step()
             else:
                 step(name)
             times[name].append(time.perf_counter() - start)
