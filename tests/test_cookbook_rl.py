@@ -275,32 +275,45 @@ STEPS_ASYNC = 8
 """Steps of the async run: enough for the reward's jump to come in every run measured."""
 
 
+def async_letters_steps(server: dict, log_path: Path, steps: int) -> list[dict]:
+    """The cookbook's async mode as the async tests run it (``stable_reinforce`` with the sampling clients'
+    stability records, one step off-policy, 2 groups of 8 per batch) on the letters task with the non-letter
+    fraction as reward, ``steps`` steps against ``server``: the logged rows of its training steps (one per step)."""
+    builder = LettersDatasetBuilder(
+        model_name=str(server["model_dir"]), renderer_name=RENDERER, batch_size=2, group_size=8,
+        metric="non_letter_fraction",
+    )  # fmt: skip
+    async_config = train.AsyncConfig(max_steps_off_policy=1, groups_per_batch=2)
+    config = rl_config(server, log_path, builder, num_epochs=4, max_steps=steps, async_config=async_config)
+    assert config.training_loss_fn() == "stable_reinforce" and config.records_stability_info()
+    asyncio.run(train.main(config))
+    rows = read_jsonl(log_path / "metrics.jsonl")
+    logged = [r for r in rows if "optim/kl_sample_train_v1" in r]
+    assert len(logged) == steps, [r.get("step") for r in rows]
+    return logged
+
+
+def reward_rose(rewards: list[float]) -> bool:
+    """Whether some later pair of steps (from the third on) clears the first two steps' mean reward by 0.3."""
+    late = max(sum(rewards[i : i + 2]) / 2 for i in range(2, len(rewards) - 1))
+    return late > sum(rewards[:2]) / 2 + 0.3
+
+
 def test_rl_train_async_stable_reinforce(server, tmp_path):
     """The async default: ``AsyncConfig`` trains with ``stable_reinforce`` on samples up to one step stale (its
     sampling clients record stability info, every datum carries provenance the server resolves), and the reward
     (the non-letter fraction, ~0.09 for the untrained model) rises."""
-    model = str(server["model_dir"])
-    builder = LettersDatasetBuilder(
-        model_name=model, renderer_name=RENDERER, batch_size=2, group_size=8, metric="non_letter_fraction"
-    )
-    async_config = train.AsyncConfig(max_steps_off_policy=1, groups_per_batch=2)
 
     def run(log_path: Path) -> tuple[list[dict], bool]:
-        """One async run: its logged steps, and whether any later pair of steps clears the first pair's reward."""
-        config = rl_config(server, log_path, builder, num_epochs=4, max_steps=STEPS_ASYNC, async_config=async_config)
-        assert config.training_loss_fn() == "stable_reinforce" and config.records_stability_info()
-        asyncio.run(train.main(config))
-        rows = read_jsonl(log_path / "metrics.jsonl")
-        steps = [r for r in rows if "optim/kl_sample_train_v1" in r]
-        assert len(steps) == STEPS_ASYNC, [r.get("step") for r in rows]
+        """One async run: its logged steps, and whether the reward rose (:func:`reward_rose`)."""
+        steps = async_letters_steps(server, log_path, STEPS_ASYNC)
         for row in steps:
             assert math.isfinite(row["optim/kl_sample_train_v1"]) and row["optim/kl_sample_train_v2"] >= 0.0, row
         rewards = [r["env/all/reward/total"] for r in steps]
         print(f"\nasync stable_reinforce, reward by step: {[round(r, 3) for r in rewards]}")
         print(f"optim/kl_sample_train_v1 by step: {[round(r['optim/kl_sample_train_v1'], 4) for r in steps]}")
         print(f"optim/kl_sample_train_v2 by step: {[round(r['optim/kl_sample_train_v2'], 4) for r in steps]}")
-        late = max(sum(rewards[i : i + 2]) / 2 for i in range(2, len(rewards) - 1))
-        return steps, late > sum(rewards[:2]) / 2 + 0.3
+        return steps, reward_rose(rewards)
 
     # The rise is a jump whose step varies with the sampler's fresh randomness and the async schedule. With groups
     # of 4, 3 of 11 runs stayed flat for all steps (0.06-0.11); with groups of 8 (less noisy advantages) 24 of 25

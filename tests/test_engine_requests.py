@@ -578,9 +578,9 @@ def test_a_checkpoint_resumes_under_the_other_adamw_kernel(checkpoint, tmp_path)
     def trainer(kernel: str) -> Trainer:
         return Trainer(load_hf(checkpoint, dtype=torch.float32), None, max_tokens_per_rank=BUDGET, adamw_kernel=kernel)
 
-    vocab = trainer("fused").model.config.vocab_size
     for saved_by, resumed_by in (("torch_default", "fused"), ("fused", "torch_default")):
         first = trainer(saved_by)
+        vocab = first.model.config.vocab_size
         first.forward_backward(datums("cross_entropy", vocab, seed=0), "cross_entropy")
         first.optim_step(ADAM)
         first.save_state(str(tmp_path / saved_by))

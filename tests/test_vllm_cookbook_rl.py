@@ -31,7 +31,16 @@ from pathlib import Path
 import pytest
 import tinker
 from smollm_fixtures import cookbook_server, tiny_smollm_class_dir
-from test_cookbook_rl import LLAMA_NAME, RENDERER, LettersDatasetBuilder, assert_on_policy, read_jsonl, rl_config
+from test_cookbook_rl import (
+    LLAMA_NAME,
+    RENDERER,
+    LettersDatasetBuilder,
+    assert_on_policy,
+    async_letters_steps,
+    read_jsonl,
+    reward_rose,
+    rl_config,
+)
 from tinker_cookbook.rl import train
 from vllm_fixtures import ENGINE_KV_CACHE_GIB, engine_python, missing_engine_reason, rl_datum
 
@@ -68,19 +77,7 @@ def server(tmp_path_factory) -> Iterator[dict]:
 
 
 def test_rl_train_on_engine_samples(server, tmp_path):
-    model = str(server["model_dir"])
-    log_path = tmp_path / "rl-async"
-    builder = LettersDatasetBuilder(
-        model_name=model, renderer_name=RENDERER, batch_size=2, group_size=8, metric="non_letter_fraction"
-    )
-    async_config = train.AsyncConfig(max_steps_off_policy=1, groups_per_batch=2)
-    config = rl_config(server, log_path, builder, num_epochs=4, max_steps=STEPS, async_config=async_config)
-    assert config.training_loss_fn() == "stable_reinforce" and config.records_stability_info()
-    asyncio.run(train.main(config))
-
-    rows = read_jsonl(log_path / "metrics.jsonl")
-    steps = [r for r in rows if "optim/kl_sample_train_v1" in r]
-    assert len(steps) == STEPS, [r.get("step") for r in rows]
+    steps = async_letters_steps(server, tmp_path / "rl-async", STEPS)
     rewards = [r["env/all/reward/total"] for r in steps]
     v1 = [r["optim/kl_sample_train_v1"] for r in steps]
     v2 = [r["optim/kl_sample_train_v2"] for r in steps]
@@ -95,8 +92,7 @@ def test_rl_train_on_engine_samples(server, tmp_path):
     assert fresh, "no on-policy step"
     for row in fresh:
         assert abs(row["optim/kl_sample_train_v1"]) < 1e-4 and 0.0 <= row["optim/kl_sample_train_v2"] < 1e-6, row
-    late = max(sum(rewards[i : i + 2]) / 2 for i in range(2, len(rewards) - 1))
-    assert late > sum(rewards[:2]) / 2 + 0.3, rewards
+    assert reward_rose(rewards), rewards
     records = list((server["root"] / "checkpoints" / ".stability_records").glob("*.jsonl"))
     assert records, "the sampling clients recorded nothing"
     assert server["proc"].proc.poll() is None, server["proc"].log_tail()
