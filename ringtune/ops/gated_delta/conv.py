@@ -17,6 +17,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from ringtune.ops.gated_delta.conv_taps import taps_causal_conv1d
 from ringtune.ops.gated_delta.fla_kernels import fla_available, fla_causal_conv1d
 from ringtune.ops.gated_delta.inputs import check_cu_seqlens, compute_dtype
 
@@ -69,6 +70,8 @@ def naive_causal_conv1d(
     w, b = weight.to(acc).unsqueeze(1), None if bias is None else bias.to(acc)
     outs = []
     for i, (start, end) in enumerate(itertools.pairwise(bounds)):
+        if end == start:  # an empty sequence has no output (and F.conv1d refuses a window longer than its input)
+            continue
         ctx = x.new_zeros(K - 1, D, dtype=acc) if initial_context is None else initial_context[i].to(acc)
         seq = torch.cat([ctx, x[start:end].to(acc)])  # [K-1+L, D]
         outs.append(F.conv1d(seq.t().unsqueeze(0), w, b, groups=D)[0].t())
@@ -87,9 +90,8 @@ def torch_causal_conv1d(
 ) -> torch.Tensor:
     """Causal depthwise conv1d of a packed row in plain torch (the ``torch`` entry of :data:`CONV_KERNELS`).
 
-    One ``F.conv1d`` over the whole row is right for every token at least K−1 into its sequence; the
-    first K−1 tokens of each sequence (the only ones whose window crosses a boundary) are recomputed
-    from ``[x ; context ; 0]`` rows and put in place. Memory: the conv's own, plus O(n·K²·channels).
+    K shifted multiply-adds over the row with each sequence's K−1 context rows (or zeros) written in front of
+    it, and a hand-written backward (``conv_taps.py``: why not ``F.conv1d``, and what it keeps).
 
     Args:
         x: [T, channels] (e.g. the concatenated q/k/v projections, ``channels = 2·Hk·Dk + Hv·Dv``).
@@ -99,40 +101,21 @@ def torch_causal_conv1d(
         initial_context: [n, K−1, channels], the K−1 inputs before each sequence in order (row K−2 is the
             token just before it); zeros if None.
     Returns:
-        [T, channels] in ``x.dtype``. Differentiable by autograd (x, weight, bias, initial_context).
+        [T, channels] in ``x.dtype``. Differentiable (x, weight, bias, initial_context).
     """
     bounds = _check_conv_inputs(x, weight, cu_seqlens, bias, activation, initial_context)
-    acc, device = compute_dtype(x.dtype), x.device
-    T, D = x.shape
-    K, n = weight.shape[1], len(bounds) - 1
-    if T == 0:  # an empty row (F.conv1d rejects length 0); keep the graph so weight gets a zero gradient
+    if x.shape[0] == 0:  # an empty row; keep the graph so weight gets a zero gradient
         return x[:0] * weight[:, 0].to(x.dtype)
-    xa, w = x.to(acc), weight.to(acc)
-    b = None if bias is None else bias.to(acc)
-    out = F.conv1d(xa.t().unsqueeze(0), w.unsqueeze(1), b, padding=K - 1, groups=D)[0, :, :T].t()
-    # The heads: tokens at position p < K−1 of sequence i, as (token, i, p).
-    heads = [
-        (start + p, i, p)
-        for i, (start, end) in enumerate(itertools.pairwise(bounds))
-        for p in range(min(K - 1, end - start))
-    ]
-    if not heads:
-        return _activate(out, activation).to(x.dtype)
-    tok, seq, pos = torch.tensor(heads, dtype=torch.int64, device=device).unbind(1)
-    if initial_context is None:
-        table = torch.cat([xa, xa.new_zeros(1, D)])  # row T: zero
-    else:
-        table = torch.cat([xa, initial_context.to(acc).reshape(n * (K - 1), D)])  # rows T + i·(K−1) + r
-    head = xa.new_zeros(len(heads), D) if b is None else b.expand(len(heads), D)
-    for j in range(K):
-        lag = K - 1 - j  # tap j reads the token `lag` steps back
-        if initial_context is None:
-            outside = torch.full_like(tok, T)
-        else:  # `lag − pos` steps before the start: context row K−1−(lag−pos)
-            outside = T + seq * (K - 1) + (K - 1 - lag) + pos
-        head = head + table[torch.where(pos >= lag, tok - lag, outside)] * w[:, j]
-    out = out.index_copy(0, tok, head)
-    return _activate(out, activation).to(x.dtype)
+    out = taps_causal_conv1d(
+        x,
+        weight,
+        bounds,
+        bias=bias,
+        silu=activation == "silu",
+        initial_context=initial_context,
+        dtype=compute_dtype(x.dtype),
+    )
+    return out.to(x.dtype)
 
 
 def _fla_conv(x, weight, cu_seqlens, *, bias=None, activation="silu", initial_context=None):
