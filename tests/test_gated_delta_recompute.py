@@ -21,7 +21,8 @@ from ringtune.ops.gated_delta import (
     prepare_gated_delta_inputs,
     recomputing_chunk_scan,
 )
-from ringtune.ops.gated_delta.chunk_scan import scan_layout
+from ringtune.ops.gated_delta.chunk_scan import chunk_pieces, scan_layout, scan_steps
+from ringtune.ops.gated_delta.chunk_scan_grad import segment_gradients
 from ringtune.ops.gated_delta.chunk_scan_recompute import chunk_bytes, tile_segments
 
 F64 = torch.float64
@@ -191,3 +192,45 @@ def test_backward_traffic_is_linear_with_many_segments():
     # input, a zero-filled gradient) would grow the bytes per token with the number of segments.
     short, long = backward_bytes_per_token(16 * C, 4), backward_bytes_per_token(64 * C, 4)
     assert long / short < 1.1, (short, long)
+
+
+@pytest.mark.parametrize(
+    ("steps", "with_state", "with_exit", "with_q", "with_outputs"),
+    [
+        ([3, 3, 2, 1], True, True, True, True),  # sequences leave after steps 1, 2 and 3
+        ([3, 3, 2, 1], False, True, True, True),  # the first step from zeros
+        ([2, 2], True, False, True, True),  # no state gradient at the exit
+        ([3, 2], True, True, True, False),  # no output gradient: q gets zeros
+        ([3, 1], True, True, False, False),  # states only (no queries)
+        ([4, 2, 2], False, False, True, True),
+    ],
+)
+def test_hand_written_rectangle_backward_equals_autograd(steps, with_state, with_exit, with_q, with_outputs):
+    """``segment_gradients`` against autograd through ``scan_steps(chunk_pieces(...))`` on the same rectangle,
+    float64, every input and the start state; a wrong term (the exit gradient dropped) is caught."""
+    gen = torch.Generator().manual_seed(sum(steps) + 10 * with_state + 100 * with_exit)
+    H, D, R = 2, 8, sum(steps)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=F64)
+
+    qc = torch.nn.functional.normalize(randn(R, H, C, D), dim=-1) / 3 if with_q else None
+    kc = torch.nn.functional.normalize(randn(R, H, C, D), dim=-1)
+    vc, bc = randn(R, H, C, D), torch.rand(R, H, C, generator=gen, dtype=F64)
+    gc = -torch.rand(R, H, C, generator=gen, dtype=F64)
+    S0 = randn(steps[0], H, D, D) if with_state else None
+    leaves = [None if x is None else x.clone().requires_grad_() for x in (qc, kc, vc, gc, bc, S0)]
+    outs, states = scan_steps(chunk_pieces(*leaves[:5]), steps, leaves[5])
+    d_outs = [randn(*o.shape) for o in outs] if with_outputs else None
+    d_exit = randn(*states.shape) if with_exit else None
+    outputs = (outs if with_outputs else []) + ([states] if with_exit else [])
+    cotangents = (d_outs or []) + ([d_exit] if with_exit else [])
+    wrt = [x for x in leaves if x is not None]
+    want = torch.autograd.grad(outputs, wrt, cotangents, allow_unused=True, materialize_grads=True)
+    got = [x for x in segment_gradients(qc, kc, vc, gc, bc, steps, S0, d_outs, d_exit) if x is not None]
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert max_err(a, b) < 1e-13
+    if with_exit:  # negative control: dk without the exit gradient is wrong
+        dropped = segment_gradients(qc, kc, vc, gc, bc, steps, S0, d_outs, None)
+        assert max_err(dropped[1], want[1 if with_q else 0]) > 1e-6

@@ -20,15 +20,16 @@ e.g. 22 chunks (1.4K tokens) at 4 heads of 64 in float32.
 **Forward** (no autograd): the rectangles in scan order, each computing its pieces and steps from the
 states of its sequences and writing its outputs into the [T, H, Dv] result.
 **Backward**: the groups from the last to the first, carrying d(state) of the sequences that continue past
-the group: each rectangle reruns its forward under autograd from its (detached) inputs and start states
-and back-propagates the output gradient of its chunks and the state gradient at its exit (the carried one,
-or d(final state) for sequences that end inside it); its start states' gradient is what the previous group
-carries. Every rectangle reads and writes only its own rows (:func:`segment_chunks` gathers them, pads
-masked to zero, with no padded copy of the row; :func:`put_tokens` writes outputs and gradients into the
-preallocated [T, ...] results in place, every token once): the work and traffic are linear in tokens, and
-the transient is one rectangle's intermediates and gradients. Exact: the same operations on the same values
-as the whole-row scan, up to the order of floating-point sums inside batched products (< 1e-12 in float64,
-see the tests).
+the group: each rectangle reruns its forward from its inputs and start states and back-propagates the
+output gradient of its chunks and the state gradient at its exit (the carried one, or d(final state) for
+sequences that end inside it) by hand (``chunk_scan_grad.py``: no autograd graph; 10 ms per 12-chunk
+rectangle of the packed-8K benchmark where autograd through the rerun took 14); its start states' gradient is
+what the previous group carries. Every rectangle reads and writes only its own rows (:func:`segment_chunks`
+gathers them, pads masked to zero, with no padded copy of the row; :func:`put_tokens` writes outputs and
+gradients into the preallocated [T, ...] results in place, every token once): the work and traffic are linear
+in tokens, and the transient is one rectangle's intermediates and gradients. Exact: the same operations on the
+same values as the whole-row scan, up to the order of floating-point sums inside batched products (< 1e-12 in
+float64, see the tests).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ringtune.ops.gated_delta.chunk_scan import CHUNK_SIZE, ScanLayout, chunk_pieces, scan_layout, scan_steps
+from ringtune.ops.gated_delta.chunk_scan_grad import segment_gradients
 
 SEGMENT_BYTES = 32 * 2**20
 """Budget for the recomputed intermediates of one segment (rectangle of chunks), see the module docstring."""
@@ -190,7 +192,8 @@ def recompute_scan_backward(
     d_o: torch.Tensor | None,
     d_final_sorted: torch.Tensor | None,
 ) -> tuple[list[torch.Tensor | None], torch.Tensor | None]:
-    """Gradients of the scan, the groups from the last to the first, each rectangle rerun under autograd.
+    """Gradients of the scan, the groups from the last to the first, each rectangle's by
+    :func:`~ringtune.ops.gated_delta.chunk_scan_grad.segment_gradients` (a rerun of its forward, no graph).
 
     Args:
         inputs: ``(q or None, k, v, g, beta)`` as the forward got them; initial_sorted, layout, groups: as
@@ -214,32 +217,17 @@ def recompute_scan_backward(
         d_starts = []
         for seg in blocks:
             slot = layout.slot[seg.rows]
-            q_leaf = None if inputs[0] is None else segment_chunks(inputs[0], slot).requires_grad_()
-            k_leaf, v_leaf, g_leaf, b_leaf = (segment_chunks(x, slot).requires_grad_() for x in inputs[1:])
-            leaves = [q_leaf, k_leaf, v_leaf, g_leaf, b_leaf]
-            S_in = None if start is None else start[seg.lo : seg.lo + seg.steps[0]].detach().requires_grad_()
-            outputs: list[torch.Tensor] = []
-            cotangents: list[torch.Tensor] = []
-            with torch.enable_grad():
-                outs, states = scan_steps(chunk_pieces(q_leaf, k_leaf, v_leaf, g_leaf, b_leaf), seg.steps, S_in)
-            if d_o is not None:
-                outputs += outs
-                cotangents += segment_chunks(d_o, slot).split(seg.steps)
-            if d_exit is not None:
-                assert states is not None  # keep_states and every segment has a step
-                outputs.append(states)
-                cotangents.append(d_exit[seg.lo : seg.lo + seg.steps[0]])
-            wrt = [x for x in (*leaves, S_in) if x is not None]
-            grads = list(
-                torch.autograd.grad(outputs, wrt, cotangents, allow_unused=True, materialize_grads=True)
-                if outputs
-                else [torch.zeros_like(x) for x in wrt]
-            )
-            for out, leaf in zip(grads_in, leaves, strict=True):
-                if out is not None and leaf is not None:  # both None for an absent q
-                    put_tokens(out, grads.pop(0), slot)
-            if S_in is not None:
-                d_starts.append(grads.pop(0))
+            qc = None if inputs[0] is None else segment_chunks(inputs[0], slot)
+            kc, vc, gc, bc = (segment_chunks(x, slot) for x in inputs[1:])
+            S_in = None if start is None else start[seg.lo : seg.lo + seg.steps[0]]
+            d_outs = None if d_o is None else list(segment_chunks(d_o, slot).split(seg.steps))
+            d_seg_exit = None if d_exit is None else d_exit[seg.lo : seg.lo + seg.steps[0]]
+            *grads, d_start = segment_gradients(qc, kc, vc, gc, bc, seg.steps, S_in, d_outs, d_seg_exit)
+            for out, grad in zip(grads_in, grads, strict=True):
+                if out is not None and grad is not None:  # both None for an absent q
+                    put_tokens(out, grad, slot)
+            if d_start is not None:  # None exactly when the rectangle starts from zeros (S_in None)
+                d_starts.append(d_start)
         d_S = torch.cat(d_starts) if d_starts else None
     return grads_in, d_S
 
