@@ -19,6 +19,8 @@ same values, up to the order of floating-point sums (< 1e-13 in float64: ``tests
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ringtune.ops.gated_delta.chunk_scan import ChunkTerms, chunk_terms
@@ -103,7 +105,7 @@ def _steps_backward(
     W_s, k_out_s, gamma_s = (x.split(steps) for x in (p.W, p.k_out, p.gamma))
     q_in_s = None if grads.q_in is None or p.q_in is None else p.q_in.split(steps)
     qk_s = None if grads.qk is None or p.qk is None else p.qk.split(steps)
-    offsets = [0, *torch.tensor(steps).cumsum(0).tolist()]
+    offsets = list(itertools.accumulate(steps, initial=0))
     d_S = None  # the gradient of the state entering the step after j, for its active sequences
     for j in range(len(steps) - 1, -1, -1):
         a, following = steps[j], steps[j + 1] if j + 1 < len(steps) else 0
