@@ -19,6 +19,7 @@ from ringtune.models.layers.rotary import RotaryEmbedding, apply_rotary
 from ringtune.models.shard import PackedShard
 from ringtune.ops.attention import check_ulysses_heads, cp_attention_fn
 from ringtune.ops.attention.decode import decode_attention
+from ringtune.ops.linear import Linear
 
 
 class Attention(nn.Module):
@@ -55,10 +56,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.output_gate = output_gate
         self.scale = head_dim**-0.5 if scale is None else scale
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim * (2 if output_gate else 1), bias=bias)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=bias)
+        self.q_proj = Linear(hidden_size, num_heads * head_dim * (2 if output_gate else 1), bias=bias)
+        self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, bias=bias)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, bias=bias)
         if qk_norm is not None:
             zero = qk_norm == "zero_centered"
             self.q_norm: RMSNorm | None = RMSNorm(head_dim, eps=rms_norm_eps, zero_centered=zero)

@@ -22,6 +22,7 @@ from ringtune.ops.gated_delta.gates import gdn_gates
 from ringtune.ops.gated_delta.norm import gated_rms_norm
 from ringtune.ops.gated_delta.prefill import gated_delta_prefill
 from ringtune.ops.gated_delta.recurrent import gated_delta_decode_core
+from ringtune.ops.linear import Linear
 
 
 class GatedDeltaNet(nn.Module):
@@ -54,15 +55,15 @@ class GatedDeltaNet(nn.Module):
         self.eps = rms_norm_eps
         key_dim, value_dim = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         conv_dim = 2 * key_dim + value_dim
-        self.in_proj_qkv = nn.Linear(hidden_size, conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(hidden_size, value_dim, bias=False)
-        self.in_proj_b = nn.Linear(hidden_size, num_v_heads, bias=False)
-        self.in_proj_a = nn.Linear(hidden_size, num_v_heads, bias=False)
+        self.in_proj_qkv = Linear(hidden_size, conv_dim, bias=False)
+        self.in_proj_z = Linear(hidden_size, value_dim, bias=False)
+        self.in_proj_b = Linear(hidden_size, num_v_heads, bias=False)
+        self.in_proj_a = Linear(hidden_size, num_v_heads, bias=False)
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, conv_kernel, groups=conv_dim, bias=False, padding=conv_kernel - 1)
         self.dt_bias = nn.Parameter(torch.ones(num_v_heads))
         self.A_log = nn.Parameter(torch.log(torch.empty(num_v_heads).uniform_(0.01, 16)))
         self.norm = _GatedNormWeight(head_v_dim)
-        self.out_proj = nn.Linear(value_dim, hidden_size, bias=False)
+        self.out_proj = Linear(value_dim, hidden_size, bias=False)
 
     def check_cp(self, cp_size: int, mode: str) -> None:
         """Raise ParallelConfigError if this layer's heads do not fit GDN CP ``mode`` at ``cp_size``."""
