@@ -26,6 +26,7 @@ keeping only the inputs and a few states (see :data:`ringtune.ops.gated_delta.ch
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -106,13 +107,15 @@ class ChunkPieces:
 class ChunkTerms:
     """:class:`ChunkPieces` with the intermediates the hand-written backward (``chunk_scan_grad.py``) reads.
 
-    ``G`` [R, H, C] the cumulative log decay; ``decay`` = D [R, H, C, C] (0 above the diagonal); ``kk`` = K Kᵀ
+    ``E`` = exp(G) and ``decay_to_end`` = exp(G_C − G) [R, H, C] (G the cumulative log decay);
+    ``decay`` = D [R, H, C, C] (0 above the diagonal); ``kk`` = K Kᵀ
     and ``inverse`` = T = (I + A)⁻¹ [R, H, C, C]; ``UW`` = T [βV | β exp(G) K] [R, H, C, Dv + Dk]; ``qk_raw`` =
     Q Kᵀ [R, H, C, C] or None without queries.
     """
 
     pieces: ChunkPieces
-    G: torch.Tensor
+    E: torch.Tensor
+    decay_to_end: torch.Tensor
     decay: torch.Tensor
     kk: torch.Tensor
     inverse: torch.Tensor
@@ -141,14 +144,15 @@ def chunk_terms(
     E = G.exp()
     UW = inverse @ torch.cat([vc * bc.unsqueeze(-1), kc * (bc * E).unsqueeze(-1)], dim=-1)  # T [βV | βexp(G)K]
     G_last = G[..., -1:]
-    k_out = (kc * (G_last - G).exp().unsqueeze(-1)).transpose(-1, -2)  # K̃ᵀ: keys decayed to the chunk end
+    decay_to_end = (G_last - G).exp()
+    k_out = (kc * decay_to_end.unsqueeze(-1)).transpose(-1, -2)  # K̃ᵀ: keys decayed to the chunk end
     q_in = qk = qk_raw = None
     if qc is not None:
         q_in = qc * E.unsqueeze(-1)  # each query reads the incoming state decayed to its position
         qk_raw = qc @ kc.transpose(-1, -2)
         qk = qk_raw * decay
     pieces = ChunkPieces(UW[..., :Dv], UW[..., Dv:], k_out, G_last.exp().unsqueeze(-1), q_in, qk)
-    return ChunkTerms(pieces, G, decay, kk, inverse, UW, qk_raw)
+    return ChunkTerms(pieces, E, decay_to_end, decay, kk, inverse, UW, qk_raw)
 
 
 def chunk_pieces(
@@ -172,21 +176,40 @@ def scan_steps(
     concatenation, whereas indexing the whole tensor at every step would make autograd allocate a zero
     [R, ...] gradient per step and sum R/C of them (O(T²/C) memory traffic).
     """
-    U_s, W_s, k_out_s, gamma_s = (x.split(steps) for x in (pieces.U, pieces.W, pieces.k_out, pieces.gamma))
     q_in_s = qk_s = None
     if pieces.q_in is not None and pieces.qk is not None:
         q_in_s, qk_s = pieces.q_in.split(steps), pieces.qk.split(steps)
     outs, finished, following = [], [], [*steps[1:], 0]
+    for step in state_steps(pieces, steps, S):
+        j, a, S_a = step.index, steps[step.index], step.S_in
+        if q_in_s is not None and qk_s is not None:
+            outs.append(qk_s[j] @ step.v_new if S_a is None else q_in_s[j] @ S_a + qk_s[j] @ step.v_new)
+        if keep_states and following[j] < a:
+            finished.append(step.S_out[following[j] :])  # sequences whose last step here this was
+    states = torch.cat(finished[::-1]) if keep_states and finished else None
+    return outs, states
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of the recurrence: ``index`` j, ``S_in`` the state entering it [steps[j], H, Dk, Dv] (None: zeros),
+    ``v_new`` = V' = U − W S [steps[j], H, C, Dv], ``S_out`` = exp(G_C) S + K̃ᵀ V' (the state after it)."""
+
+    index: int
+    S_in: torch.Tensor | None
+    v_new: torch.Tensor
+    S_out: torch.Tensor
+
+
+def state_steps(pieces: ChunkPieces, steps: list[int], S: torch.Tensor | None) -> Iterator[Step]:
+    """The state recurrence of :func:`scan_steps` (same arguments), one :class:`Step` at a time: the one loop both
+    the scan and the hand-written backward (``chunk_scan_grad.py``) run. Each piece is split once (see there)."""
+    U_s, W_s, k_out_s, gamma_s = (x.split(steps) for x in (pieces.U, pieces.W, pieces.k_out, pieces.gamma))
     for j, a in enumerate(steps):
         S_a = None if S is None else S[:a]
         v_new = U_s[j] if S_a is None else U_s[j] - W_s[j] @ S_a
-        if q_in_s is not None and qk_s is not None:
-            outs.append(qk_s[j] @ v_new if S_a is None else q_in_s[j] @ S_a + qk_s[j] @ v_new)
         S = k_out_s[j] @ v_new if S_a is None else gamma_s[j] * S_a + k_out_s[j] @ v_new
-        if keep_states and following[j] < a:
-            finished.append(S[following[j] :])  # sequences whose last step here this was
-    states = torch.cat(finished[::-1]) if keep_states and finished else None
-    return outs, states
+        yield Step(j, S_a, v_new, S)
 
 
 def gated_delta_chunk_scan(

@@ -23,7 +23,7 @@ import itertools
 
 import torch
 
-from ringtune.ops.gated_delta.chunk_scan import ChunkTerms, chunk_terms
+from ringtune.ops.gated_delta.chunk_scan import ChunkTerms, chunk_terms, state_steps
 
 _Grads = tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
 
@@ -61,18 +61,26 @@ def _states(
     terms: ChunkTerms, steps: list[int], S0: torch.Tensor | None
 ) -> tuple[list[torch.Tensor | None], list[torch.Tensor]]:
     """The state entering each step (None: a first step from zeros) and each step's V' [steps[j], H, C, Dv]."""
-    p = terms.pieces
-    U_s, W_s, k_out_s, gamma_s = (x.split(steps) for x in (p.U, p.W, p.k_out, p.gamma))
     entering: list[torch.Tensor | None] = []
     v_new: list[torch.Tensor] = []
-    S = S0
-    for j, a in enumerate(steps):
-        S_a = None if S is None else S[:a]
-        entering.append(S_a)
-        v = U_s[j] if S_a is None else U_s[j] - W_s[j] @ S_a
-        v_new.append(v)
-        S = k_out_s[j] @ v if S_a is None else gamma_s[j] * S_a + k_out_s[j] @ v
+    for step in state_steps(terms.pieces, steps, S0):
+        entering.append(step.S_in)
+        v_new.append(step.v_new)
     return entering, v_new
+
+
+def exit_state_gradient(
+    d_carried: torch.Tensor | None, d_final_sorted: torch.Tensor | None, following: int, width: int, like: torch.Tensor
+) -> torch.Tensor | None:
+    """d(state) of the ``width`` first sorted sequences after a step or a step group: ``d_carried`` for the
+    ``following`` that go on, ``d_final_sorted[following:width]`` for those that end there; None when both are
+    None (zero). ``like``: a [0, H, Dk, Dv] tensor of the state's shape and dtype."""
+    if d_carried is None and d_final_sorted is None:
+        return None
+    shape = like.shape[1:]
+    carried = like.new_zeros(following, *shape) if d_carried is None else d_carried
+    ending = like.new_zeros(width - following, *shape) if d_final_sorted is None else d_final_sorted[following:width]
+    return torch.cat([carried, ending])
 
 
 class _PieceGrads:
@@ -106,17 +114,12 @@ def _steps_backward(
     q_in_s = None if grads.q_in is None or p.q_in is None else p.q_in.split(steps)
     qk_s = None if grads.qk is None or p.qk is None else p.qk.split(steps)
     offsets = list(itertools.accumulate(steps, initial=0))
+    like = p.W.new_zeros(0, p.W.shape[1], p.W.shape[-1], Dv)  # a state's shape and dtype
     d_S = None  # the gradient of the state entering the step after j, for its active sequences
     for j in range(len(steps) - 1, -1, -1):
         a, following = steps[j], steps[j + 1] if j + 1 < len(steps) else 0
         rows = slice(offsets[j], offsets[j + 1])
-        d_exit_here = None if d_exit is None else d_exit[following:a]  # sequences whose last step this is
-        d_state = None  # dS' of step j
-        if d_S is not None or d_exit_here is not None:
-            like = W_s[j].new_zeros(0, W_s[j].shape[1], W_s[j].shape[-1], Dv)
-            head = like.new_zeros(following, *like.shape[1:]) if d_S is None else d_S
-            tail = like.new_zeros(a - following, *like.shape[1:]) if d_exit_here is None else d_exit_here
-            d_state = torch.cat([head, tail])
+        d_state = exit_state_gradient(d_S, d_exit, following, a, like)  # dS' of step j
         d_o = None if d_outs is None else d_outs[j]
         S_a, v = entering[j], v_new[j]
         dv = grads.UW[rows, ..., :Dv]
@@ -163,8 +166,7 @@ def _pieces_backward(
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """From the pieces' gradients to ``(dq or None, dk, dv, dg, dbeta)``, all chunks at once."""
     Dv = vc.shape[-1]
-    G, D, E = terms.G, terms.decay, terms.G.exp()
-    decay_to_end = (G[..., -1:] - G).exp()
+    D, E, decay_to_end = terms.decay, terms.E, terms.decay_to_end
     d_rhs = terms.inverse.transpose(-1, -2) @ grads.UW  # [dβV | dβexp(G)K]
     dA = (d_rhs @ terms.UW.transpose(-1, -2)).tril_(-1).neg_()
     d_bv, d_bek = d_rhs[..., :Dv], d_rhs[..., Dv:]
@@ -187,6 +189,6 @@ def _pieces_backward(
     dk = dk + (d_kk + d_kk.transpose(-1, -2)) @ kc + grads.k_tilde * decay_to_end.unsqueeze(-1)
     d_decay_to_end = (grads.k_tilde * kc).sum(-1) * decay_to_end
     dG = X.sum(-1) - X.sum(-2) + dE * E - d_decay_to_end
-    dG[..., -1] += d_decay_to_end.sum(-1) + grads.gamma.flatten(-3) * G[..., -1].exp()
+    dG[..., -1] += d_decay_to_end.sum(-1) + grads.gamma.flatten(-3) * terms.pieces.gamma.flatten(-3)
     dg = dG.flip(-1).cumsum(-1).flip(-1)  # G = cumsum(g)
     return dq, dk, dv, dg, db

@@ -40,7 +40,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from ringtune.ops.gated_delta.chunk_scan import CHUNK_SIZE, ScanLayout, chunk_pieces, scan_layout, scan_steps
-from ringtune.ops.gated_delta.chunk_scan_grad import segment_gradients
+from ringtune.ops.gated_delta.chunk_scan_grad import exit_state_gradient, segment_gradients
 
 SEGMENT_BYTES = 32 * 2**20
 """Budget for the recomputed intermediates of one segment (rectangle of chunks), see the module docstring."""
@@ -170,19 +170,6 @@ def recompute_scan_forward(
     return o, final, starts
 
 
-def _exit_gradient(
-    d_carried: torch.Tensor | None, d_final_sorted: torch.Tensor | None, following: int, width: int, like: torch.Tensor
-) -> torch.Tensor | None:
-    """d(state) of the ``width`` sequences of a group after it: carried for the ``following`` that go on, d(final)
-    for the others; None when both are zero."""
-    if d_carried is None and d_final_sorted is None:
-        return None
-    shape = like.shape[1:]
-    carried = like.new_zeros(following, *shape) if d_carried is None else d_carried
-    ending = like.new_zeros(width - following, *shape) if d_final_sorted is None else d_final_sorted[following:width]
-    return torch.cat([carried, ending])
-
-
 def recompute_scan_backward(
     inputs: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     initial_sorted: torch.Tensor | None,
@@ -213,7 +200,7 @@ def recompute_scan_backward(
         blocks = groups[gi]
         start = initial_sorted if gi == 0 else starts[gi - 1]
         width = layout.active[blocks[0].j0]
-        d_exit = _exit_gradient(d_S, d_final_sorted, _continuing(layout, blocks), width, like)
+        d_exit = exit_state_gradient(d_S, d_final_sorted, _continuing(layout, blocks), width, like)
         d_starts = []
         for seg in blocks:
             slot = layout.slot[seg.rows]
