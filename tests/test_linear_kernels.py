@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from ringtune.models.config import DecoderConfig
 from ringtune.models.decoder import CausalLM
-from ringtune.ops.linear import LINEAR_KERNELS, Linear, linear, onednn_available, select_linear_kernel
+from ringtune.ops.linear import LINEAR_KERNELS, Linear, linear, onednn_available, product, select_linear_kernel
 
 needs_onednn = pytest.mark.skipif(not onednn_available(), reason="this torch has no oneDNN dense linear")
 
@@ -73,3 +73,26 @@ def test_the_decoder_layers_project_through_the_registry():
     projections = [m for name, m in model.named_modules() if name.endswith("proj") or "proj_" in name]
     assert len(projections) >= 10 and all(isinstance(m, Linear) for m in projections)
     assert select_linear_kernel(torch.zeros(1, 32), projections[0].weight) == "onednn"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_product_for_hand_written_backwards(dtype):
+    """:func:`product` (the log-prob head's tile logits): ``x @ weightᵀ`` by the registry's kernel, strided
+    operands taken as they are; on aten it writes into ``out``, on oneDNN it returns its own tensor.
+
+    Tolerance: float32 sums of 256 terms of size ~0.5 (the head's shape, tokens as the small operand) round by
+    ~1e-6 relative to sums of ~8: 1e-4 absolute against float64; float64 is exact to 1e-12.
+    """
+    gen = torch.Generator().manual_seed(5)
+    w_block = torch.randn(300, 256, generator=gen, dtype=torch.float64)
+    h_tile = torch.randn(40, 256, generator=gen, dtype=torch.float64)
+    exact = w_block @ h_tile.T
+    out = torch.empty(300, 40, dtype=dtype)
+    got = product(w_block.to(dtype), h_tile.to(dtype), out)
+    assert got.shape == (300, 40) and got.dtype == dtype
+    assert (got.double() - exact).abs().max() < (1e-4 if dtype == torch.float32 else 1e-12)
+    assert (got.data_ptr() == out.data_ptr()) == (select_linear_kernel(w_block.to(dtype), h_tile.to(dtype)) == "aten")
+    strided = product(w_block.to(dtype)[::2], h_tile.to(dtype).T.contiguous().T)
+    assert (strided.double() - exact[::2]).abs().max() < (1e-4 if dtype == torch.float32 else 1e-12)
+    # negative control: a token's row swapped is seen
+    assert (product(w_block.to(dtype), h_tile.to(dtype).roll(1, 0)).double() - exact).abs().max() > 1e-2
