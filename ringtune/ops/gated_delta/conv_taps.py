@@ -21,8 +21,6 @@ autograd kept the conv's input and the SiLU's input before.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.nn.functional as F
 
@@ -37,14 +35,14 @@ def padded_rows(bounds: list[int], K: int, device: torch.device) -> tuple[torch.
     Returns ``(token_rows int64 [T], context_rows int64 [n·(K−1)])``: the padded row of token ``t`` and of
     context row ``c`` of sequence ``i`` (flat index ``i·(K−1) + c``). The padded row has ``T + n·(K−1)`` rows.
     """
-    pad = K - 1
-    token_rows, context_rows = [], []
-    for i, (start, end) in enumerate(itertools.pairwise(bounds)):
-        base = start + i * pad  # the sequence's first context row
-        context_rows.append(torch.arange(base, base + pad, dtype=torch.int64, device="cpu"))
-        token_rows.append(torch.arange(base + pad, base + pad + end - start, dtype=torch.int64, device="cpu"))
-    empty = torch.zeros(0, dtype=torch.int64, device="cpu")
-    return torch.cat([empty, *token_rows]).to(device), torch.cat([empty, *context_rows]).to(device)
+    pad, n = K - 1, len(bounds) - 1
+    edges = torch.tensor(bounds, dtype=torch.int64, device="cpu")
+    sequence = torch.arange(n, dtype=torch.int64, device="cpu")
+    owner = torch.repeat_interleave(sequence, edges.diff())  # the sequence of each token
+    token_rows = torch.arange(bounds[-1], dtype=torch.int64, device="cpu") + pad * (owner + 1)
+    firsts = edges[:-1] + pad * sequence  # each sequence's first context row
+    context_rows = (firsts.unsqueeze(1) + torch.arange(pad, dtype=torch.int64, device="cpu")).reshape(-1)
+    return token_rows.to(device), context_rows.to(device)
 
 
 def _taps(xp: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
