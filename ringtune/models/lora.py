@@ -40,7 +40,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ringtune.errors import UserInputError
@@ -63,6 +62,7 @@ from ringtune.models.lora_types import (
     Target,
 )
 from ringtune.models.shard import PackedShard
+from ringtune.ops.linear import linear
 
 __all__ = [
     "ATTN_LINEARS",
@@ -206,7 +206,7 @@ class LoraAdapters(nn.Module):
         parts = []
         for t in self.by_module[module]:
             a, b = self.pair(t.name)
-            parts.append(F.linear(F.linear(x, a.to(x.dtype)), b.to(x.dtype)) * self.scale)
+            parts.append(linear(linear(x, a.to(x.dtype)), b.to(x.dtype)) * self.scale)
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
     def delta(self, module: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -10,10 +10,10 @@ those rows of the per-expert matrices).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ringtune.models.layers.moe import grouped_linear
 from ringtune.models.lora_types import AdapterSet, Target
+from ringtune.ops.linear import linear
 
 EXPERT_PROJ = {"gate_proj": "gate_up_proj", "up_proj": "gate_up_proj", "down_proj": "down_proj"}
 """Each routed-expert adapter and the fused expert tensor it adapts (gate and up are row blocks of gate_up)."""
@@ -39,9 +39,9 @@ def expert_delta(
             continue
         a, b = (m.to(x.dtype) for m in adapters.pair(t.name))
         if t.per_expert == "B":
-            parts.append(grouped_linear(F.linear(x, a), b[first : first + local], counts) * adapters.scale)
+            parts.append(grouped_linear(linear(x, a), b[first : first + local], counts) * adapters.scale)
         else:
-            parts.append(F.linear(grouped_linear(x, a[first : first + local], counts), b) * adapters.scale)
+            parts.append(linear(grouped_linear(x, a[first : first + local], counts), b) * adapters.scale)
     delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
     return out + delta.to(out.dtype)
 

@@ -1,8 +1,9 @@
-"""The decoder layers' dense products ``x @ weightᵀ (+ bias)``, by kernel: the one place that picks it.
+"""The models' dense products ``x @ weightᵀ (+ bias)``, by kernel: the one place that picks it.
 
 :data:`LINEAR_KERNELS` names the kernels; :func:`select_linear_kernel` picks one per call from the operands;
-:class:`Linear` (an ``nn.Linear``, same parameters and names) runs :func:`linear`, which every decoder layer's
-projection uses.
+:class:`Linear` (an ``nn.Linear``, same parameters and names) runs :func:`linear`, which every decoder and vision
+layer's projection uses, as do the MoE experts' CPU loop and the LoRA deltas (the MoE router stays on
+``F.linear``: its top-k must match transformers' router bit for bit).
 
 - ``aten``: ``F.linear`` (torch's BLAS, MKL on x86 CPUs; cuBLAS on CUDA): everything not below.
 - ``onednn``: float32 on a CPU with oneDNN (``torch.ops.mkldnn._linear_pointwise``, plain strided tensors, no

@@ -29,6 +29,7 @@ from ringtune.errors import ParallelConfigError, UserInputError
 from ringtune.models.layers.mlp import SwiGLU
 from ringtune.models.layers.moe_router_stats import RouterStats, record
 from ringtune.models.layers.silu_mul import silu_mul
+from ringtune.ops.linear import Linear, linear
 from ringtune.parallel.expert_dispatch import routed_experts_ep
 
 GroupedLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -36,13 +37,14 @@ GroupedLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tenso
 
 
 def grouped_linear_loop(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """The plain reference: one ``x_g @ w_g^T`` per group (skipping empty groups).
+    """The plain reference: one ``x_g @ w_g^T`` per group (skipping empty groups), each by
+    :func:`ringtune.ops.linear.linear` (the registry's kernel: oneDNN for float32 on a CPU, aten otherwise).
 
     With no rows at all the result is still ``x @ w_0^T`` (an empty [0, out] tensor *in the graph*): under EP a
     rank that received no tokens must still run the backward of the all-to-all that brought them (its peers
     run theirs), which autograd only does if that all-to-all's output reaches the loss."""
-    outs = [xg @ w[g].t() for g, xg in enumerate(x.split(counts.tolist())) if xg.shape[0]]
-    return torch.cat(outs) if outs else x @ w[0].t()
+    outs = [linear(xg, w[g]) for g, xg in enumerate(x.split(counts.tolist())) if xg.shape[0]]
+    return torch.cat(outs) if outs else linear(x, w[0])
 
 
 def grouped_linear_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -90,7 +92,7 @@ class TopKRouter(nn.Module):
         top-k for that token. ``with_probs``: the softmax probabilities [T, num_experts] (float32 or wider,
         differentiable) come third.
         """
-        logits = F.linear(x, self.weight)
+        logits = F.linear(x, self.weight)  # aten, bit for bit with transformers' router: a top-k flips on a last bit
         probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32))
         top, ids = torch.topk(probs, self.top_k, dim=-1)
         if replay is not None:
@@ -178,7 +180,7 @@ class SparseMoE(nn.Module):
         self.experts = Experts(hidden_size, intermediate_size, num_experts)
         if shared_intermediate_size:
             self.shared_expert = SwiGLU(hidden_size, shared_intermediate_size)
-            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
         self.ep_group: dist.ProcessGroup | None = None
         self.track_probs = False  # record the router probabilities for the aux loss (moe_router_stats)
         self.router_stats: RouterStats | None = None  # the last forward's (real tokens only)

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ringtune.models.vision.config import VisionConfig
+from ringtune.ops.linear import Linear
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -51,8 +52,8 @@ class VisionAttention(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int) -> None:
         super().__init__()
         self.num_heads, self.head_dim = num_heads, hidden_size // num_heads
-        self.qkv = nn.Linear(hidden_size, 3 * hidden_size, bias=True)
-        self.proj = nn.Linear(hidden_size, hidden_size, bias=True)
+        self.qkv = Linear(hidden_size, 3 * hidden_size, bias=True)
+        self.proj = Linear(hidden_size, hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frame_lens: list[int]) -> torch.Tensor:
         """x [P, hidden]; cos/sin [P, head_dim] in x's dtype; frames: consecutive runs of ``frame_lens`` patches."""
@@ -71,8 +72,8 @@ class VisionMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, act: str) -> None:
         super().__init__()
-        self.linear_fc1 = nn.Linear(hidden_size, intermediate_size, bias=True)
-        self.linear_fc2 = nn.Linear(intermediate_size, hidden_size, bias=True)
+        self.linear_fc1 = Linear(hidden_size, intermediate_size, bias=True)
+        self.linear_fc2 = Linear(intermediate_size, hidden_size, bias=True)
         self.approximate = "tanh" if act == "gelu_pytorch_tanh" else "none"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -116,8 +117,8 @@ class PatchMerger(nn.Module):
         super().__init__()
         self.merged = config.hidden_size * config.spatial_merge_size**2
         self.norm = nn.LayerNorm(config.hidden_size, eps=1e-6)
-        self.linear_fc1 = nn.Linear(self.merged, self.merged, bias=True)
-        self.linear_fc2 = nn.Linear(self.merged, config.out_hidden_size, bias=True)
+        self.linear_fc1 = Linear(self.merged, self.merged, bias=True)
+        self.linear_fc2 = Linear(self.merged, config.out_hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(F.gelu(self.linear_fc1(self.norm(x).view(-1, self.merged))))
