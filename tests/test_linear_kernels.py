@@ -94,5 +94,9 @@ def test_product_for_hand_written_backwards(dtype):
     assert (got.data_ptr() == out.data_ptr()) == (select_linear_kernel(w_block.to(dtype), h_tile.to(dtype)) == "aten")
     strided = product(w_block.to(dtype)[::2], h_tile.to(dtype).T.contiguous().T)
     assert (strided.double() - exact[::2]).abs().max() < (1e-4 if dtype == torch.float32 else 1e-12)
+    # a product autograd records takes aten (oneDNN's op would give no gradient)
+    leaf = h_tile.to(dtype).requires_grad_()
+    product(w_block.to(dtype), leaf).sum().backward()
+    assert leaf.grad is not None and (leaf.grad.double() - w_block.sum(0)).abs().max() < 1e-3
     # negative control: a token's row swapped is seen
     assert (product(w_block.to(dtype), h_tile.to(dtype).roll(1, 0)).double() - exact).abs().max() > 1e-2
