@@ -8,7 +8,9 @@ tiles of the logits instead, each held vocabulary-major ([vocab block, tokens], 
   running one per token, and the label's logit; it keeps only the log-sum-exp of each scored token;
 - backward: per tile, the logits again, ``p = (onehot(label) - softmax) · g`` (the gradient of a
   log-prob; a loss ``-logprob`` makes it the familiar ``softmax - onehot``), then
-  ``d_hidden += pᵀ @ weight`` and ``d_weight += p @ hidden`` (``d_bias += Σ_t p``);
+  ``d_hidden += pᵀ @ weight`` and ``d_weight += p @ hidden`` (``d_bias += Σ_t p``), with ``p`` left unformed:
+  the tile's exps made in cache-sized blocks, the softmax's per-token scale and the one-hot part applied on
+  the [tokens, D] side (:mod:`ringtune.models.logprob_tile_grads`);
 - one pass (``upstream``): when the caller knows ``g`` before the forward (cross_entropy: ``g = -weights``),
   the forward forms ``p`` from the same logits and accumulates the gradients there; the backward hands them
   over (one logits computation per tile instead of two).
@@ -21,11 +23,10 @@ embedding matrix: autograd adds the head's ``d_weight`` to the embedding's gradi
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ringtune.errors import UserInputError
+from ringtune.models.logprob_tile_grads import TileGradient, TileGrads, exp_blocks
 from ringtune.models.logprob_tiles import DEFAULT_MAX_CHUNK_BYTES, TilePlan, accumulator_dtype, plan_tiles
 from ringtune.ops.linear import product
 
@@ -115,20 +116,6 @@ def _tile_logits(
     return logits
 
 
-def _exp_(shifted: torch.Tensor) -> torch.Tensor:
-    """``exp`` in place of arguments <= 0, floored at ``log(tiny) + 1`` so that no result is subnormal.
-
-    x86 CPUs take a slow path for a subnormal result (measured 4.6x on a whole tile whose logits spread
-    over more than 87 nats, which trained models reach). exp of the floor is 3e-38 in float32 (6e-308 in
-    float64) instead of a smaller number or 0; a sum of exps holds at least 1 (the max), so V such terms
-    change it by less than V · 3e-38, far below one ulp, and a gradient entry by as little.
-    """
-    return shifted.clamp_(min=_EXP_FLOOR[shifted.dtype]).exp_()
-
-
-_EXP_FLOOR = {dtype: math.log(torch.finfo(dtype).tiny) + 1 for dtype in (torch.float32, torch.float64)}
-
-
 def _label_columns(labels: torch.Tensor, start: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For the vocab block [start, start + width): each label's column (clamped) and whether it lies inside."""
     local = labels - start
@@ -161,75 +148,30 @@ def _forward_tile(
     v0: int,
     g: torch.Tensor | None = None,
     buffer: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One tile's (log-sum-exp over its vocab block [tokens], label logits or 0 if outside it [tokens, K], p).
+    hidden_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, TileGradient | None]:
+    """One tile's (log-sum-exp over its vocab block [tokens], label logits or 0 if outside it [tokens, K], gradient).
 
-    ``p`` is None unless ``g`` [tokens, K] (the upstream gradient) is given, in which case the block must be the
-    whole vocabulary: then ``p = Σ_k (onehot_k - softmax) · g_k`` [vocab, tokens] (vocabulary-major, as
-    :func:`_tile_logits`) is made from the same logits, in place (softmax as ``exp(l - max) / Σ exp(l - max)``),
-    for the one-pass gradients. The logits (and ``p``) live in ``buffer`` when given (:func:`_tile_logits`).
-    A function of its own so that the [vocab, tokens] logits are freed on return, before the next tile.
+    The gradient is None unless ``g`` [tokens, K] (the upstream gradient) is given, in which case the block must
+    be the whole vocabulary: then it is ``Σ_k (onehot_k - softmax) · g_k`` as a :class:`TileGradient` over the
+    tile's exps (softmax as ``exp(l - max) / Σ exp(l - max)``, the normalisation on the tokens' side), with
+    ``eᵀ W`` made in the exp pass when ``hidden_grad``. The logits live in ``buffer`` when given
+    (:func:`_tile_logits`). A function of its own so that the [vocab, tokens] logits are freed on return.
     """
     logits = _tile_logits(h_tile, w_block, b_block, buffer)
     cols, inside = _label_columns(targets, v0, w_block.shape[0])
     label_logit = torch.where(inside, logits.gather(0, cols.T).T, 0.0)
     col_max = logits.amax(dim=0)
     col_max = torch.where(torch.isfinite(col_max), col_max, 0.0)  # a block masked to -inf by the bias
-    shifted = _exp_(logits.sub_(col_max))
-    sum_exp = shifted.sum(dim=0)
+    sum_exp, e_t_w = exp_blocks(logits, col_max, w_block if g is not None and hidden_grad else None)
     block_lse = col_max + sum_exp.log()
     if g is None:
         return block_lse, label_logit, None
-    p = shifted.mul_(-g.sum(dim=1) / sum_exp)
-    p.scatter_add_(0, cols.T, torch.where(inside, g, 0.0).T)
-    return block_lse, label_logit, p
-
-
-class _TileGrads:
-    """d_hidden [T, D], d_weight [V, D], d_bias [V] accumulated tile by tile (each None unless ``need`` asks).
-
-    A gradient already in the accumulator dtype is accumulated in place (views of its rows); a narrower one
-    (bf16) is accumulated in float32 (d_hidden [T, D]; d_weight / d_bias one vocab block at a time) and
-    rounded once.
-    """
-
-    def __init__(
-        self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, need: tuple[bool, ...]
-    ) -> None:
-        self.acc = accumulator_dtype(hidden.dtype, weight.dtype)
-        self.hidden_dtype = hidden.dtype
-        self.d_hidden = torch.zeros(hidden.shape, dtype=self.acc, device=hidden.device) if need[0] else None
-        self.d_weight = torch.zeros_like(weight) if need[1] else None
-        self.d_bias = torch.zeros_like(bias) if need[2] and bias is not None else None
-        self.dw_block: torch.Tensor | None = None
-        self.db_block: torch.Tensor | None = None
-
-    def open_block(self, v0: int, v1: int, w_block: torch.Tensor) -> None:
-        """Start the vocab block [v0, v1) (``w_block``: its weight rows in the accumulator dtype)."""
-        if self.d_weight is not None:
-            narrow = self.d_weight.dtype != self.acc
-            self.dw_block = w_block.new_zeros((v1 - v0, w_block.shape[1])) if narrow else self.d_weight[v0:v1]
-        if self.d_bias is not None:
-            self.db_block = w_block.new_zeros(v1 - v0) if self.d_bias.dtype != self.acc else self.d_bias[v0:v1]
-
-    def add(self, rows: torch.Tensor, p: torch.Tensor, h_tile: torch.Tensor, w_block: torch.Tensor) -> None:
-        """Add one tile: ``p`` [vocab block, tokens] = d logprobs / d logits times the upstream gradient."""
-        if self.d_hidden is not None:
-            self.d_hidden.index_add_(0, rows, p.T @ w_block)
-        if self.dw_block is not None:
-            self.dw_block.addmm_(p, h_tile)
-        if self.db_block is not None:
-            self.db_block.add_(p.sum(dim=1))
-
-    def close_block(self, v0: int, v1: int) -> None:
-        if self.d_weight is not None and self.d_weight.dtype != self.acc:
-            self.d_weight[v0:v1].copy_(self.dw_block)
-        if self.d_bias is not None and self.d_bias.dtype != self.acc:
-            self.d_bias[v0:v1].copy_(self.db_block)
-
-    def result(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-        d_hidden = None if self.d_hidden is None else self.d_hidden.to(self.hidden_dtype)
-        return d_hidden, self.d_weight, self.d_bias
+    return (
+        block_lse,
+        label_logit,
+        TileGradient(logits, -g.sum(dim=1) / sum_exp, cols, torch.where(inside, g, 0.0), e_t_w),
+    )
 
 
 def forward_tiles(
@@ -241,18 +183,18 @@ def forward_tiles(
     plan: TilePlan,
     g: torch.Tensor | None = None,
     need: tuple[bool, bool, bool] = (False, False, False),
-) -> tuple[torch.Tensor, torch.Tensor, _TileGrads | None]:
+) -> tuple[torch.Tensor, torch.Tensor, TileGrads | None]:
     """Log-sum-exp [S] and label logits [S, K] of the S tokens ``hidden[scored]`` (labels ``targets`` [S, K]).
 
     Accumulator dtype throughout; vocab blocks are merged by ``logaddexp``. With ``g`` [S, K] (the upstream
     gradient of the scored rows; needs ``plan.spans_vocab``) the gradients ``need`` asks for are accumulated
-    in the same pass and returned as a :class:`_TileGrads` (else None).
+    in the same pass and returned as a :class:`TileGrads` (else None).
     """
     acc = accumulator_dtype(hidden.dtype, weight.dtype)
     n = scored.numel()
     if g is not None and not plan.spans_vocab(weight.shape[0]):
         raise ValueError(f"one-pass gradients need tiles over the whole vocabulary; got {plan}")
-    grads = None if g is None else _TileGrads(hidden, weight, bias, need)
+    grads = None if g is None else TileGrads(hidden, weight, bias, need)
     lse = torch.full((n,), float("-inf"), dtype=acc, device=hidden.device)
     label_logit = torch.zeros(targets.shape, dtype=acc, device=hidden.device)
     buffer = _tile_buffer(plan, n, weight.shape[0], lse) if n else None
@@ -265,18 +207,22 @@ def forward_tiles(
             rows = scored[t0:t1]
             h_tile = hidden.index_select(0, rows).to(acc)
             g_tile = None if g is None else g[t0:t1]
-            block_lse, block_label, p = _forward_tile(h_tile, w_block, b_block, targets[t0:t1], v0, g_tile, buffer)
+            block_lse, block_label, tile = _forward_tile(
+                h_tile, w_block, b_block, targets[t0:t1], v0, g_tile, buffer, need[0]
+            )
             torch.logaddexp(lse[t0:t1], block_lse, out=lse[t0:t1])
             label_logit[t0:t1] += block_label
-            if grads is not None:
-                grads.add(rows, p, h_tile, w_block)
-            del p  # a view of the tile buffer, which the next tile overwrites
+            if grads is not None and tile is not None:
+                grads.add(rows, tile, h_tile, w_block)
+            del tile  # its exps are a view of the tile buffer, which the next tile overwrites
         if grads is not None:
             grads.close_block(v0, v1)
     return lse, label_logit, grads
 
 
 def _backward_tile(
+    grads: TileGrads,
+    rows: torch.Tensor,
     h_tile: torch.Tensor,
     w_block: torch.Tensor,
     b_block: torch.Tensor | None,
@@ -285,16 +231,16 @@ def _backward_tile(
     lse: torch.Tensor,
     g: torch.Tensor,
     buffer: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """d logprobs / d logits of one tile times the upstream gradient: ``Σ_k (onehot_k - softmax) · g_k``.
-
-    ``targets`` and ``g`` are [tokens, K]; the result is [vocab, tokens] (vocabulary-major, as :func:`_tile_logits`),
-    in ``buffer`` when given.
+) -> None:
+    """Add to ``grads`` one tile's d logprobs / d logits times the upstream gradient, ``Σ_k (onehot_k - softmax) · g_k``
+    (softmax as ``exp(l - lse)``: its scale is known before the exps, so exps and products take one walk,
+    :meth:`TileGrads.add_with_exps`). ``targets`` and ``g`` are [tokens, K]; the logits [vocab, tokens]
+    (vocabulary-major, as :func:`_tile_logits`) live in ``buffer`` when given.
     """
-    p = _exp_(_tile_logits(h_tile, w_block, b_block, buffer).sub_(lse)).mul_(-g.sum(dim=1))
+    logits = _tile_logits(h_tile, w_block, b_block, buffer)
     cols, inside = _label_columns(targets, v0, w_block.shape[0])
-    p.scatter_add_(0, cols.T, torch.where(inside, g, 0.0).T)
-    return p
+    tile = TileGradient(logits, -g.sum(dim=1), cols, torch.where(inside, g, 0.0), None)
+    grads.add_with_exps(rows, lse, tile, h_tile, w_block)
 
 
 def backward_tiles(
@@ -312,12 +258,12 @@ def backward_tiles(
     """d_hidden [T, D], d_weight [V, D], d_bias [V] (each None unless ``need`` asks), in the inputs' dtypes.
 
     ``grad_out`` [T, K] is the upstream gradient of the log-probs (0 at ignored entries); only the ``scored``
-    rows take part; ``targets`` [S, K]. Recomputes every logits tile (see :class:`_TileGrads` for dtypes).
+    rows take part; ``targets`` [S, K]. Recomputes every logits tile (see :class:`TileGrads` for dtypes).
     """
     acc = accumulator_dtype(hidden.dtype, weight.dtype)
     n = scored.numel()
     g = grad_out.to(acc).index_select(0, scored)
-    grads = _TileGrads(hidden, weight, bias, need)
+    grads = TileGrads(hidden, weight, bias, need)
     buffer = _tile_buffer(plan, n, weight.shape[0], lse) if n else None
     for v0, v1 in _blocks(weight.shape[0] if n else 0, plan.vocab):
         w_block = weight[v0:v1].to(acc)
@@ -326,9 +272,7 @@ def backward_tiles(
         for t0, t1 in _blocks(n, plan.tokens):
             rows = scored[t0:t1]
             h_tile = hidden.index_select(0, rows).to(acc)
-            p = _backward_tile(h_tile, w_block, b_block, targets[t0:t1], v0, lse[t0:t1], g[t0:t1], buffer)
-            grads.add(rows, p, h_tile, w_block)
-            del p  # a view of the tile buffer, which the next tile overwrites
+            _backward_tile(grads, rows, h_tile, w_block, b_block, targets[t0:t1], v0, lse[t0:t1], g[t0:t1], buffer)
         grads.close_block(v0, v1)
     return grads.result()
 
