@@ -28,7 +28,7 @@ import torch
 from ringtune.errors import UserInputError
 from ringtune.models.logprob_tile_grads import TileGradient, TileGrads, exp_blocks
 from ringtune.models.logprob_tiles import DEFAULT_MAX_CHUNK_BYTES, TilePlan, accumulator_dtype, plan_tiles
-from ringtune.ops.linear import product
+from ringtune.ops.linear import product, select_linear_kernel
 
 IGNORE_INDEX = -100
 """The label of a position that is not scored (pads, each sequence's last token): log-prob 0, no gradient.
@@ -107,7 +107,7 @@ def _tile_logits(
     than token-major on one CPU thread (``benchmarks/long_rows_cp.py`` figure C), the same on a GPU.
     The product's kernel is :func:`ringtune.ops.linear.product`'s choice (oneDNN for float32 on a CPU, with the
     tile's tokens as its small operand). ``buffer``: a flat tensor of at least vocab × tokens elements
-    (:func:`_tile_buffer`) an ``aten`` product writes the logits into; None (or ``onednn``): a new tensor.
+    (:func:`_tile_buffer`) an ``aten`` product writes the logits into; None: a new tensor.
     """
     rows, cols = w_block.shape[0], h_tile.shape[0]
     logits = product(w_block, h_tile, None if buffer is None else buffer[: rows * cols].view(rows, cols))
@@ -127,17 +127,23 @@ def _blocks(size: int, step: int) -> list[tuple[int, int]]:
     return [(i, min(i + step, size)) for i in range(0, size, step)]
 
 
-def _tile_buffer(plan: TilePlan, tokens: int, vocab: int, like: torch.Tensor) -> torch.Tensor:
+def _tile_buffer(
+    plan: TilePlan, hidden: torch.Tensor, weight: torch.Tensor, tokens: int, like: torch.Tensor
+) -> torch.Tensor | None:
     """One flat buffer, of ``like``'s dtype and device, for the logits of every tile of a pass over ``tokens``
-    scored tokens and a ``vocab``-row weight: the largest tile's elements, allocated once per pass.
+    scored rows of ``hidden`` and ``weight``'s rows: the largest tile's elements, allocated once per pass; None
+    when no tile product would write into it (none, or oneDNN's, which returns its own tensor).
 
     A tile of a rank of T tokens is 4 × T × D accumulator bytes (:mod:`~ringtune.models.logprob_tiles`), often
     over glibc's 32 MiB mmap threshold: a new tensor per tile was a fresh mapping whose pages the product
-    faulted in each time (the memory bound is the same: one tile at a time, as before). A oneDNN product
-    (:func:`_tile_logits`) returns its own tensor and leaves the buffer untouched (unfaulted address space);
-    it still came out ahead: the head of an 8184-token row 2.64 s against 2.79 s with MKL into the buffer.
+    faulted in each time (the memory bound is the same: one tile at a time, as before). oneDNN's product is
+    a new tensor per tile anyway, and still came out ahead (the head of an 8184-token row 2.64 s against
+    2.79 s with MKL into the buffer).
     """
-    return like.new_empty(min(plan.tokens, tokens) * min(plan.vocab, vocab))
+    probe_h, probe_w = hidden[:0].to(like.dtype), weight[:0].to(like.dtype)  # the tiles' operand types
+    if tokens == 0 or select_linear_kernel(probe_w, probe_h) == "onednn":
+        return None
+    return like.new_empty(min(plan.tokens, tokens) * min(plan.vocab, weight.shape[0]))
 
 
 def _forward_tile(
@@ -197,7 +203,7 @@ def forward_tiles(
     grads = None if g is None else TileGrads(hidden, weight, bias, need)
     lse = torch.full((n,), float("-inf"), dtype=acc, device=hidden.device)
     label_logit = torch.zeros(targets.shape, dtype=acc, device=hidden.device)
-    buffer = _tile_buffer(plan, n, weight.shape[0], lse) if n else None
+    buffer = _tile_buffer(plan, hidden, weight, n, lse)
     for v0, v1 in _blocks(weight.shape[0] if n else 0, plan.vocab):
         w_block = weight[v0:v1].to(acc)
         b_block = None if bias is None else bias[v0:v1].to(acc)
@@ -264,7 +270,7 @@ def backward_tiles(
     n = scored.numel()
     g = grad_out.to(acc).index_select(0, scored)
     grads = TileGrads(hidden, weight, bias, need)
-    buffer = _tile_buffer(plan, n, weight.shape[0], lse) if n else None
+    buffer = _tile_buffer(plan, hidden, weight, n, lse)
     for v0, v1 in _blocks(weight.shape[0] if n else 0, plan.vocab):
         w_block = weight[v0:v1].to(acc)
         b_block = None if bias is None else bias[v0:v1].to(acc)
