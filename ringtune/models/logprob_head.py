@@ -27,8 +27,8 @@ import torch
 
 from ringtune.errors import UserInputError
 from ringtune.models.logprob_tile_grads import TileGradient, TileGrads, exp_blocks
-from ringtune.models.logprob_tiles import DEFAULT_MAX_CHUNK_BYTES, TilePlan, accumulator_dtype, plan_tiles
-from ringtune.ops.linear import product, select_linear_kernel
+from ringtune.models.logprob_tiles import DEFAULT_MAX_CHUNK_BYTES, TilePlan, accumulator_dtype, plan_tiles, spans
+from ringtune.ops.linear import product, product_kernel
 
 IGNORE_INDEX = -100
 """The label of a position that is not scored (pads, each sequence's last token): log-prob 0, no gradient.
@@ -123,10 +123,6 @@ def _label_columns(labels: torch.Tensor, start: int, width: int) -> tuple[torch.
     return local.clamp(0, width - 1), inside
 
 
-def _blocks(size: int, step: int) -> list[tuple[int, int]]:
-    return [(i, min(i + step, size)) for i in range(0, size, step)]
-
-
 def _tile_buffer(
     plan: TilePlan, hidden: torch.Tensor, weight: torch.Tensor, tokens: int, like: torch.Tensor
 ) -> torch.Tensor | None:
@@ -141,7 +137,7 @@ def _tile_buffer(
     2.79 s with MKL into the buffer).
     """
     probe_h, probe_w = hidden[:0].to(like.dtype), weight[:0].to(like.dtype)  # the tiles' operand types
-    if tokens == 0 or select_linear_kernel(probe_w, probe_h) == "onednn":
+    if tokens == 0 or product_kernel(probe_w, probe_h) == "onednn":
         return None
     return like.new_empty(min(plan.tokens, tokens) * min(plan.vocab, weight.shape[0]))
 
@@ -204,12 +200,12 @@ def forward_tiles(
     lse = torch.full((n,), float("-inf"), dtype=acc, device=hidden.device)
     label_logit = torch.zeros(targets.shape, dtype=acc, device=hidden.device)
     buffer = _tile_buffer(plan, hidden, weight, n, lse)
-    for v0, v1 in _blocks(weight.shape[0] if n else 0, plan.vocab):
+    for v0, v1 in spans(weight.shape[0] if n else 0, plan.vocab):
         w_block = weight[v0:v1].to(acc)
         b_block = None if bias is None else bias[v0:v1].to(acc)
         if grads is not None:
             grads.open_block(v0, v1, w_block)
-        for t0, t1 in _blocks(n, plan.tokens):
+        for t0, t1 in spans(n, plan.tokens):
             rows = scored[t0:t1]
             h_tile = hidden.index_select(0, rows).to(acc)
             g_tile = None if g is None else g[t0:t1]
@@ -271,11 +267,11 @@ def backward_tiles(
     g = grad_out.to(acc).index_select(0, scored)
     grads = TileGrads(hidden, weight, bias, need)
     buffer = _tile_buffer(plan, hidden, weight, n, lse)
-    for v0, v1 in _blocks(weight.shape[0] if n else 0, plan.vocab):
+    for v0, v1 in spans(weight.shape[0] if n else 0, plan.vocab):
         w_block = weight[v0:v1].to(acc)
         b_block = None if bias is None else bias[v0:v1].to(acc)
         grads.open_block(v0, v1, w_block)
-        for t0, t1 in _blocks(n, plan.tokens):
+        for t0, t1 in spans(n, plan.tokens):
             rows = scored[t0:t1]
             h_tile = hidden.index_select(0, rows).to(acc)
             _backward_tile(grads, rows, h_tile, w_block, b_block, targets[t0:t1], v0, lse[t0:t1], g[t0:t1], buffer)

@@ -22,11 +22,12 @@ and a normalised ``p``, the three products included, 2 threads). Same values up 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from ringtune.models.logprob_tiles import accumulator_dtype
+from ringtune.models.logprob_tiles import accumulator_dtype, spans
 
 CACHE_BLOCK_BYTES = 4 * 1024 * 1024
 """Bytes of logits per block of :func:`exp_blocks` on a CPU (2048-8192 rows of 192 tokens measured alike)."""
@@ -51,7 +52,14 @@ def block_rows(logits: torch.Tensor) -> list[tuple[int, int]]:
     step = rows
     if logits.device.type == "cpu":
         step = max(1, CACHE_BLOCK_BYTES // max(1, logits.shape[1] * logits.element_size()))
-    return [(a, min(a + step, rows)) for a in range(0, rows, step)]
+    return spans(rows, step)
+
+
+def _exp_by_block(logits: torch.Tensor, shift: torch.Tensor) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Each :func:`block_rows` range ``(a, b)`` of ``logits`` [Vb, t] with its rows made ``exp(l − shift)`` in place
+    (``shift`` [t]; floored as :func:`exp_`), while the block is in cache for the caller's work on it."""
+    for a, b in block_rows(logits):
+        yield a, b, exp_(logits[a:b].sub_(shift))
 
 
 def exp_blocks(
@@ -61,8 +69,7 @@ def exp_blocks(
     :func:`exp_`), block by block; returns ``(Σ_v e [t], eᵀ @ w_block [t, D] or None without w_block)``."""
     sums = torch.zeros(logits.shape[1], dtype=logits.dtype, device=logits.device)
     e_t_w = None if w_block is None else logits.new_zeros(logits.shape[1], w_block.shape[1])
-    for a, b in block_rows(logits):
-        block = exp_(logits[a:b].sub_(shift))
+    for a, b, block in _exp_by_block(logits, shift):
         sums += block.sum(dim=0)
         if e_t_w is not None and w_block is not None:
             e_t_w.addmm_(block.T, w_block[a:b])
@@ -133,8 +140,7 @@ class TileGrads:
         ``eᵀ W``, ``e (c ⊙ h)`` and ``e c`` are made in one walk of the tile."""
         e_t_w = tile.e.new_zeros(tile.e.shape[1], w_block.shape[1]) if self.d_hidden is not None else None
         scaled = h_tile * tile.c.unsqueeze(1)
-        for a, b in block_rows(tile.e):
-            block = exp_(tile.e[a:b].sub_(shift))
+        for a, b, block in _exp_by_block(tile.e, shift):
             if e_t_w is not None:
                 e_t_w.addmm_(block.T, w_block[a:b])
             if self.dw_block is not None:

@@ -59,6 +59,11 @@ class TilePlan:
         return self.vocab >= vocab_size
 
 
+def spans(size: int, step: int) -> list[tuple[int, int]]:
+    """``[start, end)`` ranges of ``step`` (the last shorter) covering ``range(size)``; none for size 0."""
+    return [(i, min(i + step, size)) for i in range(0, size, step)]
+
+
 def tile_budget_bytes(tokens: int, dim: int, vocab: int, acc_bytes: int, max_chunk_bytes: int) -> int:
     """Bytes one logits tile may hold on a rank of ``tokens`` tokens (the rule in the module docstring)."""
     shard = TILE_HIDDEN_MULTIPLE * tokens * dim * acc_bytes

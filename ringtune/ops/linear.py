@@ -81,14 +81,20 @@ class _OneDnnLinear(torch.autograd.Function):
         return d_x, d_weight, d_bias
 
 
+def product_kernel(x: torch.Tensor, weight: torch.Tensor) -> str:
+    """The kernel :func:`product` runs for these operands: :func:`select_linear_kernel`'s, except ``aten`` for a
+    product autograd would record (see there)."""
+    recorded = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return "aten" if recorded else select_linear_kernel(x, weight)
+
+
 def product(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weightᵀ`` for 2-D x [N, in] and weight [out, in] (any strides) by the kernel :func:`select_linear_kernel`
     picks, for callers that write their own backward (inside an ``autograd.Function``, under ``torch.no_grad``).
     oneDNN's op has no autograd formula (a backward through it silently gives no gradient), so a product that
     autograd would record takes ``aten``. ``out`` [N, out] (contiguous): written into on ``aten``; ``onednn``
     returns a new tensor, so use the result, not ``out``."""
-    recorded = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if not recorded and select_linear_kernel(x, weight) == "onednn":
+    if product_kernel(x, weight) == "onednn":
         return _onednn_product(x, weight, None)
     if out is None:
         return x @ weight.T
